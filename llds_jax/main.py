@@ -1,0 +1,41 @@
+"""Command-line entry point: ``python -m llds_jax.main --config=configs/x.py --mode=train``.
+
+Each mode lives in the package that owns it; this file only parses flags and
+dispatches, importing the mode lazily so ``--mode=serve`` never imports the trainer.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from absl import app, flags
+from ml_collections import config_flags
+
+MODES = {
+    "train": "llds_jax.train.run:train_main",
+    "sft": "llds_jax.train.run:sft_main",
+    "eval": "llds_jax.eval.run:eval_main",
+    "serve": "llds_jax.retrieval.cli:serve_main",
+    "index": "llds_jax.retrieval.cli:index_main",
+    "report": "llds_jax.diagnostics.report:report_main",
+    "plan": "llds_jax.train.plan:plan_main",
+    "sweep": "llds_jax.train.sweep:sweep_main",
+}
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu_smoke.py", "ml_collections config file.")
+_MODE = flags.DEFINE_enum("mode", "train", sorted(MODES), "What to run.")
+
+
+def resolve_mode(name: str):
+    module_name, func_name = MODES[name].split(":")
+    return getattr(importlib.import_module(module_name), func_name)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
+    return resolve_mode(_MODE.value)(_CONFIG.value)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,1 @@
+"""llds_jax.retrieval."""
