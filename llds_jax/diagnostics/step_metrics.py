@@ -1,0 +1,193 @@
+"""The per-step death-spiral diagnostics of SPEC §8, as pure functions of per-response arrays.
+
+Everything here runs on host numpy arrays the trainer already holds after a step (no
+extra rollout); the only optional extra cost is Δ, which needs one forward pass of the
+updated policy over the step's rollouts. The result is a flat ``{key: float}`` dict with
+the keys documented in :mod:`llds_jax.diagnostics`; a statistic with no samples this step
+(e.g. no correct response) is ``nan`` so every step has the same keys.
+
+Definitions (paper §4–5, SPEC §8):
+
+- *correct* response: advantage ``A > 0``; *incorrect*: ``A < 0``. Responses of uniform
+  groups (``A = 0``) are neither — they carry no GRPO signal and the paper's per-sample
+  analysis (Eq. 3) discards them too.
+- *likelihood* of an action: its mean token log-probability under π_old,
+  ``Σ_t logπ_old / n_tokens`` in nats per token, averaged over responses. Per token so
+  that long and short actions are comparable; ``all`` pools every action of a response.
+- *Δ* of a response (or action): ``Σ_t (logπ_new − logπ_old)`` over its action tokens
+  after the step's updates, in nats per response (Definition 4.1 is on sequence
+  likelihood). The *LLD rate* is the share of correct responses with ``Δ ≤ 0``
+  (Eq. 2 with ε = 0); per action it is the share of correct responses' actions.
+- *first-action correctness* (§5.3): an incorrect response whose first search retrieved
+  the same documents as some correct response of the same group. The rate is over the
+  incorrect responses of groups that contain a correct response (only those can match).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+ArrayLike = np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponseBatch:
+    """One step's per-response arrays: ``B`` responses, ``A`` action slots (max_turns + 1).
+
+    Per-action arrays hold sums over that action's tokens; an action a response never
+    took has ``tokens_per_action == 0`` and is ignored. Optional fields left ``None``
+    drop their metrics instead of faking them.
+    """
+
+    advantage: ArrayLike  # [B] GRPO advantage
+    reward: ArrayLike  # [B]
+    old_logp_per_action: ArrayLike  # [B, A] Σ logπ_old over the action's tokens
+    tokens_per_action: ArrayLike  # [B, A] action-token counts
+    delta_logp_per_action: ArrayLike | None = None  # [B, A] Σ (logπ_new − logπ_old), after the updates
+    entropy_sum: ArrayLike | None = None  # [B] Σ token entropy over action tokens (nats)
+    response_length: ArrayLike | None = None  # [B] response tokens including feedback
+    num_searches: ArrayLike | None = None  # [B] valid <search> calls
+    num_valid_actions: ArrayLike | None = None  # [B] actions that parsed as search or answer
+    num_actions: ArrayLike | None = None  # [B] actions taken
+    finished: ArrayLike | None = None  # [B] ended with an <answer>
+    group_id: ArrayLike | None = None  # [B] prompt id; GRPO group membership
+    first_search_docs: Sequence[Sequence[str] | None] | None = None  # [B] doc ids of the first search
+
+    def __post_init__(self):
+        batch = np.shape(self.advantage)[0]
+        slots = np.shape(self.tokens_per_action)
+        if len(slots) != 2 or slots[0] != batch or np.shape(self.old_logp_per_action) != slots:
+            raise ValueError(
+                f"per-action arrays must be [B={batch}, A]: tokens {slots}, "
+                f"old_logp {np.shape(self.old_logp_per_action)}"
+            )
+        if self.delta_logp_per_action is not None and np.shape(self.delta_logp_per_action) != slots:
+            raise ValueError(f"delta_logp_per_action {np.shape(self.delta_logp_per_action)} != {slots}")
+        for name in ("reward", "entropy_sum", "response_length", "num_searches", "num_valid_actions",
+                     "num_actions", "finished", "group_id", "first_search_docs"):
+            value = getattr(self, name)
+            if value is not None and len(value) != batch:
+                raise ValueError(f"{name} has {len(value)} rows, advantage has {batch}")
+
+    @property
+    def num_action_slots(self) -> int:
+        return int(np.shape(self.tokens_per_action)[1])
+
+
+def step_diagnostics(batch: ResponseBatch) -> dict[str, float]:
+    """All SPEC §8 per-response diagnostics of one step as a flat metrics dict."""
+    metrics: dict[str, float] = {}
+    advantage = np.asarray(batch.advantage, np.float64)
+    correct, incorrect = advantage > 0, advantage < 0
+    metrics["diag/frac_correct"] = float(correct.mean()) if advantage.size else np.nan
+    metrics["diag/frac_incorrect"] = float(incorrect.mean()) if advantage.size else np.nan
+    metrics.update(likelihood_by_action(batch.old_logp_per_action, batch.tokens_per_action, correct, "correct"))
+    metrics.update(likelihood_by_action(batch.old_logp_per_action, batch.tokens_per_action, incorrect, "incorrect"))
+    if batch.delta_logp_per_action is not None:
+        metrics.update(lld_rates(batch.delta_logp_per_action, batch.tokens_per_action, correct))
+        for name, selected in (("correct", correct), ("incorrect", incorrect)):
+            delta = np.asarray(batch.delta_logp_per_action, np.float64).sum(axis=1)
+            metrics[f"diag/delta_{name}/all"] = _mean(delta[selected])
+    metrics.update(behaviour_statistics(batch))
+    if batch.first_search_docs is not None and batch.group_id is not None:
+        rate, eligible = first_action_correctness(batch.first_search_docs, batch.group_id, advantage)
+        metrics["diag/first_action_correct_rate"] = rate
+        metrics["diag/first_action_correct/eligible"] = float(eligible)
+    return metrics
+
+
+def likelihood_by_action(
+    old_logp_per_action: ArrayLike, tokens_per_action: ArrayLike, selected: ArrayLike, name: str
+) -> dict[str, float]:
+    """Mean token log-likelihood under π_old of the ``selected`` responses, per action index.
+
+    Keys ``diag/ll_{name}/action{k}`` for each slot, ``…/later`` pooling actions ≥ 1
+    (per response first, so a response with three later actions still counts once), and
+    ``…/all`` over every action token of the response.
+    """
+    logp = np.asarray(old_logp_per_action, np.float64)
+    tokens = np.asarray(tokens_per_action, np.float64)
+    selected = np.asarray(selected, bool)
+    out: dict[str, float] = {}
+    for k in range(logp.shape[1]):
+        present = selected & (tokens[:, k] > 0)
+        out[f"diag/ll_{name}/action{k}"] = _mean(logp[present, k] / tokens[present, k])
+    later_tokens = tokens[:, 1:].sum(axis=1)
+    present = selected & (later_tokens > 0)
+    out[f"diag/ll_{name}/later"] = _mean(logp[present, 1:].sum(axis=1) / later_tokens[present])
+    all_tokens = tokens.sum(axis=1)
+    present = selected & (all_tokens > 0)
+    out[f"diag/ll_{name}/all"] = _mean(logp[present].sum(axis=1) / all_tokens[present])
+    out[f"diag/num_{name}"] = float(selected.sum())
+    return out
+
+
+def lld_rates(delta_logp_per_action: ArrayLike, tokens_per_action: ArrayLike, correct: ArrayLike) -> dict[str, float]:
+    """Share of correct responses (and of their actions) whose likelihood did not rise: Δ ≤ 0.
+
+    ``diag/lld_rate`` is the response-level rate (Eq. 2 with ε = 0); ``…/action{k}`` the
+    rate over correct responses that took action ``k``; ``diag/delta_correct/action{k}``
+    the mean Δ of those actions (nats).
+    """
+    delta = np.asarray(delta_logp_per_action, np.float64)
+    tokens = np.asarray(tokens_per_action, np.float64)
+    correct = np.asarray(correct, bool) & (tokens.sum(axis=1) > 0)
+    out = {"diag/lld_rate": _mean(delta[correct].sum(axis=1) <= 0)}
+    for k in range(delta.shape[1]):
+        present = correct & (tokens[:, k] > 0)
+        out[f"diag/lld_rate/action{k}"] = _mean(delta[present, k] <= 0)
+        out[f"diag/delta_correct/action{k}"] = _mean(delta[present, k])
+    return out
+
+
+def behaviour_statistics(batch: ResponseBatch) -> dict[str, float]:
+    """Entropy, lengths, searches, valid-action and finished rates (paper Fig. 4)."""
+    tokens = np.asarray(batch.tokens_per_action, np.float64).sum(axis=1)
+    out = {"diag/action_tokens/mean": _mean(tokens)}
+    if batch.entropy_sum is not None:
+        total = tokens.sum()
+        out["diag/entropy"] = float(np.sum(batch.entropy_sum) / total) if total > 0 else np.nan
+    if batch.response_length is not None:
+        out["diag/response_length/mean"] = _mean(np.asarray(batch.response_length, np.float64))
+    if batch.num_searches is not None:
+        out["diag/searches/mean"] = _mean(np.asarray(batch.num_searches, np.float64))
+    if batch.num_valid_actions is not None and batch.num_actions is not None:
+        taken = float(np.sum(batch.num_actions))
+        out["diag/valid_action_rate"] = float(np.sum(batch.num_valid_actions)) / taken if taken else np.nan
+    if batch.finished is not None:
+        out["diag/finished_rate"] = _mean(np.asarray(batch.finished, np.float64))
+    return out
+
+
+def first_action_correctness(
+    first_search_docs: Sequence[Sequence[str] | None], group_id: ArrayLike, advantage: ArrayLike
+) -> tuple[float, int]:
+    """(rate, eligible count): incorrect responses whose first search found a correct one's documents.
+
+    Documents compare as sets (the same query returns the same top-k; order is the
+    retriever's business). A response with no first search (``None`` or empty) never
+    matches. Eligible = incorrect responses in groups with at least one correct response.
+    """
+    group_id = np.asarray(group_id)
+    advantage = np.asarray(advantage, np.float64)
+    docs = [frozenset(d) if d else None for d in first_search_docs]
+    correct_docs: dict[object, set[frozenset]] = {}
+    for g, a, d in zip(group_id.tolist(), advantage, docs):
+        if a > 0:
+            bucket = correct_docs.setdefault(g, set())
+            if d is not None:
+                bucket.add(d)
+    eligible = matched = 0
+    for g, a, d in zip(group_id.tolist(), advantage, docs):
+        if a < 0 and g in correct_docs:
+            eligible += 1
+            matched += d is not None and d in correct_docs[g]
+    return (matched / eligible if eligible else np.nan), eligible
+
+
+def _mean(values: ArrayLike) -> float:
+    values = np.asarray(values, np.float64)
+    return float(values.mean()) if values.size else np.nan

@@ -1,0 +1,118 @@
+"""Per-step diagnostics on hand-built batches whose answers are worked out in the comments."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llds_jax.diagnostics.per_action import action_index, per_action_sums, ratio_statistics
+from llds_jax.diagnostics.step_metrics import ResponseBatch, first_action_correctness, step_diagnostics
+
+# Two GRPO groups of three; A = 2 action slots. Rows: r0..r5.
+ADVANTAGE = [1.15, -0.58, -0.58, 0.58, 0.58, -1.15]  # correct: r0, r3, r4
+TOKENS = [[4, 2], [5, 0], [2, 2], [2, 4], [10, 0], [1, 1]]
+OLD_LOGP = [[-2.0, -1.0], [-5.0, 0.0], [-1.0, -3.0], [-0.2, -1.0], [-3.0, 0.0], [-2.0, -2.0]]
+DELTA = [[0.3, -0.5], [0.1, 0.0], [-1.0, -1.0], [0.0, 0.1], [-0.4, 0.0], [0.2, 0.2]]
+GROUP = [0, 0, 0, 1, 1, 1]
+FIRST_DOCS = [("d1", "d2", "d3"), ("d3", "d2", "d1"), ("d4", "d5", "d6"), ("e1",), ("e2",), None]
+
+
+def hand_batch(**overrides) -> ResponseBatch:
+    fields = dict(
+        advantage=np.array(ADVANTAGE), reward=np.array([1, 0, 0, 1, 1, 0]),
+        old_logp_per_action=np.array(OLD_LOGP), tokens_per_action=np.array(TOKENS),
+        delta_logp_per_action=np.array(DELTA), group_id=np.array(GROUP), first_search_docs=FIRST_DOCS,
+        entropy_sum=np.array([6.0, 5.0, 4.0, 6.0, 10.0, 2.0]), response_length=np.array([20, 9, 30, 40, 12, 25]),
+        num_searches=np.array([1, 0, 1, 1, 0, 1]), num_valid_actions=np.array([2, 1, 1, 2, 1, 2]),
+        num_actions=np.array([2, 1, 2, 2, 1, 2]), finished=np.array([1, 1, 0, 1, 1, 1]),
+    )
+    fields.update(overrides)
+    return ResponseBatch(**fields)
+
+
+def assert_metrics(actual: dict, expected: dict):
+    wrong = {k: (actual.get(k), v) for k, v in expected.items() if not math.isclose(actual.get(k, math.nan), v, abs_tol=1e-9)}
+    assert not wrong, f"metric: (got, expected) {wrong}"
+
+
+def test_likelihood_of_correct_and_incorrect_per_action_index():
+    # correct action0: r0 -2/4, r3 -0.2/2, r4 -3/10 -> mean(-0.5, -0.1, -0.3) = -0.3
+    # correct action1: r0 -1/2, r3 -1/4 -> -0.375 ; all: r0 -3/6, r3 -1.2/6, r4 -3/10 -> -1/3
+    # incorrect action0: r1 -1, r2 -0.5, r5 -2 -> -7/6 ; action1: r2 -1.5, r5 -2 (r1 took none) -> -1.75
+    assert_metrics(step_diagnostics(hand_batch()), {
+        "diag/ll_correct/action0": -0.3, "diag/ll_correct/action1": -0.375, "diag/ll_correct/later": -0.375,
+        "diag/ll_correct/all": -1 / 3, "diag/num_correct": 3,
+        "diag/ll_incorrect/action0": -7 / 6, "diag/ll_incorrect/action1": -1.75, "diag/ll_incorrect/all": -4 / 3,
+    })
+
+
+def test_lld_rate_counts_correct_responses_whose_likelihood_did_not_rise():
+    # Δ sums of correct responses: r0 -0.2 (LLD), r3 +0.1, r4 -0.4 (LLD) -> 2/3.
+    # Per action: action0 Δ = 0.3, 0.0 (≤ 0 counts), -0.4 -> 2/3; action1 Δ = -0.5, 0.1 -> 1/2.
+    assert_metrics(step_diagnostics(hand_batch()), {
+        "diag/lld_rate": 2 / 3, "diag/lld_rate/action0": 2 / 3, "diag/lld_rate/action1": 0.5,
+        "diag/delta_correct/action0": -0.1 / 3, "diag/delta_correct/all": -0.5 / 3,
+        "diag/delta_incorrect/all": (0.1 - 2.0 + 0.4) / 3,
+    })
+
+
+def test_delta_metrics_are_absent_when_the_extra_forward_pass_is_switched_off():
+    metrics = step_diagnostics(hand_batch(delta_logp_per_action=None))
+    assert not [k for k in metrics if "lld_rate" in k or "delta" in k]
+
+
+def test_behaviour_statistics():
+    # entropy: 33 nats over 33 action tokens; valid actions 9 of 10 taken.
+    assert_metrics(step_diagnostics(hand_batch()), {
+        "diag/entropy": 1.0, "diag/response_length/mean": 136 / 6, "diag/action_tokens/mean": 33 / 6,
+        "diag/searches/mean": 4 / 6, "diag/valid_action_rate": 0.9, "diag/finished_rate": 5 / 6,
+        "diag/frac_correct": 0.5, "diag/frac_incorrect": 0.5,
+    })
+
+
+def test_first_action_correct_when_an_incorrect_response_retrieved_a_correct_ones_documents():
+    # Eligible incorrect: r1 (same docs as r0, other order -> match), r2 (different), r5 (no search).
+    assert first_action_correctness(FIRST_DOCS, GROUP, ADVANTAGE) == (pytest.approx(1 / 3), 3)
+    # The same documents in another group do not count.
+    assert first_action_correctness([("x",), ("y",), ("y",), ("x",)], [0, 0, 1, 1], [1, -1, 1, -1]) == (0.0, 2)
+
+
+def test_uniform_groups_are_neither_correct_nor_incorrect():
+    batch = hand_batch(advantage=np.zeros(6))
+    metrics = step_diagnostics(batch)
+    assert metrics["diag/num_correct"] == 0 and math.isnan(metrics["diag/ll_correct/all"])
+    assert math.isnan(metrics["diag/lld_rate"]) and math.isnan(metrics["diag/first_action_correct_rate"])
+
+
+def test_every_step_reports_the_same_keys_whatever_the_batch():
+    all_incorrect = hand_batch(advantage=-np.ones(6))
+    assert set(step_diagnostics(all_incorrect)) == set(step_diagnostics(hand_batch()))
+
+
+def test_token_arrays_reduce_to_the_hand_built_per_action_sums():
+    # r0 of the hand batch as tokens: 4 action tokens, 3 feedback tokens, 2 action tokens, 1 pad.
+    mask = jnp.array([[1, 1, 1, 1, 0, 0, 0, 1, 1, 0]])
+    logp = jnp.array([[-0.5, -0.5, -0.5, -0.5, -9.0, -9.0, -9.0, -0.5, -0.5, -9.0]])
+    ids = action_index(mask)
+    assert ids.tolist() == [[0, 0, 0, 0, -1, -1, -1, 1, 1, -1]]
+    np.testing.assert_allclose(per_action_sums(logp, ids, 2), [OLD_LOGP[0]])
+    np.testing.assert_allclose(per_action_sums(jnp.ones_like(logp), ids, 2), [TOKENS[0]])
+
+
+def test_ratio_clip_fraction_counts_tokens_where_the_clipped_branch_is_active():
+    # Tokens: (A>0, ρ=1.5) clipped; (A>0, ρ=0.5) not; (A<0, ρ=0.5) clipped; (A<0, ρ=1.0) not; masked ρ=9.
+    log_ratio = jnp.log(jnp.array([[1.5, 0.5, 9.0], [0.5, 1.0, 9.0]]))
+    stats = ratio_statistics(log_ratio, jnp.array([1.0, -1.0]), jnp.array([[1, 1, 0], [1, 1, 0]]))
+    assert float(stats["ratio/clip_frac"]) == pytest.approx(0.5)
+    assert float(stats["ratio/max"]) == pytest.approx(1.5) and float(stats["ratio/min"]) == pytest.approx(0.5)
+    assert float(stats["ratio/mean"]) == pytest.approx(3.5 / 4)
+
+
+def test_mismatched_shapes_fail_loudly():
+    with pytest.raises(ValueError, match="per-action arrays"):
+        hand_batch(old_logp_per_action=np.zeros((6, 3)))
+    with pytest.raises(ValueError, match="group_id has 5 rows"):
+        hand_batch(group_id=np.zeros(5))
