@@ -34,9 +34,11 @@ class CorpusFormatError(ValueError):
     """A corpus row that is not ``{"id": str|int, "contents": str}``; the message names file and line."""
 
 
-def _cache_key(path: Path) -> str:
-    stat = path.stat()
-    return hashlib.sha1(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+def corpus_fingerprint(path: str | os.PathLike) -> str:
+    """Short hash of (absolute path, size, mtime): changes whenever the file is replaced or edited."""
+    path = Path(path)
+    info = path.stat()
+    return hashlib.sha1(f"{path.resolve()}|{info.st_size}|{info.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
 def _atomic_write_npy(target: Path, array: np.ndarray) -> None:
@@ -45,6 +47,7 @@ def _atomic_write_npy(target: Path, array: np.ndarray) -> None:
     try:
         with os.fdopen(fd, "wb") as handle:
             np.save(handle, array)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared corpus's index from other users
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -92,7 +95,7 @@ def _plain_jsonl(path: Path) -> Path:
     """The path itself, or a once-decompressed copy in the cache for ``.gz`` corpora."""
     if path.suffix != ".gz":
         return path
-    target = cache_dir() / "corpora" / f"{path.name.removesuffix('.gz')}.{_cache_key(path)}"
+    target = cache_dir() / "corpora" / f"{path.name.removesuffix('.gz')}.{corpus_fingerprint(path)}"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
@@ -116,7 +119,7 @@ def _offsets_candidates(corpus_path: Path, plain: Path) -> tuple[list[Path], lis
 
     A directory marked read-only is never written, even by root (shared data dirs).
     """
-    cached = cache_dir() / "corpus_offsets" / f"{corpus_path.name}.{_cache_key(plain)}{OFFSETS_SUFFIX}"
+    cached = cache_dir() / "corpus_offsets" / f"{corpus_path.name}.{corpus_fingerprint(plain)}{OFFSETS_SUFFIX}"
     beside = corpus_path.with_name(corpus_path.name + OFFSETS_SUFFIX)
     writable = [cached] if _marked_read_only(corpus_path.parent) else [beside, cached]
     return [beside, cached], writable

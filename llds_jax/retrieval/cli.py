@@ -1,0 +1,52 @@
+"""``--mode=index`` and ``--mode=serve`` (dispatched by ``llds_jax/main.py``).
+
+    python -m llds_jax.main --mode=index --config=configs/retriever.py
+    python -m llds_jax.main --mode=serve --config=configs/retriever.py --config.retrieval.port=8001
+
+``serve`` with ``method=bm25`` and no index on disk builds it first (seconds for the
+bundled corpus); a dense index is never built implicitly because it takes hours at scale.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ml_collections import ConfigDict
+
+from llds_jax.retrieval.factory import check_method, open_bm25, resolve_index_path
+from llds_jax.retrieval.server import ServiceLimits, serve
+
+logger = logging.getLogger(__name__)
+
+
+def index_main(config: ConfigDict) -> None:
+    """Build (or, for dense, resume) the index of ``config.retrieval`` and write it to disk."""
+    r = config.retrieval
+    index_dir = resolve_index_path(r)
+    if check_method(r) == "bm25":
+        from llds_jax.retrieval.bm25 import BM25Retriever
+        from llds_jax.retrieval.corpus import Corpus
+
+        corpus = Corpus(r.corpus_path)
+        BM25Retriever.build(corpus, show_progress=True).save(index_dir)
+        print(f"BM25 index over {len(corpus)} rows of {corpus.path} written to {index_dir}", flush=True)
+        return
+    from llds_jax.retrieval.dense import build_dense_index_from_config
+
+    build_dense_index_from_config(r, index_dir)
+    print(f"dense index ({r.faiss_factory}) written to {index_dir}", flush=True)
+
+
+def serve_main(config: ConfigDict) -> None:
+    """Serve ``POST /retrieve`` on ``retrieval.host:port`` until interrupted."""
+    logging.basicConfig(level=logging.INFO)
+    r = config.retrieval
+    if check_method(r) == "bm25":
+        retriever = open_bm25(r, build_if_missing=True)
+    else:
+        from llds_jax.retrieval.dense import open_dense
+
+        retriever = open_dense(r)
+    limits = ServiceLimits(default_topk=r.topk, max_topk=r.max_topk, max_queries=r.max_queries,
+                           max_query_chars=r.max_query_chars)
+    serve(retriever, r.host, r.port, limits, description=f"{r.method} over {r.corpus_path}")

@@ -1,0 +1,191 @@
+"""The Search-R1 retrieval service: ``POST /retrieve`` and ``GET /health`` over any `Retriever`.
+
+Wire format (SPEC §6, what Search-R1's trainer sends and parses):
+request ``{"queries": [str], "topk": int | null, "return_scores": bool}``;
+response ``{"result": [[{"document": {"id", "contents"}, "score"}, …], …]}`` per query,
+best first, or bare ``{"id", "contents"}`` documents when ``return_scores`` is false
+(the reference server crashes on that case: it unpacks a tuple it never built).
+
+Robustness is the point of this module: a malformed request gets a 4xx naming the
+field, never a 500 and never a dead worker (Search-R1 #43: a dead server surfaces in the
+trainer as a JSONDecodeError). Concurrent requests are coalesced by `MicroBatcher` into
+one ``retriever.search`` call, so the dense encoder sees one large batch instead of many
+batches of one (FlashRAG #4: query encoding dominates latency).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, StrictBool, StrictInt, StrictStr
+
+from llds_jax.retrieval.hit import Hit, Retriever
+
+logger = logging.getLogger(__name__)
+
+READY_BANNER = "llds_jax retrieval service listening on"
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    """Bounds that keep one request from monopolising (or crashing) the service."""
+
+    default_topk: int = 3
+    max_topk: int = 100
+    max_queries: int = 512
+    max_query_chars: int = 4096
+    max_batch_queries: int = 1024
+
+
+class RetrieveRequest(BaseModel):
+    """Strict types: ``"3"`` for topk or ``1`` for a query is a client bug worth a 422, not a guess."""
+
+    queries: list[StrictStr]
+    topk: StrictInt | None = None
+    return_scores: StrictBool = False
+
+
+@dataclass
+class _Pending:
+    queries: list[str]
+    topk: int
+    future: asyncio.Future = field(repr=False)
+
+
+class MicroBatcher:
+    """Serialises retriever calls on one worker thread and coalesces whatever queued meanwhile.
+
+    No added waiting: an idle service answers a lone request at once; under load, every
+    request that arrived during the previous call joins the next one (up to
+    ``max_batch_queries``), searched with the largest topk and cut back per request.
+    One worker thread also means the retriever never has to be thread-safe.
+    """
+
+    def __init__(self, retriever: Retriever, max_batch_queries: int):
+        self.retriever = retriever
+        self.max_batch_queries = max_batch_queries
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retriever")
+        self.batch_sizes: list[int] = []
+
+    async def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        pending = _Pending(queries, topk, asyncio.get_running_loop().create_future())
+        await self._queue.put(pending)
+        return await pending.future
+
+    def _drain(self, first: _Pending) -> list[_Pending]:
+        batch, size = [first], len(first.queries)
+        while size < self.max_batch_queries and not self._queue.empty():
+            item = self._queue.get_nowait()
+            batch.append(item)
+            size += len(item.queries)
+        return batch
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = self._drain(await self._queue.get())
+            queries = [q for item in batch for q in item.queries]
+            topk = max(item.topk for item in batch)
+            self.batch_sizes.append(len(queries))
+            try:
+                results = await loop.run_in_executor(self._executor, self.retriever.search, queries, topk)
+            except Exception as exc:  # the failure belongs to these requests, not to the service
+                logger.exception("retriever failed on a batch of %d queries", len(queries))
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(exc)
+                continue
+            start = 0
+            for item in batch:
+                part = [hits[: item.topk] for hits in results[start : start + len(item.queries)]]
+                start += len(item.queries)
+                if not item.future.done():
+                    item.future.set_result(part)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _validate(request: RetrieveRequest, limits: ServiceLimits) -> int:
+    if not request.queries:
+        raise HTTPException(422, "queries: must hold at least one query")
+    if len(request.queries) > limits.max_queries:
+        raise HTTPException(422, f"queries: {len(request.queries)} queries exceed the limit of {limits.max_queries}")
+    for position, query in enumerate(request.queries):
+        if len(query) > limits.max_query_chars:
+            raise HTTPException(
+                422, f"queries[{position}]: {len(query)} characters exceed the limit of {limits.max_query_chars}"
+            )
+    topk = limits.default_topk if request.topk is None else request.topk
+    if not 1 <= topk <= limits.max_topk:
+        raise HTTPException(422, f"topk: must be between 1 and {limits.max_topk}, got {topk}")
+    return topk
+
+
+def _to_wire(results: Sequence[Sequence[Hit]], return_scores: bool) -> list[list[dict]]:
+    if return_scores:
+        return [[{"document": {"id": h.id, "contents": h.contents}, "score": h.score} for h in hits] for hits in results]
+    return [[{"id": h.id, "contents": h.contents} for h in hits] for hits in results]
+
+
+def create_app(retriever: Retriever, limits: ServiceLimits = ServiceLimits(), description: str = "",
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """The ASGI app; the batcher's worker task lives exactly as long as the app's lifespan."""
+    batcher = MicroBatcher(retriever, limits.max_batch_queries)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker = asyncio.create_task(batcher.run())
+        if on_ready is not None:
+            on_ready()
+        try:
+            yield
+        finally:
+            worker.cancel()
+            batcher.close()
+
+    app = FastAPI(title="llds_jax retrieval", lifespan=lifespan)
+    app.state.batcher = batcher
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "retriever": description or type(retriever).__name__}
+
+    @app.post("/retrieve")
+    async def retrieve(request: RetrieveRequest) -> JSONResponse:
+        topk = _validate(request, limits)
+        results = await batcher.search(list(request.queries), topk)
+        return JSONResponse({"result": _to_wire(results, request.return_scores)})
+
+    return app
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind and listen before uvicorn starts: ``port=0`` yields a free port we can announce with
+    no race, and a client that connects during startup waits in the backlog instead of being refused."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def serve(retriever: Retriever, host: str, port: int, limits: ServiceLimits = ServiceLimits(),
+          description: str = "") -> None:
+    """Run until SIGINT/SIGTERM; prints ``READY_BANNER http://host:port`` once the app is up."""
+    sock = bind_socket(host, port)
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    app = create_app(retriever, limits, description, on_ready=lambda: print(f"{READY_BANNER} {url}", flush=True))
+    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])
