@@ -76,8 +76,14 @@ class MonitorConfig:
 
     @classmethod
     def from_mapping(cls, values: Mapping | None) -> MonitorConfig:
-        """From a config section (e.g. ``config.monitor``); unknown keys fail loudly."""
-        values = dict(values or {})
+        """From a config section (e.g. ``config.monitor``); unknown keys fail loudly.
+
+        An ``enabled`` key is allowed and ignored here: whether to run the monitor at all
+        is the trainer's decision, the settings are the monitor's.
+        """
+        if values is not None and hasattr(values, "to_dict"):
+            values = values.to_dict()
+        values = {k: v for k, v in dict(values or {}).items() if k != "enabled"}
         unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown monitor settings {sorted(unknown)}")

@@ -39,7 +39,7 @@ def death_spiral_run(seed: int, shape: SpiralShape = SpiralShape()) -> list[dict
     in_three = np.clip(t - t3, 0, None)
     likelihood = shape.likelihood_start - shape.decay_per_step * in_two - shape.acceleration * in_three**2
     grad_norm = shape.grad_norm * np.exp(shape.grad_growth * in_three)
-    entropy = shape.entropy + 3e-4 * t + shape.entropy * (np.exp(0.03 * in_three) - 1)
+    entropy = shape.entropy + 3e-4 * t + shape.entropy * (np.exp(0.02 * in_three) - 1)
     reward = np.where(t < t3, 0.1 + 0.25 * (1 - np.exp(-t / 40)), 0.0)
     reward = np.where(t >= t3, (0.1 + 0.25 * (1 - np.exp(-t3 / 40))) * np.exp(-0.04 * in_three), reward)
     lld_rate = 0.3 + 0.2 * np.minimum(in_two / max(t3 - t2, 1), 1) + 0.4 * (1 - np.exp(-in_three / 20))

@@ -1,0 +1,44 @@
+"""Evaluation on the seven QA benchmarks (SPEC §7, §9) and run reports.
+
+    # the shared dev slices, greedy, with the checkpoint of a run (or an HF directory):
+    python -m llds_jax.main --mode=eval --config=configs/eval.py \\
+        --config.model.source=runs/cpu_smoke --config.eval.data=../shared/data/eval
+    # sampled at T=1 / top-p 0.95, as the Search-R1 reference's validation actually did:
+    python -m llds_jax.main --mode=eval --config=configs/eval.py --config.eval.greedy=False
+    # plots + summary of a run, or a comparison of several:
+    python -m llds_jax.main --mode=report --config=configs/eval.py --config.workdir=runs/cpu_smoke
+    python -m llds_jax.main --mode=report --config=configs/eval.py \\
+        --config.report.compare=runs/grpo,runs/llds --config.report.out_dir=runs/compare
+
+The model, retrieval and rollout sections are the training defaults (the same rollout
+and retriever as training); override them exactly as for ``--mode=train``.
+"""
+
+import ml_collections
+
+from llds_jax.train.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.workdir = "runs/eval"
+    c.model.source = "smollm2"
+    c.rollout.max_turns = 2
+    c.eval = ml_collections.ConfigDict(dict(
+        # Files (.jsonl FlashRAG / .parquet Search-R1), directories of them, or bundled:<name>;
+        # a tuple or one comma-separated string.
+        data="bundled:nq_dev",
+        limit=0,              # questions per data source; 0 = all
+        greedy=True,          # False: T = rollout.temperature, top-p = rollout.top_p
+        batch_size=8,         # questions per rollout call
+        out_dir="",           # "" = <workdir>/eval
+        seed=0,
+    ))
+    c.report = ml_collections.ConfigDict(dict(
+        compare="",           # "RUN_A,RUN_B": overlay several runs instead of one workdir
+        out_dir="",           # "" = <workdir>/report (compare: <first run>/compare)
+    ))
+    c.monitor = ml_collections.ConfigDict(dict(
+        window=50, decay_t=4.0, patience=5, surge_window=10, surge_ratio=2.0, entropy_surge_ratio=2.0,
+    ))
+    return c

@@ -1,0 +1,85 @@
+"""``--mode=report`` turns a metrics file written by the trainer's writer into PNGs and a summary."""
+
+from __future__ import annotations
+
+import re
+
+import matplotlib.image
+import ml_collections
+import pytest
+
+from llds_jax.diagnostics.report import load_metrics, report_main
+from llds_jax.diagnostics.synthetic import death_spiral_run, stable_run
+from llds_jax.train.metrics import MetricsWriter
+
+PANELS = {"reward", "likelihood", "likelihood_correct_by_action", "likelihood_incorrect_by_action",
+          "lld_rate", "grad_norm", "entropy", "searches", "overview"}
+
+
+def write_run(workdir, rows, *, with_sft_rows=True):
+    """Through the trainer's own writer: NaN becomes null, rows get ``phase`` and ``wall_time``."""
+    with MetricsWriter(workdir, tensorboard=False, console=None) as writer:
+        if with_sft_rows:
+            for step in range(3):
+                writer.write(step, {"loss/total": 1.0 / (step + 1)}, phase="sft")
+        for row in rows:
+            writer.write(row["step"], {k: v for k, v in row.items() if k != "step"})
+    return workdir
+
+
+def report_config(**values):
+    config = ml_collections.ConfigDict({"workdir": "", "report": {"compare": "", "out_dir": ""}})
+    config.update(values)
+    return config
+
+
+def assert_valid_png(path):
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    height, width, _ = matplotlib.image.imread(path).shape
+    assert height > 200 and width > 300, f"{path} is {width}×{height}"
+
+
+def test_report_writes_every_plot_and_a_summary_that_embeds_them(tmp_path):
+    rows = death_spiral_run(0)
+    rows[5]["diag/ll_correct/all"] = float("nan")  # a step without correct responses
+    workdir = write_run(tmp_path / "grpo", rows)
+    summary = report_main(report_config(workdir=str(workdir)))
+
+    assert summary == workdir / "report" / "summary.md"
+    pngs = {p.stem for p in summary.parent.glob("*.png")}
+    assert pngs == PANELS
+    for name in PANELS:
+        assert_valid_png(summary.parent / f"{name}.png")
+    text = summary.read_text()
+    assert set(re.findall(r"!\[[^\]]*\]\(([^)]+)\.png\)", text)) == PANELS
+    assert "STAGNATION → STEADY_DECAY" in text and "STEADY_DECAY → ACCELERATION" in text
+
+
+def test_compare_form_overlays_runs_and_lists_each(tmp_path):
+    spiral = write_run(tmp_path / "grpo", death_spiral_run(1))
+    stable = write_run(tmp_path / "llds", stable_run(1, 200), with_sft_rows=False)
+    out = tmp_path / "compare"
+    summary = report_main(report_config(report={"compare": f"{spiral},{stable}", "out_dir": str(out)}))
+    assert summary == out / "summary.md"
+    assert_valid_png(out / "likelihood.png")
+    table_rows = [line for line in summary.read_text().splitlines() if line.startswith("| grpo") or line.startswith("| llds")]
+    assert len(table_rows) == 2
+    assert table_rows[1].split("|")[3].strip() == "—", "the stable run must show no phase II onset"
+
+
+def test_sft_rows_are_left_out_and_console_key_names_are_understood(tmp_path):
+    workdir = write_run(tmp_path / "run", [{"step": 0, "grad/norm": 0.5, "policy/entropy": 1.2}])
+    (row,) = load_metrics(workdir / "metrics.jsonl")
+    assert row["grad/norm_preclip"] == 0.5 and row["diag/entropy"] == 1.2 and row["phase"] == "rl"
+
+
+def test_bad_metrics_line_fails_with_file_and_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "reward/mean": 0.1}\n{"reward/mean": 0.2}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:line 2: field 'step'"):
+        load_metrics(path)
+
+
+def test_report_without_a_workdir_says_how_to_call_it():
+    with pytest.raises(ValueError, match="--config.workdir=RUN_DIR"):
+        report_main(report_config())
