@@ -1,0 +1,273 @@
+"""Decoder: one Flax NNX implementation for Qwen2 / Qwen2.5 / Qwen3 / Llama.
+
+Layer weights are stored stacked along a leading ``layers`` axis whether or not the
+forward scans, so the parameter tree, its shardings and checkpoints do not depend on
+``scan_layers``; the block itself is a pure function of one layer's arrays.
+
+Two entry points share that block:
+* ``__call__`` / ``hidden_states``: full-sequence forward, positions from the mask.
+* ``forward_cached``: writes new tokens' keys/values into a ``KVCache`` at per-row
+  offsets and attends over the cache, covering prefill of a left-padded batch,
+  one-token decode, and appending a chunk (tool feedback) to a live cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from llds_jax.models import layers as L
+from llds_jax.models.config import DecoderConfig
+from llds_jax.parallel.rules import constrain
+
+INIT_STD = 0.02  # HF initializer_range default for these families
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Decode state for ``Decoder.forward_cached``.
+
+    k, v: [layers, batch, slots, kv_heads, head_dim]. ``valid`` [batch, slots] marks slots
+    holding real tokens (left padding and holes are False). ``end`` [batch] is the next
+    slot to write per row. Slot order is time order: a token sees valid slots at or
+    before its own slot. Writes past the last slot are dropped, so size ``max_len`` for
+    the longest row.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    end: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def next_positions(self) -> jax.Array:
+        """RoPE position of the next real token per row: the count of valid slots."""
+        return jnp.sum(self.valid, axis=-1, dtype=jnp.int32)
+
+
+def init_cache(config: DecoderConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+    """An empty cache; under ``jax.set_mesh`` it is laid out by the rules table."""
+    dtype = jnp.dtype(dtype or config.dtype)
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    kv_axes = ("layers", "batch", "cache_seq", "act_kv_heads", None)
+    k = constrain(jnp.zeros(shape, dtype), kv_axes)
+    v = constrain(jnp.zeros(shape, dtype), kv_axes)
+    valid = constrain(jnp.zeros((batch, max_len), bool), ("batch", "cache_seq"))
+    return KVCache(k=k, v=v, valid=valid, end=jnp.zeros((batch,), jnp.int32))
+
+
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+    """HF's convention: position = cumsum(mask) - 1, clipped at 0 (pads get 0)."""
+    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def _param(key, shape, dtype, axes, *, std=INIT_STD):
+    return nnx.Param(std * jax.random.normal(key, shape, dtype), logical_axes=axes)
+
+
+def _ones(shape, dtype, axes):
+    return nnx.Param(jnp.ones(shape, dtype), logical_axes=axes)
+
+
+class DecoderLayers(nnx.Module):
+    """All transformer blocks' weights, stacked on a leading ``layers`` axis.
+
+    Projections are kept in head-split layouts ([embed, heads, head_dim]) so heads can
+    be sharded on the tensor axis without reshapes of sharded dimensions.
+    """
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+        n, d, f = config.num_layers, config.hidden_size, config.intermediate_size
+        h, kvh, hd = config.num_heads, config.num_kv_heads, config.head_dim
+        dt = config.weight_dtype
+        self.attn_norm = _ones((n, d), dt, ("layers", "norm"))
+        self.q_proj = _param(rngs.params(), (n, d, h, hd), dt, ("layers", "embed", "q_heads", "head_dim"))
+        self.k_proj = _param(rngs.params(), (n, d, kvh, hd), dt, ("layers", "embed", "kv_heads", "head_dim"))
+        self.v_proj = _param(rngs.params(), (n, d, kvh, hd), dt, ("layers", "embed", "kv_heads", "head_dim"))
+        self.o_proj = _param(rngs.params(), (n, h, hd, d), dt, ("layers", "q_heads", "head_dim", "embed"))
+        if config.qkv_bias:
+            self.q_bias = _param(rngs.params(), (n, h, hd), dt, ("layers", "q_heads", "head_dim"))
+            self.k_bias = _param(rngs.params(), (n, kvh, hd), dt, ("layers", "kv_heads", "head_dim"))
+            self.v_bias = _param(rngs.params(), (n, kvh, hd), dt, ("layers", "kv_heads", "head_dim"))
+        if config.qk_norm:
+            self.q_norm = _ones((n, hd), dt, ("layers", "head_dim"))
+            self.k_norm = _ones((n, hd), dt, ("layers", "head_dim"))
+        self.mlp_norm = _ones((n, d), dt, ("layers", "norm"))
+        self.gate_proj = _param(rngs.params(), (n, d, f), dt, ("layers", "embed", "mlp"))
+        self.up_proj = _param(rngs.params(), (n, d, f), dt, ("layers", "embed", "mlp"))
+        self.down_proj = _param(rngs.params(), (n, f, d), dt, ("layers", "mlp", "embed"))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        """Name → stacked array for every weight this config has."""
+        return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
+
+
+def _block(config: DecoderConfig, weights: dict[str, jax.Array], x: jax.Array, cos, sin,
+           visible: jax.Array, write_kv):
+    """One pre-norm transformer block. ``write_kv(k, v) -> (k_all, v_all, extra)``
+    decides whether attention reads the chunk itself or the cache it was written to."""
+    dtype = config.compute_dtype
+    w = {name: value.astype(dtype) for name, value in weights.items()}
+    h = L.rms_norm(x, w["attn_norm"], config.rms_eps)
+    q = jnp.einsum("btd,dhk->bthk", h, w["q_proj"])
+    k = jnp.einsum("btd,dhk->bthk", h, w["k_proj"])
+    v = jnp.einsum("btd,dhk->bthk", h, w["v_proj"])
+    if config.qkv_bias:
+        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    if config.qk_norm:
+        q = L.rms_norm(q, w["q_norm"], config.rms_eps)
+        k = L.rms_norm(k, w["k_norm"], config.rms_eps)
+    q = constrain(L.apply_rope(q, cos, sin), ("batch", "seq", "act_heads", None))
+    k = constrain(L.apply_rope(k, cos, sin), ("batch", "seq", "act_kv_heads", None))
+    v = constrain(v, ("batch", "seq", "act_kv_heads", None))
+    k_all, v_all, extra = write_kv(k, v)
+    attn = L.attention(q, k_all, v_all, visible)
+    x = x + jnp.einsum("bthk,hkd->btd", attn, w["o_proj"])
+    x = constrain(x, ("batch", "seq", "act_embed"))
+    h = L.rms_norm(x, w["mlp_norm"], config.rms_eps)
+    x = x + L.swiglu_mlp(h, w["gate_proj"], w["up_proj"], w["down_proj"])
+    return constrain(x, ("batch", "seq", "act_embed")), extra
+
+
+def _remat(config: DecoderConfig, fn):
+    if config.remat == "none":
+        return fn
+    policy = {
+        "full": None,
+        "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+        "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    }[config.remat]
+    return jax.checkpoint(fn, policy=policy)
+
+
+def _run_layers(config: DecoderConfig, stacked: dict, x: jax.Array, per_layer_xs, layer_fn):
+    """Apply ``layer_fn(weights, x, xs) -> (x, ys)`` over layers: one scanned block or an unrolled loop."""
+    layer_fn = _remat(config, layer_fn)
+    if config.scan_layers:
+        return jax.lax.scan(lambda carry, xs: layer_fn(xs[0], carry, xs[1]), x, (stacked, per_layer_xs))
+    outputs = []
+    for i in range(config.num_layers):
+        layer = jax.tree.map(lambda a, i=i: a[i], (stacked, per_layer_xs))
+        x, ys = layer_fn(layer[0], x, layer[1])
+        outputs.append(ys)
+    return x, jax.tree.map(lambda *ys: jnp.stack(ys), *outputs)
+
+
+class Decoder(nnx.Module):
+    """Decoder-only LM. ``model(input_ids, attention_mask)`` → logits [B, T, V] (fp32)."""
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dt = config.weight_dtype
+        self.embed = _param(rngs.params(), (config.vocab_size, config.hidden_size), dt, ("vocab", "embed"))
+        self.layers = DecoderLayers(config, rngs=rngs)
+        self.final_norm = _ones((config.hidden_size,), dt, ("norm",))
+        if not config.tie_embeddings:
+            self.lm_head = _param(rngs.params(), (config.hidden_size, config.vocab_size), dt, ("embed", "vocab"))
+
+    # -- shared pieces ---------------------------------------------------------------
+    def unembed(self) -> jax.Array:
+        """Output projection [D, V] in compute dtype (tied: the embedding transposed)."""
+        table = self.embed[...].T if self.config.tie_embeddings else self.lm_head[...]
+        return table.astype(self.config.compute_dtype)
+
+    def embed_tokens(self, input_ids: jax.Array) -> jax.Array:
+        x = jnp.take(self.embed[...], input_ids, axis=0).astype(self.config.compute_dtype)
+        return constrain(x, ("batch", "seq", "act_embed"))
+
+    def _rope(self, positions: jax.Array):
+        inv_freq = L.rope_inverse_frequencies(
+            self.config.head_dim, self.config.rope_theta, self.config.rope_scaling_dict)
+        return L.rope_tables(positions, inv_freq)
+
+    def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
+        logits = jnp.einsum("btd,dv->btv", hidden, self.unembed(), preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "seq", "act_vocab"))
+
+    # -- full-sequence forward ----------------------------------------------------------
+    def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
+                      positions: jax.Array | None = None) -> jax.Array:
+        """Final-norm hidden states [B, T, D] (compute dtype), no LM head.
+
+        Left or right padding: pads neither attend nor are attended to; positions default
+        to ``cumsum(mask) - 1``. Rows of pad tokens hold meaningless values.
+        """
+        if attention_mask is None:
+            attention_mask = jnp.ones(input_ids.shape, bool)
+        attention_mask = attention_mask.astype(bool)
+        if positions is None:
+            positions = positions_from_mask(attention_mask)
+        length = input_ids.shape[1]
+        causal = jnp.tril(jnp.ones((length, length), bool))
+        visible = causal[None] & attention_mask[:, None, :]
+        cos, sin = self._rope(positions)
+
+        def layer_fn(weights, x, _):
+            return _block(self.config, weights, x, cos, sin, visible, lambda k, v: (k, v, None))
+
+        x, _ = _run_layers(self.config, self.layers.stacked(), self.embed_tokens(input_ids), None, layer_fn)
+        return L.rms_norm(x, self.final_norm[...], self.config.rms_eps)
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask, positions))
+
+    # -- cached forward -----------------------------------------------------------------
+    def forward_cached(self, tokens: jax.Array, cache: KVCache, token_mask: jax.Array | None = None,
+                       positions: jax.Array | None = None, *, all_logits: bool = False
+                       ) -> tuple[jax.Array, KVCache]:
+        """Append ``tokens`` [B, T] to ``cache`` row by row and return logits.
+
+        Row b's tokens go to slots ``cache.end[b] .. cache.end[b] + T - 1``. ``token_mask``
+        [B, T] marks real tokens (False for left padding of a prefill, right padding of an
+        appended chunk, or a finished row in decode); masked tokens are written as invalid
+        slots. ``end`` then advances past the row's last real token (not at all for a row
+        with none), so right padding is overwritten by the next write. Positions default
+        to the count of valid slots before each token, which continues a row's positions
+        across appends exactly as the uncached forward numbers them.
+
+        Returns logits fp32 [B, V] at each row's last real token (``all_logits``: [B, T, V])
+        and the new cache.
+        """
+        batch, length = tokens.shape
+        if token_mask is None:
+            token_mask = jnp.ones((batch, length), bool)
+        token_mask = token_mask.astype(bool)
+        if positions is None:
+            positions = cache.next_positions()[:, None] + positions_from_mask(token_mask)
+        slots = cache.end[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+        rows = jnp.arange(batch)[:, None]
+        valid = cache.valid.at[rows, slots].set(token_mask, mode="drop")
+        slot_ids = jnp.arange(cache.max_len, dtype=jnp.int32)
+        visible = valid[:, None, :] & (slot_ids[None, None, :] <= slots[:, :, None])
+        cos, sin = self._rope(positions)
+
+        def layer_fn(weights, x, layer_cache):
+            k_cache, v_cache = layer_cache
+
+            def write_kv(k, v):
+                k_all = k_cache.at[rows, slots].set(k.astype(k_cache.dtype), mode="drop")
+                v_all = v_cache.at[rows, slots].set(v.astype(v_cache.dtype), mode="drop")
+                return k_all.astype(k.dtype), v_all.astype(v.dtype), (k_all, v_all)
+
+            return _block(self.config, weights, x, cos, sin, visible, write_kv)
+
+        x, (new_k, new_v) = _run_layers(
+            self.config, self.layers.stacked(), self.embed_tokens(tokens), (cache.k, cache.v), layer_fn)
+        kv_axes = ("layers", "batch", "cache_seq", "act_kv_heads", None)
+        new_k, new_v = constrain(new_k, kv_axes), constrain(new_v, kv_axes)
+        hidden = L.rms_norm(x, self.final_norm[...], self.config.rms_eps)
+        last_real = jnp.max(jnp.where(token_mask, jnp.arange(length)[None, :] + 1, 0), axis=-1)
+        new_cache = KVCache(k=new_k, v=new_v, valid=valid, end=cache.end + last_real.astype(jnp.int32))
+        if all_logits:
+            return self.logits_from_hidden(hidden), new_cache
+        last_hidden = jnp.take_along_axis(hidden, jnp.maximum(last_real - 1, 0)[:, None, None], axis=1)
+        return self.logits_from_hidden(last_hidden)[:, 0], new_cache

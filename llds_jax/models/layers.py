@@ -1,0 +1,86 @@
+"""Pure array functions of the decoder: RMSNorm, RoPE, GQA attention, SwiGLU.
+
+One implementation for every family; the family switches are arguments. Numerics
+follow Hugging Face so parity holds to fp32 rounding: RMSNorm normalises in fp32 and
+casts back before the weight multiply; RoPE tables are built in fp32 and use the
+"rotate half" layout (not interleaved pairs); softmax runs in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from llds_jax.parallel.rules import constrain
+
+MASKED_SCORE = -1e30  # finite: a query with no visible key gets a uniform row, never NaN
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> jax.Array:
+    """Per-pair inverse frequencies [head_dim/2], with HF's "linear" and "llama3" scaling."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    kind = scaling["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_context = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = old_context / low, old_context / high
+        scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return jnp.where(is_medium, smoothed, scaled)
+    raise ValueError(f"rope_type={kind!r} is not implemented")
+
+
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, head_dim/2] in fp32 for integer positions [B, T]."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x [B, T, heads, head_dim] with HF's rotate-half pairing (i, i + head_dim/2)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """Grouped-query attention.
+
+    q [B, T, H, Dh]; k, v [B, S, KVH, Dh]; visible [B, T, S] bool. Query head h reads KV
+    head h // (H / KVH), as in HF's ``repeat_kv``. Returns [B, T, H, Dh].
+    """
+    batch, length, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(head_dim)
+    scores = jnp.where(visible[:, None, None, :, :], scores, MASKED_SCORE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(batch, length, heads, head_dim)
+
+
+def swiglu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    hidden = jax.nn.silu(jnp.einsum("btd,df->btf", x, gate)) * jnp.einsum("btd,df->btf", x, up)
+    hidden = constrain(hidden, ("batch", "seq", "act_mlp"))
+    return jnp.einsum("btf,fd->btd", hidden, down)
