@@ -1,0 +1,248 @@
+"""The composed GRPO + KL + entropy + LLDS objective, as sums and denominators.
+
+    loss = agg(pg) + kl_coef * agg(kl_ref) - entropy_coef * agg(entropy) + sum(c * llds) / N
+
+`agg` is `cfg.aggregation` (see aggregation.py); the LLDS term always sums tokens and divides
+by its own N (`cfg.llds_denominator`, see llds.py). Gradients flow through `logp` and
+`entropy` only: old/ref log-probs, advantages and every gate are stop-gradient.
+
+How a trainer uses it (exact over micro-batches and data-parallel shards):
+
+    constants = batch_constants(advantages, masks, cfg)        # whole mini-batch, masks only
+    for k in micro_batches:                                     # inside grad / jit
+        loss_k, terms_k = micro_batch_loss(batch_k, cfg, constants, num_micro_batches)
+        grads += grad(loss_k); terms = accumulate(terms, terms_k)
+    _, metrics = finalize(terms, cfg)
+
+`loss_scope = "mini_batch"` divides every micro-batch's sums by the mini-batch denominators,
+so sum_k loss_k is exactly the loss of the whole mini-batch in one piece (and independent of
+the micro-batch size). `"micro_batch"` reproduces the reference (verl): each micro-batch is
+normalised by its own denominators (LLDS: its own action tokens) and the mini-batch loss is
+the mean of the micro-batch losses. Under jit with batch-sharded global arrays the sums are
+already global; inside `shard_map`, pass the terms through `all_reduce` and build the
+constants from all-reduced masks. Metrics are always pooled sums / pooled denominators.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from llds_jax.rl import kl as kl_lib
+from llds_jax.rl.action_runs import action_run_ids, action_run_starts
+from llds_jax.rl.aggregation import aggregate
+from llds_jax.rl.config import validate
+from llds_jax.rl.llds import answer_coefficient, llds_terms
+from llds_jax.rl.policy_losses import POLICY_LOSSES
+
+LOSS_KEYS = ("pg", "kl_ref", "entropy", "llds")
+
+
+class LossMasks(NamedTuple):
+    """Rollout-side masks, all token-aligned with the (shifted) targets."""
+
+    action_mask: jax.Array  # [B, T] 1 on trained model-written tokens; 0 prompt/feedback/padding
+    answer_mask: jax.Array | None = None  # [B, T] 1 on the last <answer>...</answer> span
+    action_index: jax.Array | None = None  # [B, T] int: 0 first action, 1 second, ...; -1 elsewhere
+    row_weight: jax.Array | None = None  # [B] 1 real row, 0 padding row
+    num_searches: jax.Array | None = None  # [B] searches per trajectory (adaptive MA)
+
+
+class PolicyBatch(NamedTuple):
+    logp: jax.Array  # [B, T] fp32, current policy (differentiable)
+    old_logp: jax.Array  # [B, T] fp32, pi_old, computed once per rollout step
+    ref_logp: jax.Array | None  # [B, T] fp32, frozen reference (None if kl_coef == 0)
+    entropy: jax.Array | None  # [B, T] fp32 full-vocabulary entropy (None if entropy_coef == 0)
+    advantages: jax.Array  # [B] per response, or [B, T]
+    masks: LossMasks
+
+
+class BatchConstants(NamedTuple):
+    """What every micro-batch must share: loss denominators and the step's mean searches."""
+
+    denominators: dict[str, jax.Array]
+    mean_searches: jax.Array
+
+
+class ObjectiveTerms(NamedTuple):
+    sums: dict[str, jax.Array]
+    denoms: dict[str, jax.Array]
+    maxima: dict[str, jax.Array]
+    minima: dict[str, jax.Array]
+
+
+def _row_weight(masks: LossMasks) -> jax.Array:
+    if masks.row_weight is None:
+        return jnp.ones(masks.action_mask.shape[0], jnp.float32)
+    return masks.row_weight.astype(jnp.float32)
+
+
+def _token_advantages(advantages: jax.Array, shape) -> jax.Array:
+    advantages = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+    return jnp.broadcast_to(advantages[:, None] if advantages.ndim == 1 else advantages, shape)
+
+
+def _mean_searches(masks: LossMasks, row_weight: jax.Array, cfg) -> jax.Array:
+    if masks.num_searches is None:
+        if cfg.mask_answer and cfg.adaptive_ma:
+            raise ValueError("rl.adaptive_ma needs masks.num_searches")
+        return jnp.zeros((), jnp.float32)
+    return (masks.num_searches * row_weight).sum() / jnp.maximum(row_weight.sum(), 1.0)
+
+
+def _llds_denominator(token_mask: jax.Array, advantages: jax.Array, cfg) -> jax.Array:
+    if cfg.llds_denominator == "preserved_tokens":
+        return (token_mask * (advantages >= 0)).sum()
+    return token_mask.sum()
+
+
+def batch_constants(advantages: jax.Array, masks: LossMasks, cfg) -> BatchConstants:
+    """Denominators of the loss terms + mean searches for a whole mini-batch (masks only)."""
+    validate(cfg)
+    row_weight = _row_weight(masks)
+    mask = masks.action_mask.astype(jnp.float32)
+    advantages = _token_advantages(advantages, mask.shape)
+    zeros = jnp.zeros_like(mask)
+    denom = aggregate(zeros, mask, row_weight, cfg.aggregation, cfg.token_sum_norm_length)[1]
+    denominators = {"pg": denom, "kl_ref": denom, "entropy": denom}
+    denominators["llds"] = _llds_denominator(mask * row_weight[:, None], advantages, cfg)
+    return BatchConstants(denominators, _mean_searches(masks, row_weight, cfg))
+
+
+def objective_terms(batch: PolicyBatch, cfg, constants: BatchConstants | None = None) -> ObjectiveTerms:
+    """Unreduced sums, their denominators and extrema for one (micro-)batch."""
+    validate(cfg)
+    masks = batch.masks
+    mask = masks.action_mask.astype(jnp.float32)
+    shape = mask.shape
+    row_weight = _row_weight(masks)
+    token_mask = mask * row_weight[:, None]
+    on = token_mask > 0
+    logp = batch.logp.astype(jnp.float32)
+    old_logp = jax.lax.stop_gradient(batch.old_logp.astype(jnp.float32))
+    advantages = _token_advantages(batch.advantages, shape)
+    own = batch_constants(batch.advantages, masks, cfg)
+    mean_searches = (constants or own).mean_searches
+    sums, denoms, maxima, minima = {}, {}, {}, {}
+
+    def add(key, values, weights):
+        sums[key], denoms[key] = (values * weights).sum(), weights.sum()
+
+    def add_agg(key, values):
+        sums[key], denoms[key] = aggregate(values, mask, row_weight, cfg.aggregation, cfg.token_sum_norm_length)
+
+    policy = POLICY_LOSSES.get(cfg.policy_loss)(logp, old_logp, advantages, mask, cfg)
+    add_agg("pg", policy.loss)
+    for key, values, coef in (("kl_ref", batch.ref_logp, cfg.kl_coef), ("entropy", batch.entropy, cfg.entropy_coef)):
+        if values is None and coef > 0:
+            raise ValueError(f"rl: {key} is needed because its coefficient is {coef}")
+        if key == "kl_ref" and values is not None:
+            values = kl_lib.KL_ESTIMATORS.get(cfg.kl_estimator)(logp, jax.lax.stop_gradient(values))
+        add_agg(key, jnp.zeros(shape, jnp.float32) if values is None else values.astype(jnp.float32))
+
+    run_ids = action_run_ids(mask, masks.action_index)
+    answer_mask = jnp.zeros(shape) if masks.answer_mask is None else masks.answer_mask
+    llds = llds_terms(logp, old_logp, advantages, token_mask, answer_mask, run_ids, cfg, mean_searches)
+    sums["llds"], denoms["llds"] = llds.weighted.sum(), own.denominators["llds"]
+    sums["llds/penalty"], denoms["llds/penalty"] = llds.penalty.sum(), own.denominators["llds"]
+
+    # Policy-ratio and KL-to-old diagnostics (SPEC §8).
+    add("ratio_mean", policy.ratio, token_mask)
+    add("clip_frac", (policy.clipped_high | policy.clipped_low).astype(jnp.float32), token_mask)
+    add("clip_frac_high", policy.clipped_high.astype(jnp.float32), token_mask)
+    add("clip_frac_low", policy.clipped_low.astype(jnp.float32), token_mask)
+    add("kl_old_k1", old_logp - logp, token_mask)
+    add("kl_old_k3", kl_lib.k3_kl(logp, old_logp), token_mask)
+    maxima["ratio_max"] = jnp.where(on, policy.ratio, -jnp.inf).max()
+    minima["ratio_min"] = jnp.where(on, policy.ratio, jnp.inf).min()
+
+    # LLDS activity: how much of the preserved set the gate switches on.
+    starts = (action_run_starts(mask, masks.action_index) & on).astype(jnp.float32)
+    preserved_actions = starts * llds.preserved
+    gated_actions = preserved_actions * llds.gate
+    preserved_rows = llds.preserved.max(axis=-1) * row_weight
+    gated_rows = llds.gate.max(axis=-1) * row_weight
+    rows_with_actions = (mask.max(axis=-1) > 0) * row_weight
+    add("llds/gated_token_frac", llds.gate, llds.preserved * token_mask)
+    sums["llds/gated_action_frac"], denoms["llds/gated_action_frac"] = gated_actions.sum(), preserved_actions.sum()
+    sums["llds/gated_response_frac"], denoms["llds/gated_response_frac"] = gated_rows.sum(), preserved_rows.sum()
+    sums["llds/gated_actions_per_preserved_response"] = gated_actions.sum()
+    denoms["llds/gated_actions_per_preserved_response"] = preserved_rows.sum()
+    sums["llds/preserved_response_frac"], denoms["llds/preserved_response_frac"] = (
+        preserved_rows.sum(),
+        rows_with_actions.sum(),
+    )
+    maxima["llds/answer_coef"] = answer_coefficient(cfg, mean_searches)
+
+    # Likelihood of correct / incorrect responses (SPEC §8), per own tokens and per action.
+    for sign, selected in (("pos", advantages > 0), ("neg", advantages < 0)):
+        weights = token_mask * selected
+        add(f"logp_old/{sign}_mean", old_logp, weights)
+        sums[f"logp_old/{sign}_mean_all_token_scaled"] = (old_logp * weights).sum()
+        denoms[f"logp_old/{sign}_mean_all_token_scaled"] = token_mask.sum()
+        add(f"logp_old/{sign}_first_action", old_logp, weights * (run_ids == 0))
+        add(f"logp_old/{sign}_later_actions", old_logp, weights * (run_ids >= 1))
+        add(f"delta_logp/{sign}_mean", logp - old_logp, weights)
+
+    sums["response/action_tokens"], denoms["response/action_tokens"] = token_mask.sum(), row_weight.sum()
+    sums["response/actions"], denoms["response/actions"] = starts.sum(), row_weight.sum()
+    if masks.num_searches is not None:
+        add("response/searches", masks.num_searches.astype(jnp.float32), row_weight)
+    return ObjectiveTerms(sums, denoms, maxima, minima)
+
+
+def accumulate(a: ObjectiveTerms, b: ObjectiveTerms) -> ObjectiveTerms:
+    """Pool two micro-batches' terms: sums and denominators add, extrema combine."""
+    return ObjectiveTerms(
+        jax.tree.map(jnp.add, a.sums, b.sums),
+        jax.tree.map(jnp.add, a.denoms, b.denoms),
+        jax.tree.map(jnp.maximum, a.maxima, b.maxima),
+        jax.tree.map(jnp.minimum, a.minima, b.minima),
+    )
+
+
+def all_reduce(terms: ObjectiveTerms, axis_name) -> ObjectiveTerms:
+    """Pool terms across a data-parallel mesh axis inside `shard_map`."""
+    return ObjectiveTerms(
+        jax.lax.psum(terms.sums, axis_name),
+        jax.lax.psum(terms.denoms, axis_name),
+        jax.lax.pmax(terms.maxima, axis_name),
+        jax.lax.pmin(terms.minima, axis_name),
+    )
+
+
+def _ratio(total: jax.Array, denom: jax.Array) -> jax.Array:
+    return jnp.where(denom > 0, total / jnp.where(denom > 0, denom, 1.0), 0.0)
+
+
+def _combine(sums: dict, denoms: dict, cfg) -> jax.Array:
+    pg, kl_ref, entropy, llds = (_ratio(sums[k], denoms[k]) for k in LOSS_KEYS)
+    return pg + cfg.kl_coef * kl_ref - cfg.entropy_coef * entropy + llds
+
+
+def finalize(terms: ObjectiveTerms, cfg) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(loss, metrics) from pooled terms. `metrics['llds/loss']` already includes lambda."""
+    means = {key: _ratio(terms.sums[key], terms.denoms[key]) for key in terms.sums}
+    loss = _combine(terms.sums, terms.denoms, cfg)
+    metrics = {("pg_loss" if k == "pg" else "llds/loss" if k == "llds" else k): v for k, v in means.items()}
+    metrics["loss"] = loss
+    for key, value in {**terms.maxima, **terms.minima}.items():
+        metrics[key] = jnp.where(jnp.isfinite(value), value, 0.0)
+    return loss, metrics
+
+
+def micro_batch_loss(
+    batch: PolicyBatch, cfg, constants: BatchConstants, num_micro_batches: int
+) -> tuple[jax.Array, ObjectiveTerms]:
+    """This micro-batch's share of the mini-batch loss (sum over micro-batches = the loss)."""
+    terms = objective_terms(batch, cfg, constants)
+    if cfg.loss_scope == "mini_batch":
+        return _combine(terms.sums, constants.denominators, cfg), terms
+    return _combine(terms.sums, terms.denoms, cfg) / num_micro_batches, terms
+
+
+def objective(logp, old_logp, ref_logp, entropy, advantages, masks: LossMasks, cfg):
+    """(loss, metrics) of one batch in one piece: `finalize(objective_terms(...))`."""
+    return finalize(objective_terms(PolicyBatch(logp, old_logp, ref_logp, entropy, advantages, masks), cfg), cfg)
