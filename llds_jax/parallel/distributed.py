@@ -8,9 +8,12 @@ runs the same program. This module is what makes that program host-aware:
     1. ``config.distributed.{coordinator_address, num_processes, process_id}`` when set;
     2. ``JAX_COORDINATOR_ADDRESS`` + ``JAX_NUM_PROCESSES`` + ``JAX_PROCESS_ID`` (what
        ``launch/*.sh`` export; the same names JAX itself reads);
-    3. a SLURM allocation with more than one task, or a multi-worker Cloud TPU VM slice
-       (``TPU_WORKER_HOSTNAMES``/``MEGASCALE_*``): ``jax.distributed.initialize()`` with no
-       arguments, whose cluster detection derives everything from the scheduler;
+    3. ``config.distributed.auto_detect`` or ``LLDS_DISTRIBUTED=auto`` (``launch/tpu_pod.sh``
+       sets it: a TPU VM worker learns its peers from the metadata server, not from the
+       environment), a SLURM allocation with more than one task, or a multi-worker Cloud TPU
+       slice visible in the environment (``TPU_WORKER_HOSTNAMES``/``MEGASCALE_*``):
+       ``jax.distributed.initialize()`` with no arguments, whose cluster detection derives
+       everything from the scheduler;
     4. otherwise a single process, and nothing is initialised.
 * ``is_main_process`` / ``main_process_only`` / ``quiet_non_main_processes``: only process 0
   logs, writes metrics and exports; the others stay quiet unless something is wrong.
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
+ENV_AUTO = "LLDS_DISTRIBUTED"
 _TPU_POD_MARKERS = ("TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS", "TPU_PROCESS_ADDRESSES")
 
 
@@ -52,7 +56,7 @@ class DistributedSetupError(ValueError):
 class ProcessSetup:
     """How this process joins the run. ``source`` says which rule of the module docstring applied."""
 
-    source: str  # "config" | "env" | "slurm" | "tpu_pod" | "single"
+    source: str  # "config" | "env" | "auto" | "slurm" | "tpu_pod" | "single"
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
@@ -61,6 +65,14 @@ class ProcessSetup:
     @property
     def multi_process(self) -> bool:
         return self.source != "single"
+
+
+def default_distributed_config():
+    """The ``distributed`` config section (unset = "", 0, -1, so each is overridable by flag)."""
+    from ml_collections import ConfigDict  # noqa: PLC0415
+
+    return ConfigDict({"coordinator_address": "", "num_processes": 0, "process_id": -1,
+                       "auto_detect": False, "initialization_timeout": 300})
 
 
 def _field(section: Any, name: str, default: Any = None) -> Any:
@@ -87,6 +99,8 @@ def detect_setup(config: Any = None, environ: Mapping[str, str] | None = None) -
     section = _field(config, "distributed")
     timeout = _int(_field(section, "initialization_timeout", 300), "config.distributed.initialization_timeout")
     explicit = {k: _field(section, k) for k in ("coordinator_address", "num_processes", "process_id")}
+    explicit["process_id"] = None if explicit["process_id"] == -1 else explicit["process_id"]
+    explicit["num_processes"] = None if explicit["num_processes"] == 0 else explicit["num_processes"]
     if any(v not in (None, "") for v in explicit.values()):
         missing = [k for k, v in explicit.items() if v in (None, "")]
         if missing:
@@ -103,6 +117,8 @@ def detect_setup(config: Any = None, environ: Mapping[str, str] | None = None) -
         setup = ProcessSetup("env", environ[ENV_COORDINATOR],
                              _int(environ[ENV_NUM_PROCESSES], ENV_NUM_PROCESSES),
                              _int(environ[ENV_PROCESS_ID], ENV_PROCESS_ID), timeout)
+    elif _field(section, "auto_detect", False) or environ.get(ENV_AUTO) == "auto":
+        return ProcessSetup("auto", initialization_timeout=timeout)
     elif "SLURM_JOB_ID" in environ and _int(environ.get("SLURM_NTASKS", "1"), "SLURM_NTASKS") > 1:
         return ProcessSetup("slurm", initialization_timeout=timeout)
     elif any(environ.get(k) for k in _TPU_POD_MARKERS) and _tpu_worker_count(environ) > 1:
@@ -139,7 +155,7 @@ def initialize(config: Any = None, environ: Mapping[str, str] | None = None) -> 
         jax.distributed.initialize(coordinator_address=setup.coordinator_address,
                                    num_processes=setup.num_processes, process_id=setup.process_id,
                                    initialization_timeout=setup.initialization_timeout)
-    else:  # SLURM / TPU pod: JAX's cluster detection knows these schedulers
+    else:  # auto / SLURM / TPU pod: JAX's cluster detection knows these schedulers
         jax.distributed.initialize(initialization_timeout=setup.initialization_timeout)
     quiet_non_main_processes()
     return setup

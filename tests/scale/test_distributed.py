@@ -12,6 +12,7 @@ from ml_collections import ConfigDict
 from llds_jax.parallel.distributed import (
     DistributedSetupError,
     ProcessSetup,
+    default_distributed_config,
     detect_setup,
     fetch_to_host,
     gather_over_hosts,
@@ -35,6 +36,15 @@ def test_config_fields_win_over_environment():
     assert setup == ProcessSetup("config", "h0:1234", 2, 1)
 
 
+def test_default_section_means_unset():
+    config = ConfigDict({"distributed": default_distributed_config()})
+    assert detect_setup(config, {}) == ProcessSetup("single")
+    config.distributed.auto_detect = True
+    assert detect_setup(config, {}).source == "auto"
+    config.distributed.update(auto_detect=False, coordinator_address="h:1", num_processes=2, process_id=0)
+    assert detect_setup(config, {}) == ProcessSetup("config", "h:1", 2, 0)
+
+
 def test_launch_script_environment_is_read():
     assert detect_setup(_config(), ENV) == ProcessSetup("env", "10.0.0.2:8476", 4, 3)
 
@@ -43,6 +53,7 @@ def test_launch_script_environment_is_read():
     ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "4"}, "slurm"),
     ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "1"}, "single"),
     ({"TPU_WORKER_HOSTNAMES": "w0,w1,w2,w3"}, "tpu_pod"),
+    ({"LLDS_DISTRIBUTED": "auto"}, "auto"),
     ({"TPU_WORKER_HOSTNAMES": "w0"}, "single"),
     ({}, "single"),
 ])
