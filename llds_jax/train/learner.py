@@ -1,0 +1,217 @@
+"""The learner: owns the train state on the mesh and turns one scored rollout batch into updates.
+
+It only orchestrates — advantages come from ``llds_jax.rl.compute_advantages``, the loss from
+``llds_jax.rl.objective`` (through ``llds_jax.train.step``) — and reports what SPEC §8 asks:
+the objective's metrics per mini-batch (LLDS must read exactly 0 in the first one), timings,
+and the sampler-vs-trainer log-prob gap on action tokens (a large gap means the sampler and
+the trainer disagree about π_old, e.g. a dtype or temperature mismatch).
+
+Host ↔ device: rollout arrays arrive as numpy [N, L] (L varies per batch); they are padded
+to one fixed length (``rollout.max_context`` rounded up to ``rollout.pad_to_multiple``) so
+every jitted function compiles once per run, then placed with the batch sharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
+from llds_jax.parallel.rules import ShardingRules
+from llds_jax.rl.advantages import compute_advantages
+from llds_jax.train.state import TrainState, init_train_state, train_state_shardings
+from llds_jax.train.step import StepSizes, TrainBatch, build_update_fns, train_batch_shardings
+
+# objective metric → metrics.jsonl key (diagnostics contract, llds_jax/diagnostics/__init__.py)
+_MEAN_KEYS = {
+    "loss": "loss/total", "pg_loss": "loss/pg", "kl_ref": "kl/mean", "entropy": "policy/entropy",
+    "llds/loss": "llds/loss", "llds/penalty": "llds/value", "clip_frac": "ratio/clip_frac",
+    "clip_frac_high": "ratio/clip_frac_high", "clip_frac_low": "ratio/clip_frac_low", "ratio_mean": "ratio/mean",
+    "kl_old_k3": "kl/old_k3", "llds/gated_action_frac": "llds/gate_frac_actions",
+    "llds/gated_response_frac": "llds/gate_frac_responses", "llds/gated_token_frac": "llds/gate_frac_tokens",
+    "llds/preserved_response_frac": "llds/preserved_response_frac", "grad/norm": "grad/norm_preclip",
+    "grad/clip_scale": "grad/clip_scale", "optim/lr": "optim/lr",
+    "logp_old/pos_mean": "logp_old/pos_mean", "logp_old/neg_mean": "logp_old/neg_mean",
+    "delta_logp/pos_mean": "delta_logp/pos_mean", "delta_logp/neg_mean": "delta_logp/neg_mean",
+}
+
+
+def padded_length(config) -> int:
+    multiple = max(1, int(config.rollout.pad_to_multiple))
+    return -(-int(config.rollout.max_context) // multiple) * multiple
+
+
+def pad_columns(array: np.ndarray, length: int, value) -> np.ndarray:
+    if array.shape[1] > length:
+        raise ValueError(f"rollout arrays are {array.shape[1]} tokens long, more than the trainer's fixed "
+                         f"length {length} (rollout.max_context rounded to rollout.pad_to_multiple)")
+    return np.pad(array, ((0, 0), (0, length - array.shape[1])), constant_values=value)
+
+
+def summarize_update(per_mini: dict[str, np.ndarray], llds_coef: float) -> dict[str, float]:
+    """Per-mini-batch arrays → one flat dict for the step (means; extrema; first/last LLDS)."""
+    out = {key: float(np.mean(per_mini[src])) for src, key in _MEAN_KEYS.items() if src in per_mini}
+    out["ratio/max"] = float(np.max(per_mini["ratio_max"]))
+    out["ratio/min"] = float(np.min(per_mini["ratio_min"]))
+    out["grad/norm_preclip_max"] = float(np.max(per_mini["grad/norm"]))
+    out["update/skipped"] = float(np.sum(per_mini["update/skipped"]))
+    out["update/mini_batches"] = float(len(per_mini["loss"]))
+    out["llds/value_first_minibatch"] = float(per_mini["llds/penalty"][0])
+    out["llds/value_last_minibatch"] = float(per_mini["llds/penalty"][-1])
+    out["llds/lambda"] = float(llds_coef)
+    return out
+
+
+def logprob_gap(sampler_logp: np.ndarray, trainer_logp: np.ndarray, action_mask: np.ndarray) -> dict[str, float]:
+    """Mean |Δ| and Pearson correlation of sampler vs trainer log-probs on action tokens.
+
+    ``sampler_logp`` is aligned with the ids (entry t = log p of token t), ``trainer_logp`` is
+    shifted (entry t scores token t+1), hence the ``[:, 1:]``.
+    """
+    mask = action_mask[:, 1:] > 0
+    a, b = sampler_logp[:, 1:][mask], trainer_logp[:, : mask.shape[1]][mask]
+    if a.size < 2:
+        return {"logprob_gap/abs_mean": float("nan"), "logprob_gap/corr": float("nan")}
+    corr = float(np.corrcoef(a, b)[0, 1]) if a.std() > 0 and b.std() > 0 else float("nan")
+    return {"logprob_gap/abs_mean": float(np.abs(a - b).mean()), "logprob_gap/abs_max": float(np.abs(a - b).max()),
+            "logprob_gap/corr": corr}
+
+
+@dataclasses.dataclass
+class Learner:
+    """Train state + jitted step functions on one mesh. Build with :meth:`create`."""
+
+    config: Any
+    mesh: jax.sharding.Mesh
+    rules: ShardingRules
+    graphdef: Any
+    state: TrainState
+    state_shardings: TrainState
+    batch_shardings: TrainBatch
+    fns: Any
+    seq_len: int
+
+    @classmethod
+    def create(cls, model: nnx.Module, config, mesh, rules: ShardingRules | None = None,
+               ref_model: nnx.Module | None = None) -> Learner:
+        """Split ``model`` (already placed on ``mesh``) into graphdef + fp32 params and jit the step.
+
+        π_ref is a copy of the current params (``ref_model``'s if given) cast to
+        ``model.ref_dtype``; it is skipped entirely when ``rl.kl_coef == 0``.
+        """
+        rules = rules or DEFAULT_RULES
+        graphdef, params = nnx.split(model, nnx.Param)
+        with jax.set_mesh(mesh):
+            param_shardings = jax.tree.map(lambda x: x.sharding, params)
+            ref = None
+            if config.rl.kl_coef > 0:
+                ref = params if ref_model is None else nnx.state(ref_model, nnx.Param)
+            ref_dtype = None if config.model.ref_dtype == config.model.param_dtype else config.model.ref_dtype
+            abstract = jax.eval_shape(lambda p, r: init_train_state(p, config.optim, config.seed, r, ref_dtype),
+                                      params, ref)
+            state_shardings = train_state_shardings(abstract, param_shardings, mesh, config.optim)
+            init = jax.jit(lambda p, r: init_train_state(p, config.optim, config.seed, r, ref_dtype),
+                           out_shardings=state_shardings)
+            state = init(params, ref)
+        seq_len = padded_length(config)
+        example = cls._host_batch_shapes(StepSizes.from_config(config).trajectories, seq_len, with_ref=ref is not None)
+        batch_shardings = train_batch_shardings(example, mesh, rules)
+        fns = build_update_fns(graphdef, state_shardings, batch_shardings, mesh, config, rules)
+        return cls(config, mesh, rules, graphdef, state, state_shardings, batch_shardings, fns, seq_len)
+
+    @staticmethod
+    def _host_batch_shapes(n: int, length: int, with_ref: bool) -> TrainBatch:
+        tok = jax.ShapeDtypeStruct((n, length), jnp.float32)
+        row = jax.ShapeDtypeStruct((n,), jnp.float32)
+        logp = jax.ShapeDtypeStruct((n, length - 1), jnp.float32)
+        return TrainBatch(jax.ShapeDtypeStruct((n, length), jnp.int32), jax.ShapeDtypeStruct((n, length), jnp.bool_),
+                          tok, tok, jax.ShapeDtypeStruct((n, length), jnp.int32), row, row, row, logp,
+                          logp if with_ref else None)
+
+    # -- what the sampler reads -------------------------------------------------------------
+    def policy(self) -> tuple[Any, Any]:
+        """``(graphdef, params)`` of the current policy — the same arrays the update reads."""
+        return self.graphdef, self.state.params
+
+    # -- one training step's update phase ---------------------------------------------------
+    def device_batch(self, arrays: dict[str, np.ndarray], advantages: np.ndarray) -> TrainBatch:
+        n, length = StepSizes.from_config(self.config).trajectories, self.seq_len
+        if arrays["input_ids"].shape[0] != n:
+            raise ValueError(f"rollout has {arrays['input_ids'].shape[0]} trajectories, the step expects "
+                             f"train.prompts_per_step×rollout.n_samples = {n}")
+        host = TrainBatch(
+            input_ids=pad_columns(arrays["input_ids"].astype(np.int32), length, 0),
+            attention_mask=pad_columns(arrays["attention_mask"].astype(bool), length, False),
+            action_mask=pad_columns(arrays["action_mask"].astype(np.float32), length, 0.0),
+            answer_mask=pad_columns(arrays["answer_mask"].astype(np.float32), length, 0.0),
+            action_index=pad_columns(arrays["action_index"].astype(np.int32), length, -1),
+            num_searches=np.asarray(arrays["num_searches"], np.float32),
+            row_weight=np.asarray(arrays.get("row_weight", np.ones(n)), np.float32),
+            advantages=np.asarray(advantages, np.float32),
+        )
+        shardings = self.batch_shardings._replace(old_logp=None, ref_logp=None)
+        return jax.device_put(host, shardings)
+
+    def advantages(self, rewards: np.ndarray, group_ids: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+        rl = self.config.rl
+        valid = np.ones(len(rewards), bool) if valid is None else valid
+        return np.asarray(compute_advantages(jnp.asarray(rewards, jnp.float32), jnp.asarray(group_ids),
+                                             jnp.asarray(valid), estimator=rl.advantage_estimator,
+                                             eps=rl.advantage_eps, unbiased_std=rl.unbiased_std))
+
+    def update(self, arrays: dict[str, np.ndarray], rewards: np.ndarray, group_ids: np.ndarray,
+               ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+        """π_old, π_ref, then the sequential mini-batch updates. Returns (step metrics, host arrays).
+
+        The host arrays (advantages, old_logp, per-mini-batch metrics) feed the diagnostics.
+        """
+        advantages = self.advantages(rewards, group_ids)
+        with jax.set_mesh(self.mesh):
+            batch = self.device_batch(arrays, advantages)
+            clock = time.perf_counter()
+            old_logp = self.fns.policy_logprobs(self.state.params, batch.input_ids, batch.attention_mask)
+            ref_logp = None
+            if self.fns.reference_logprobs is not None:
+                ref_logp = self.fns.reference_logprobs(self.state.ref_params, batch.input_ids, batch.attention_mask)
+            jax.block_until_ready((old_logp, ref_logp))
+            logprob_s = time.perf_counter() - clock
+            batch = batch._replace(old_logp=old_logp, ref_logp=ref_logp)
+            clock = time.perf_counter()
+            self.state, per_mini = self.fns.update(self.state, batch)
+            per_mini = jax.device_get(per_mini)
+            update_s = time.perf_counter() - clock
+        old_host = np.asarray(jax.device_get(old_logp))
+        metrics = summarize_update(per_mini, self.config.rl.llds_coef)
+        trained_tokens = float(np.sum(arrays["action_mask"]))
+        all_tokens = float(np.sum(arrays["attention_mask"]))
+        metrics.update({
+            "time/logprobs_s": logprob_s, "time/update_s": update_s,
+            "throughput/update_tokens_per_s": all_tokens / max(update_s, 1e-9),
+            "throughput/action_tokens_per_s": trained_tokens / max(update_s, 1e-9),
+            "advantage/abs_mean": float(np.abs(advantages).mean()),
+            "advantage/nonzero_frac": float(np.mean(advantages != 0)),
+        })
+        if "sampler_logprobs" in arrays:
+            metrics.update(logprob_gap(arrays["sampler_logprobs"], old_host, arrays["action_mask"]))
+        return metrics, {"advantages": advantages, "old_logp": old_host, "per_mini_batch": per_mini}
+
+    def logprobs_now(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """log π_θ of the batch's tokens under the *current* params (for Δ after the step's updates)."""
+        n = arrays["input_ids"].shape[0]
+        batch = self.device_batch(arrays, np.zeros(n, np.float32))
+        with jax.set_mesh(self.mesh):
+            return np.asarray(jax.device_get(
+                self.fns.policy_logprobs(self.state.params, batch.input_ids, batch.attention_mask)))
+
+    def compile_counts(self) -> dict[str, int]:
+        """Jit cache sizes (one entry per compiled signature): must stay 1 for a whole run."""
+        fns = {"policy_logprobs": self.fns.policy_logprobs, "update": self.fns.update}
+        if self.fns.reference_logprobs is not None:
+            fns["reference_logprobs"] = self.fns.reference_logprobs
+        return {name: fn._cache_size() for name, fn in fns.items()}

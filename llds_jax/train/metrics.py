@@ -1,0 +1,103 @@
+"""Per-step metrics: ``<workdir>/metrics.jsonl``, TensorBoard event files, and one console line.
+
+``metrics.jsonl`` is the contract with ``llds_jax.diagnostics.report``: one JSON object per
+line, flat ``/``-separated keys (``reward/mean``, ``llds/value``, ``time/rollout_s``), plus
+``step`` and ``phase`` (``sft``/``rl``/``eval``). Values are plain floats; NaN/inf are written
+as ``null`` so the file stays strict JSON (a non-finite loss is itself reported by the
+``update/skipped`` counter). The file is appended to, so a resumed run continues it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# (key, short label, format) shown on the console, in this order, when present.
+CONSOLE_KEYS = (
+    ("loss/total", "loss", ".4f"),
+    ("reward/mean", "reward", ".3f"),
+    ("llds/value", "llds", ".2e"),
+    ("rollout/searches_mean", "search", ".2f"),
+    ("rollout/valid_action_rate", "valid", ".2f"),
+    ("policy/entropy", "ent", ".3f"),
+    ("grad/norm", "gnorm", ".3f"),
+    ("optim/lr", "lr", ".1e"),
+    ("time/rollout_s", "t_roll", ".1f"),
+    ("time/logprobs_s", "t_lp", ".1f"),
+    ("time/update_s", "t_upd", ".1f"),
+    ("time/step_s", "t_step", ".1f"),
+)
+
+
+def to_float(value: Any) -> float | None:
+    value = float(np.asarray(value))
+    return value if math.isfinite(value) else None
+
+
+def flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, name))
+        else:
+            flat[name] = value
+    return flat
+
+
+def console_line(step: int, phase: str, metrics: Mapping[str, float | None]) -> str:
+    parts = [f"[{phase} {step:>4d}]"]
+    for key, label, fmt in CONSOLE_KEYS:
+        if key in metrics and metrics[key] is not None:
+            parts.append(f"{label}={format(metrics[key], fmt)}")
+    return " ".join(parts)
+
+
+class MetricsWriter:
+    """Writes every step to JSONL (always), TensorBoard (if enabled) and a console callback."""
+
+    def __init__(self, workdir: str | Path, tensorboard: bool = True, console=print):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.path = self.workdir / "metrics.jsonl"
+        self._file = open(self.path, "a", buffering=1)
+        self._console = console
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+
+    def write(self, step: int, metrics: Mapping[str, Any], phase: str = "rl") -> dict[str, float | None]:
+        flat = {k: to_float(v) for k, v in flatten(metrics).items()}
+        record = {"step": int(step), "phase": phase, "wall_time": time.time(), **flat}
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in flat.items():
+                if value is not None:
+                    self._tb.add_scalar(f"{phase}/{key}", value, int(step))
+        if self._console is not None:
+            self._console(console_line(int(step), phase, flat))
+        return flat
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def read_metrics(workdir: str | Path) -> list[dict]:
+    path = Path(workdir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,249 @@
+"""The jitted pieces of one GRPO + LLDS training step (SPEC §4), with explicit shardings.
+
+A training step, after the rollout, is exactly the reference's:
+
+1. ``logπ_old`` of every rollout token, once, with the *training* model's own forward
+   (``policy_logprobs``: same code path and temperature as the loss) — before any update;
+2. ``logπ_ref`` with the frozen reference params (``reference_logprobs``; bf16 allowed);
+3. ``update``: the rollout batch split **in order, without shuffling** into
+   ``mini_batch_size`` chunks, one AdamW update each (a ``lax.scan``, so π_θ moves between
+   chunks while π_old stays fixed — which is the only reason LLDS is ever non-zero), every
+   update accumulating exact gradients over ``micro_batch_size`` chunks (sums and
+   denominators, ``llds_jax.rl.objective``), clipping the global norm, and skipping the
+   update (counted) when the loss or the gradient norm is non-finite.
+
+All three are ``jax.jit`` with ``in_shardings``/``out_shardings`` computed before the first
+call, and ``update`` donates the train state. Batch arrays are sharded over the batch axes
+of the rules table (``("data", "fsdp")``); every micro-batch is re-constrained to that
+layout so each device works on its slice. The rules stay the model's: params and Adam
+moments use the same table the sampler reads, so no resharding happens between rollout and
+update on the default rules.
+
+Token alignment: rollout arrays are aligned with ``input_ids`` (mask[t] says token t is an
+action token). Log-probs are [N, T-1]: entry t scores token t+1, so the loss reads
+``mask[:, 1:]``. Nothing here materialises [B, T, V] logits (``token_logprobs`` chunks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from llds_jax.models.logprobs import token_logprobs
+from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
+from llds_jax.parallel.rules import ShardingRules
+from llds_jax.rl.objective import (
+    LossMasks,
+    ObjectiveTerms,
+    PolicyBatch,
+    batch_constants,
+    finalize,
+    micro_batch_loss,
+)
+from llds_jax.rl.objective import accumulate as accumulate_terms
+from llds_jax.train.state import TrainState, learning_rate, make_optimizer
+
+
+class TrainBatch(NamedTuple):
+    """One rollout batch as the update sees it; every array has N = trajectories rows.
+
+    Token arrays are [N, T] aligned with ``input_ids``; ``old_logp``/``ref_logp`` are
+    [N, T-1] (entry t scores token t+1); ``ref_logp`` is None when ``rl.kl_coef == 0``.
+    """
+
+    input_ids: jax.Array  # int32 [N, T], right-padded
+    attention_mask: jax.Array  # bool [N, T]: real tokens (prompt, actions, feedback)
+    action_mask: jax.Array  # float32 [N, T]: 1 on model-written tokens that are trained
+    answer_mask: jax.Array  # float32 [N, T]: 1 on the last <answer>…</answer> span
+    action_index: jax.Array  # int32 [N, T]: which action a token belongs to, -1 elsewhere
+    num_searches: jax.Array  # float32 [N]
+    row_weight: jax.Array  # float32 [N]: 1 real trajectory, 0 padding row
+    advantages: jax.Array  # float32 [N]
+    old_logp: jax.Array | None = None  # float32 [N, T-1]
+    ref_logp: jax.Array | None = None  # float32 [N, T-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSizes:
+    """Static sizes of the update (one compiled shape per run)."""
+
+    trajectories: int
+    mini_batch_size: int
+    micro_batch_size: int
+    logprob_batch_size: int
+    total_steps: int
+
+    @property
+    def num_mini_batches(self) -> int:
+        return self.trajectories // self.mini_batch_size
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.mini_batch_size // self.micro_batch_size
+
+    @classmethod
+    def from_config(cls, config) -> StepSizes:
+        t = config.train
+        return cls(t.prompts_per_step * config.rollout.n_samples, t.mini_batch_size, t.micro_batch_size,
+                   t.logprob_batch_size, t.total_steps)
+
+
+BATCH_AXES = ("batch",)
+
+
+def batch_sharding(mesh, rules: ShardingRules, ndim: int, shape=None) -> NamedSharding:
+    """Rows over the data-parallel axes, everything else replicated."""
+    logical = ("batch",) + (None,) * (ndim - 1)
+    return rules.sharding(logical, mesh, shape)
+
+
+def train_batch_shardings(batch: TrainBatch, mesh, rules: ShardingRules) -> TrainBatch:
+    return jax.tree.map(lambda x: batch_sharding(mesh, rules, x.ndim, x.shape), batch)
+
+
+def _constrain_rows(tree, rules: ShardingRules):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return tree
+    return jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x, rules.spec(("batch",) + (None,) * (x.ndim - 1), x.shape, mesh)),
+        tree)
+
+
+def _split_rows(tree, parts: int):
+    """[N, ...] → [parts, N/parts, ...], keeping row order (chunk k = rows k·n … (k+1)·n − 1)."""
+    return jax.tree.map(lambda x: x.reshape((parts, x.shape[0] // parts) + x.shape[1:]), tree)
+
+
+def forward_logprobs(graphdef, params, input_ids, attention_mask, *, temperature: float, chunk_size: int,
+                     with_entropy: bool):
+    """log π(token t+1 | ≤ t) [N, T-1] (and entropy) — the one forward used for π_old, π_ref and the loss."""
+    model = nnx.merge(graphdef, params)
+    hidden = model.hidden_states(input_ids, attention_mask)
+    return token_logprobs(hidden[:, :-1], model.unembed(), input_ids[:, 1:], temperature=temperature,
+                          chunk_size=chunk_size, with_entropy=with_entropy)
+
+
+def _loss_masks(mb: TrainBatch) -> LossMasks:
+    return LossMasks(
+        action_mask=mb.action_mask[:, 1:],
+        answer_mask=mb.answer_mask[:, 1:],
+        action_index=mb.action_index[:, 1:],
+        row_weight=mb.row_weight,
+        num_searches=mb.num_searches,
+    )
+
+
+def _global_norm(tree) -> jax.Array:
+    return optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree))
+
+
+def _empty_terms(shapes: ObjectiveTerms) -> ObjectiveTerms:
+    """The identity of ``accumulate_terms``: zero sums/denominators, ∓inf extrema."""
+    full = lambda tree, value: jax.tree.map(lambda s: jnp.full(s.shape, value, s.dtype), tree)
+    return ObjectiveTerms(full(shapes.sums, 0.0), full(shapes.denoms, 0.0),
+                                       full(shapes.maxima, -jnp.inf), full(shapes.minima, jnp.inf))
+
+
+class UpdateFns(NamedTuple):
+    policy_logprobs: Any  # (params, input_ids, attention_mask) -> logp [N, T-1]
+    reference_logprobs: Any  # (ref_params, input_ids, attention_mask) -> logp [N, T-1]
+    update: Any  # (state, batch) -> (state, metrics with a leading [num_mini_batches] axis)
+
+
+def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: TrainBatch, mesh, config,
+                     rules: ShardingRules | None = None) -> UpdateFns:
+    """Jit the three functions of a step with explicit shardings; call them under ``jax.set_mesh(mesh)``."""
+    rules = rules or DEFAULT_RULES
+    sizes = StepSizes.from_config(config)
+    rl_cfg, optim_cfg = config.rl, config.optim
+    temperature = float(config.rollout.temperature)
+    chunk = int(config.model.logprob_chunk_size)
+    tx = make_optimizer(optim_cfg)
+    with_entropy = rl_cfg.entropy_coef > 0
+    replicated = NamedSharding(mesh, PartitionSpec())
+    logp_sharding = batch_sharding(mesh, rules, 2)
+
+    def logprobs(params, input_ids, attention_mask):
+        """No-grad log-probs over the whole batch in ``logprob_batch_size`` chunks (lax.map)."""
+        parts = sizes.trajectories // sizes.logprob_batch_size
+        ids, mask = _split_rows((input_ids, attention_mask), parts)
+
+        def one(chunk_arrays):
+            chunk_ids, chunk_mask = _constrain_rows(chunk_arrays, rules)
+            logp, _ = forward_logprobs(graphdef, params, chunk_ids, chunk_mask, temperature=temperature,
+                                       chunk_size=chunk, with_entropy=False)
+            return _constrain_rows(logp, rules)
+
+        out = jax.lax.map(one, (ids, mask))
+        return jax.lax.stop_gradient(out.reshape((sizes.trajectories,) + out.shape[2:]))
+
+    def micro_loss(params, mb: TrainBatch, constants):
+        logp, entropy = forward_logprobs(graphdef, params, mb.input_ids, mb.attention_mask, temperature=temperature,
+                                         chunk_size=chunk, with_entropy=with_entropy)
+        policy_batch = PolicyBatch(logp=logp, old_logp=mb.old_logp, ref_logp=mb.ref_logp,
+                                                entropy=entropy, advantages=mb.advantages, masks=_loss_masks(mb))
+        return micro_batch_loss(policy_batch, rl_cfg, constants, sizes.num_micro_batches)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def one_update(state: TrainState, mini: TrainBatch, lr):
+        constants = batch_constants(mini.advantages, _loss_masks(mini), rl_cfg)
+        micros = _split_rows(mini, sizes.num_micro_batches)
+        zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+
+        def accumulate(carry, mb):
+            grads, loss, terms = carry
+            mb = _constrain_rows(mb, rules)
+            (mb_loss, mb_terms), mb_grads = grad_fn(state.params, mb, constants)
+            grads = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), grads, mb_grads)
+            terms = accumulate_terms(terms, mb_terms)
+            return (grads, loss + mb_loss, terms), None
+
+        first = jax.tree.map(lambda x: x[0], micros)
+        terms_shape = jax.eval_shape(grad_fn, state.params, first, constants)[0][1]
+        (grads, loss, terms), _ = jax.lax.scan(
+            accumulate, (zero_grads, jnp.zeros((), jnp.float32), _empty_terms(terms_shape)), micros)
+        _, metrics = finalize(terms, rl_cfg)
+
+        grad_norm = _global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        scale = jnp.minimum(1.0, optim_cfg.clip_norm / (grad_norm + 1e-6))
+        grads = jax.tree.map(lambda g: jnp.where(finite, g * scale, 0.0), grads)
+        direction, new_opt_state = tx.update(grads, state.opt_state, state.params)
+        new_params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), state.params, direction)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        state = state.replace(
+            params=keep(new_params, state.params),
+            opt_state=keep(new_opt_state, state.opt_state),
+            updates=state.updates + finite.astype(jnp.int32),
+            skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32),
+        )
+        metrics.update({"loss/objective": loss, "grad/norm": grad_norm, "update/skipped": (~finite).astype(jnp.float32),
+                        "grad/clip_scale": scale})
+        return state, metrics
+
+    def update(state: TrainState, batch: TrainBatch):
+        lr = learning_rate(state.step, optim_cfg, sizes.total_steps)
+        minis = _split_rows(batch, sizes.num_mini_batches)
+        state, metrics = jax.lax.scan(lambda s, mini: one_update(s, mini, lr), state, minis)
+        metrics["optim/lr"] = jnp.broadcast_to(lr, (sizes.num_mini_batches,))
+        state = state.replace(step=state.step + 1)
+        return state, metrics
+
+    ids_sh, mask_sh = batch_shardings.input_ids, batch_shardings.attention_mask
+    policy_logprobs = jax.jit(logprobs, in_shardings=(state_shardings.params, ids_sh, mask_sh),
+                              out_shardings=logp_sharding)
+    reference_logprobs = None
+    if state_shardings.ref_params is not None:
+        reference_logprobs = jax.jit(logprobs, in_shardings=(state_shardings.ref_params, ids_sh, mask_sh),
+                                     out_shardings=logp_sharding)
+    update_jit = jax.jit(update, in_shardings=(state_shardings, batch_shardings),
+                         out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+    return UpdateFns(policy_logprobs, reference_logprobs, update_jit)
