@@ -39,13 +39,17 @@ key                              meaning (unit)
 
 What the trainer calls each step
 --------------------------------
-1. ``step_diagnostics(ResponseBatch(...))`` → dict (``diag/*``), with per-action sums
-   from :func:`per_action.per_action_sums` over :func:`per_action.action_index`;
+1. ``step_diagnostics(response_batch_from_rollout(rollout, advantage=, reward=,
+   old_logprobs=, num_action_slots=max_turns + 1, new_logprobs=None, token_entropy=None))``
+   → dict (``diag/*``); :mod:`from_rollout` turns the ``RolloutBatch`` and ``[N, L]``
+   token arrays into the per-response :class:`ResponseBatch` (``new_logprobs`` is the
+   switchable extra forward pass after the step's updates that gives Δ and the LLD rate);
 2. ``report = monitor.update(step, metrics)`` → log ``report.as_metrics()``; act on
    ``report.action`` (``STOP``: save a checkpoint and stop; ``RAISE_LAMBDA``: use
    ``report.llds_lambda`` from the next step on).
 """
 
+from llds_jax.diagnostics.from_rollout import response_batch_from_rollout
 from llds_jax.diagnostics.monitor import (
     Action,
     DeathSpiralMonitor,
@@ -65,5 +69,5 @@ REPORTED_KEYS = (
 
 __all__ = [
     "Action", "DeathSpiralMonitor", "MonitorConfig", "MonitorReport", "Phase", "ResponseBatch",
-    "replay", "step_diagnostics", "LIKELIHOOD_KEY", "REPORTED_KEYS",
+    "replay", "response_batch_from_rollout", "step_diagnostics", "LIKELIHOOD_KEY", "REPORTED_KEYS",
 ]

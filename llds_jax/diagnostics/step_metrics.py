@@ -54,7 +54,8 @@ class ResponseBatch:
     num_actions: ArrayLike | None = None  # [B] actions taken
     finished: ArrayLike | None = None  # [B] ended with an <answer>
     group_id: ArrayLike | None = None  # [B] prompt id; GRPO group membership
-    first_search_docs: Sequence[Sequence[str] | None] | None = None  # [B] doc ids of the first search
+    # [B] identities (doc ids, or one feedback-ids tuple) of what the first search retrieved; None = no search
+    first_search_docs: Sequence[Sequence[object] | None] | None = None
 
     def __post_init__(self):
         batch = np.shape(self.advantage)[0]
@@ -163,7 +164,7 @@ def behaviour_statistics(batch: ResponseBatch) -> dict[str, float]:
 
 
 def first_action_correctness(
-    first_search_docs: Sequence[Sequence[str] | None], group_id: ArrayLike, advantage: ArrayLike
+    first_search_docs: Sequence[Sequence[object] | None], group_id: ArrayLike, advantage: ArrayLike
 ) -> tuple[float, int]:
     """(rate, eligible count): incorrect responses whose first search found a correct one's documents.
 

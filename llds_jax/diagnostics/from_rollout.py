@@ -1,0 +1,91 @@
+"""Build a :class:`ResponseBatch` from the rollout batch and the token arrays of a training step.
+
+The trainer holds, per step, the ``RolloutBatch`` (``llds_jax.rollout.trajectory``), the
+advantages, π_old log-probs of every token (computed once before the updates) and,
+optionally, π_new log-probs (one extra no-grad forward after the updates) and token
+entropies. All token arrays are ``[N, L]`` aligned with ``rollout.input_ids``: position
+``t`` holds the value for the token *at* ``t``, as ``rollout.sampler_logprobs`` does.
+
+First-action correctness needs "the documents the first search retrieved". The rollout
+keeps the feedback token ids rather than document ids, and identical retrievals give
+identical feedback ids (same docs, same order, same cut), so the whole first feedback
+block serves as one document identity. Only a first action that is a valid search has
+one: the paper's statistic is about the *first* action.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from llds_jax.diagnostics.step_metrics import ResponseBatch
+
+
+def per_action_sums_np(token_values: np.ndarray, action_index: np.ndarray, num_actions: int) -> np.ndarray:
+    """``[N, A]`` sums of ``token_values`` over each action's tokens (host twin of ``per_action.per_action_sums``)."""
+    values = np.asarray(token_values, np.float64)
+    index = np.asarray(action_index)
+    return np.stack([np.where(index == k, values, 0.0).sum(axis=1) for k in range(num_actions)], axis=1)
+
+
+def first_search_feedback(rollout) -> list[tuple[tuple[int, ...]] | None]:
+    """Per row, the first search's feedback ids as a one-element document-identity tuple, or None."""
+    from llds_jax.rollout.protocol import parse_action
+
+    keys: list[tuple[tuple[int, ...]] | None] = []
+    for row in range(rollout.size):
+        actions = rollout.action_texts[row]
+        if not actions or parse_action(actions[0]).kind != "search":
+            keys.append(None)
+            continue
+        feedback = np.flatnonzero(rollout.feedback_mask[row])
+        if feedback.size == 0:
+            keys.append(None)
+            continue
+        breaks = np.flatnonzero(np.diff(feedback) > 1)
+        end = feedback[breaks[0]] + 1 if breaks.size else feedback[-1] + 1
+        keys.append((tuple(int(i) for i in rollout.input_ids[row, feedback[0]:end]),))
+    return keys
+
+
+def response_batch_from_rollout(
+    rollout,
+    *,
+    advantage: Sequence[float] | np.ndarray,
+    reward: Sequence[float] | np.ndarray,
+    old_logprobs: np.ndarray,
+    num_action_slots: int,
+    new_logprobs: np.ndarray | None = None,
+    token_entropy: np.ndarray | None = None,
+) -> ResponseBatch:
+    """Everything :func:`step_diagnostics` needs, from arrays the trainer already has.
+
+    ``num_action_slots`` is fixed per run (``rollout.max_turns + 1``) so every step
+    reports the same metric keys; actions beyond it are dropped from per-action sums.
+    """
+    index = np.asarray(rollout.action_index)
+    mask = np.asarray(rollout.action_mask, bool)
+    old = np.where(mask, np.asarray(old_logprobs, np.float64), 0.0)
+    delta = None
+    if new_logprobs is not None:
+        delta = per_action_sums_np(np.where(mask, np.asarray(new_logprobs, np.float64), 0.0) - old, index,
+                                   num_action_slots)
+    entropy_sum = None
+    if token_entropy is not None:
+        entropy_sum = np.where(mask, np.asarray(token_entropy, np.float64), 0.0).sum(axis=1)
+    return ResponseBatch(
+        advantage=np.asarray(advantage, np.float64),
+        reward=np.asarray(reward, np.float64),
+        old_logp_per_action=per_action_sums_np(old, index, num_action_slots),
+        tokens_per_action=per_action_sums_np(mask, index, num_action_slots),
+        delta_logp_per_action=delta,
+        entropy_sum=entropy_sum,
+        response_length=np.asarray(rollout.lengths) - np.asarray(rollout.prompt_lengths),
+        num_searches=np.asarray(rollout.searches),
+        num_valid_actions=np.asarray(rollout.valid_actions),
+        num_actions=np.asarray(rollout.turns),
+        finished=np.asarray(rollout.finished),
+        group_id=np.asarray(rollout.group_ids),
+        first_search_docs=first_search_feedback(rollout),
+    )

@@ -1,0 +1,73 @@
+"""Diagnostics from a real RolloutBatch: the rollout loop driven by a scripted policy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llds_jax.diagnostics.from_rollout import first_search_feedback, response_batch_from_rollout
+from llds_jax.diagnostics.step_metrics import step_diagnostics
+from llds_jax.retrieval import Hit
+from llds_jax.rollout.config import default_config
+from llds_jax.rollout.multi_turn import run_rollouts
+from llds_jax.rollout.protocol import ACTION_STOP_STRINGS
+from llds_jax.rollout.scripted_policy import ScriptedPolicy, scripted_logprob
+from llds_jax.sampling.stop_strings import build_stop_table
+from llds_jax.sampling.token_bytes import vocab_bytes
+
+
+class QueryEchoRetriever:
+    """Returns one passage named after the query, so equal queries retrieve equal documents."""
+
+    def search(self, queries, topk):
+        return [[Hit(id=f"doc:{q}", contents=f'"{q}"\npassage about {q}', score=1.0)] for q in queries]
+
+
+# Two GRPO groups of two. Group 0: both search "paris capital" (the wrong one's first action is
+# correct). Group 1: the wrong response searched something else. Row 4 (group 2) answers directly.
+SCRIPTS = [
+    (0, "<search> paris capital </search>", "<answer> Paris </answer>", 1.0),
+    (0, "<search> paris capital </search>", "<answer> Lyon </answer>", 0.0),
+    (1, "<search> tallest mountain </search>", "<answer> Everest </answer>", 1.0),
+    (1, "<search> deepest lake </search>", "<answer> Baikal </answer>", 0.0),
+]
+
+
+@pytest.fixture(scope="module")
+def rollout(qwen_tokenizer):
+    streams = [[qwen_tokenizer.encode(first), qwen_tokenizer.encode(second)] for _, first, second, _ in SCRIPTS]
+    policy = ScriptedPolicy(streams, build_stop_table(vocab_bytes(qwen_tokenizer), ACTION_STOP_STRINGS),
+                            stop_token_ids=[qwen_tokenizer.eos_token_id])
+    config = default_config()
+    config.update(dict(n_samples=1, max_turns=1, max_action_tokens=32, max_obs_tokens=64, max_context=512,
+                       pad_to_multiple=64))
+    return run_rollouts(policy, qwen_tokenizer, ["q0", "q0", "q1", "q1"], QueryEchoRetriever(), config,
+                        group_ids=[g for g, *_ in SCRIPTS])
+
+
+def test_first_search_feedback_is_equal_exactly_when_the_documents_are(rollout):
+    keys = first_search_feedback(rollout)
+    assert keys[0] == keys[1] and keys[2] != keys[3] and all(k is not None for k in keys)
+
+
+def test_step_diagnostics_from_a_real_rollout(rollout):
+    reward = np.array([r for *_, r in SCRIPTS])
+    advantage = np.array([1.0, -1.0, 1.0, -1.0])
+    old = rollout.sampler_logprobs  # scripted: logprob of token t is scripted_logprob(id_t)
+    new = np.where(rollout.action_mask, old + np.array([[0.01], [0.0], [-0.01], [0.0]]), old)
+    batch = response_batch_from_rollout(rollout, advantage=advantage, reward=reward, old_logprobs=old,
+                                        new_logprobs=new, num_action_slots=2)
+    metrics = step_diagnostics(batch)
+
+    def mean_token_logprob(row, action):
+        ids = rollout.input_ids[row][rollout.action_index[row] == action]
+        return np.mean([scripted_logprob(i) for i in ids])
+
+    expected_first = np.mean([mean_token_logprob(0, 0), mean_token_logprob(2, 0)])
+    assert metrics["diag/ll_correct/action0"] == pytest.approx(expected_first, rel=1e-6)
+    # Row 0's likelihood went up, row 2's went down: half the correct responses show LLD.
+    assert metrics["diag/lld_rate"] == pytest.approx(0.5)
+    # Row 1 (wrong) searched exactly what row 0 (right) searched; row 3 did not.
+    assert metrics["diag/first_action_correct_rate"] == pytest.approx(0.5)
+    assert metrics["diag/searches/mean"] == 1.0 and metrics["diag/valid_action_rate"] == 1.0
+    assert metrics["diag/finished_rate"] == 1.0
