@@ -1,0 +1,407 @@
+"""``--mode=plan``: will this config fit the hardware? Answered before a pod is booked.
+
+    python -m llds_jax.main --mode=plan --config=configs/qwen3b.py --config.plan.devices=64
+
+No weights are read or allocated. The model's shapes come from ``config.model.source`` (an
+HF ``config.json``, or a known Qwen2.5 name such as ``.../Qwen2.5-3B``); every array is a
+``jax.ShapeDtypeStruct`` carrying the sharding the run would use. Three programs are compiled
+ahead of time (``jit(...).lower(...).compile()``) on a mesh of ``plan.devices`` devices:
+
+* ``update``   — the trainer's real update step (``train.step.build_update_fns``): every
+  mini-batch's AdamW update with gradient accumulation, remat and chunked log-probs;
+* ``logprobs`` — the no-grad π_old / π_ref forward over the rollout batch;
+* ``prefill`` / ``decode`` — the sampler's cache write of the prompts and one decode token
+  (``Decoder.forward_cached``) with a KV cache for ``plan.rollout_batch`` rows.
+
+Per device it prints what lives there: params, Adam moments, the reference copy, the batch,
+the KV cache (exact, from the shardings) and XLA's own ``memory_analysis`` of each program
+(arguments, outputs, donated aliases, temporaries = activations + gradient accumulator +
+workspace), then the peak against H100 80 GB / H200 141 GB / TPU v5e 16 GB / v5p 95 GB.
+
+Which compiler: with ``plan.topology`` (e.g. ``"v5e:8x8"``) and TPU support installed (any TPU
+VM), the programs are compiled for that TPU topology. Elsewhere — this CPU-only jaxlib has no
+TPU or GPU compile-only targets — they are compiled by XLA:CPU's SPMD partitioner for the same
+number of simulated devices: argument/KV/batch sizes are then exact for any backend, while
+temporaries are XLA:CPU's buffer assignment of the same partitioned program (GPU/TPU fuse
+differently, and GPU attention kernels may need less). The table says which compiler ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+GB = 1e9
+# Usable fraction of HBM: XLA keeps some for itself; on GPU also set
+# XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (the default preallocation is only 75%).
+USABLE_FRACTION = 0.92
+HARDWARE: dict[str, tuple[str, float]] = {
+    "H100": ("NVIDIA H100 SXM, 80 GB", 80 * GB),
+    "H200": ("NVIDIA H200, 141 GB", 141 * GB),
+    "v5e": ("TPU v5e chip, 16 GB", 16 * GB),
+    "v5p": ("TPU v5p chip, 95 GB", 95 * GB),
+}
+
+# HF config.json fields of the models the paper uses, so a plan needs no download.
+KNOWN_MODELS: dict[str, dict] = {
+    "Qwen2.5-0.5B": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True),
+    "Qwen2.5-1.5B": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True),
+    "Qwen2.5-3B": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=2, intermediate_size=11008, tie_word_embeddings=True),
+    "Qwen2.5-7B": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False),
+}
+for _name, _fields in KNOWN_MODELS.items():
+    _fields.update(model_type="qwen2", hidden_act="silu", rope_theta=1000000.0, rms_norm_eps=1e-6,
+                   max_position_embeddings=32768)
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made as configured; the message names the field and value."""
+
+
+def default_plan_config() -> ml_collections.ConfigDict:
+    """The ``plan`` config section (the trainer's base config embeds it)."""
+    return ml_collections.ConfigDict(dict(
+        devices=8,            # devices of the planned mesh (CPU: simulated); 0 = those this process sees
+        topology="",          # TPU topology to compile for, e.g. "v5e:8x8" (needs TPU support)
+        rollout_batch=0,      # rows decoded together; 0 = every trajectory of a step at once
+        hardware=("H100", "H200", "v5e", "v5p"),
+        phases=("update", "logprobs", "prefill", "decode"),
+    ))
+
+
+# ------------------------------------------------------------------ inputs
+def decoder_config_for(config):
+    """The policy's DecoderConfig from ``config.model`` without touching any weights."""
+    from llds_jax.models import DecoderConfig  # noqa: PLC0415
+
+    source = str(config.model.source)
+    overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat)
+    if source.startswith("tiny:"):
+        from llds_jax.models.testing import tiny_config  # noqa: PLC0415
+
+        return tiny_config(source.split(":", 1)[1], **overrides)
+    path = Path(source)
+    if (path / "config.json").exists() or path.name == "config.json":
+        return DecoderConfig.from_hf_config(path, **overrides)
+    name = path.name
+    for known, fields in KNOWN_MODELS.items():
+        if name.lower() in (known.lower(), known.lower() + "-instruct"):
+            return DecoderConfig.from_hf_config(fields, **overrides)
+    raise PlanError(f"model.source={source!r}: no config.json there and not a known shape "
+                    f"({', '.join(KNOWN_MODELS)}); point it at an HF directory")
+
+
+def plan_devices(section) -> list:
+    """The devices to compile for: a TPU topology's, or this process's (CPU: simulated).
+
+    Raises ``_NeedsFreshProcess`` when this process's JAX already started with another
+    device count (anything that runs a JAX op fixes it: importing bm25s does).
+    """
+    if section.topology:
+        from jax.experimental import topologies  # noqa: PLC0415
+
+        try:
+            return list(topologies.get_topology_desc(section.topology, "tpu").devices)
+        except (RuntimeError, NotImplementedError) as err:
+            raise PlanError(f"plan.topology={section.topology!r}: cannot build a TPU compile target here "
+                            f"({err}); drop plan.topology to plan with XLA:CPU for plan.devices "
+                            f"simulated devices") from err
+    wanted = int(section.devices)
+    if wanted:
+        try:  # only possible before the backend starts; afterwards the device count is fixed
+            jax.config.update("jax_num_cpu_devices", wanted)
+        except RuntimeError:
+            pass
+    devices = jax.devices()
+    if wanted and len(devices) < wanted:
+        if devices[0].platform != "cpu":
+            raise PlanError(f"plan.devices={wanted}: this host has {len(devices)} {devices[0].platform} devices; "
+                            f"plan on a CPU host (simulated devices) or set plan.topology")
+        raise _NeedsFreshProcess(wanted)
+    return devices[:wanted] if wanted else devices
+
+
+class _NeedsFreshProcess(Exception):
+    """JAX's CPU device count is fixed at first use; the plan reruns in a child process."""
+
+
+def _plan_in_child(config, devices: int) -> None:
+    """Run the plan in ``python -m llds_jax.train.plan`` with ``devices`` simulated CPU devices."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.pkl"
+        path.write_bytes(pickle.dumps(config))
+        env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}")
+        result = subprocess.run([sys.executable, "-m", "llds_jax.train.plan", str(path)], env=env, check=False)
+    if result.returncode:
+        raise PlanError(f"the plan for {devices} simulated devices failed in its child process "
+                        f"(exit {result.returncode}; its error is printed above)")
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (replicas counted in full)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if leaf is None:
+            continue
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+# --------------------------------------------------------------- programs
+@dataclasses.dataclass
+class CompiledProgram:
+    name: str
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+    compile_seconds: float
+
+    @property
+    def peak_bytes(self) -> int:
+        """Live at once: inputs, outputs not written into donated inputs, temporaries."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
+
+def compile_program(name: str, jitted, *abstract_args) -> CompiledProgram:
+    start = time.perf_counter()
+    compiled = jitted.lower(*abstract_args).compile()
+    seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise PlanError(f"{name}: this backend reports no memory analysis")
+    return CompiledProgram(name, stats.argument_size_in_bytes, stats.output_size_in_bytes,
+                           stats.alias_size_in_bytes, stats.temp_size_in_bytes,
+                           stats.generated_code_size_in_bytes, seconds)
+
+
+@dataclasses.dataclass
+class Plan:
+    model: str
+    parameters: int
+    mesh_shape: tuple[int, ...]
+    compiler: str
+    resident: dict[str, int]            # per device, alive for the whole run
+    phase_extra: dict[str, dict[str, int]]  # per device, alive during one phase only
+    programs: dict[str, CompiledProgram]
+    notes: list[str]
+
+    def phase_peak(self, phase: str) -> int:
+        """Peak bytes per device of a phase: XLA's live set of the program plus what it does not see."""
+        program = self.programs[phase]
+        outside = sum(v for k, v in self.resident.items() if k not in _ARGUMENTS_OF[phase])
+        return program.peak_bytes + outside
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.phase_peak(p) for p in self.programs)
+
+
+# Which resident buffers each program receives as arguments (XLA counts those itself).
+_ARGUMENTS_OF = {
+    "update": {"params", "optimizer", "reference", "counters"},
+    "logprobs": {"params"},
+    "prefill": {"params"},
+    "decode": {"params"},
+}
+
+
+def _abstract_train_state(config, decoder_cfg, mesh, rules):
+    from llds_jax.models import Decoder  # noqa: PLC0415
+    from llds_jax.train.state import init_train_state, train_state_shardings  # noqa: PLC0415
+
+    model = nnx.eval_shape(lambda: Decoder(decoder_cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def attach(var):
+        sharding = rules.sharding(var.get_metadata()["logical_axes"], mesh, var.shape)
+        return var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=sharding))
+
+    params = jax.tree.map(attach, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    param_shardings = jax.tree.map(lambda x: x.sharding, params)
+    ref = params if config.rl.kl_coef > 0 else None
+    ref_dtype = None if config.model.ref_dtype == config.model.param_dtype else config.model.ref_dtype
+    abstract = jax.eval_shape(lambda p, r: init_train_state(p, config.optim, config.seed, r, ref_dtype), params, ref)
+    shardings = train_state_shardings(abstract, param_shardings, mesh, config.optim)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+    return graphdef, state, shardings
+
+
+def _abstract_train_batch(n: int, length: int, with_ref: bool, mesh, rules):
+    from llds_jax.train.step import TrainBatch, batch_sharding  # noqa: PLC0415
+
+    def arr(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, rules, len(shape), shape))
+
+    tok, row, logp = (n, length), (n,), (n, length - 1)
+    return TrainBatch(arr(tok, jnp.int32), arr(tok, jnp.bool_), arr(tok, jnp.float32), arr(tok, jnp.float32),
+                      arr(tok, jnp.int32), arr(row, jnp.float32), arr(row, jnp.float32), arr(row, jnp.float32),
+                      arr(logp, jnp.float32), arr(logp, jnp.float32) if with_ref else None)
+
+
+def _abstract_cache(decoder_cfg, batch: int, max_len: int, mesh, rules):
+    from llds_jax.models import init_cache  # noqa: PLC0415
+
+    with jax.set_mesh(mesh):
+        shapes = jax.eval_shape(lambda: init_cache(decoder_cfg, batch, max_len))
+    logical = {"k": ("layers", "batch", "cache_seq", "act_kv_heads", None),
+               "v": ("layers", "batch", "cache_seq", "act_kv_heads", None),
+               "valid": ("batch", "cache_seq"), "end": ("batch",)}
+    return type(shapes)(**{name: jax.ShapeDtypeStruct(getattr(shapes, name).shape, getattr(shapes, name).dtype,
+                                                      sharding=rules.sharding(axes, mesh, getattr(shapes, name).shape))
+                           for name, axes in logical.items()})
+
+
+def make_plan(config, devices=None) -> Plan:
+    """Compile the configured phases for the planned mesh and account per-device memory."""
+    from llds_jax.parallel.mesh import make_mesh  # noqa: PLC0415
+    from llds_jax.parallel.rules import DEFAULT  # noqa: PLC0415
+    from llds_jax.train.config import mesh_shape, validate  # noqa: PLC0415
+    from llds_jax.train.step import build_update_fns, train_batch_shardings  # noqa: PLC0415
+
+    section = config.get("plan") or default_plan_config()
+    devices = plan_devices(section) if devices is None else devices
+    validate(config, len(devices))
+    shape = mesh_shape(config, len(devices))
+    mesh = make_mesh(shape, devices)
+    rules = DEFAULT
+    decoder_cfg = decoder_config_for(config)
+    compiler = (f"XLA:TPU for topology {section.topology}" if section.topology
+                else f"XLA:{devices[0].platform.upper()} SPMD, {len(devices)} devices")
+
+    trajectories = config.train.prompts_per_step * config.rollout.n_samples
+    multiple = max(1, int(config.rollout.pad_to_multiple))
+    length = -(-int(config.rollout.max_context) // multiple) * multiple
+    rollout_rows = int(section.rollout_batch) or trajectories
+
+    graphdef, state, state_shardings = _abstract_train_state(config, decoder_cfg, mesh, rules)
+    batch = _abstract_train_batch(trajectories, length, state.ref_params is not None, mesh, rules)
+    cache = _abstract_cache(decoder_cfg, rollout_rows, int(config.rollout.max_context), mesh, rules)
+    parameters = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    resident = {
+        "params": bytes_per_device(state.params),
+        "optimizer": bytes_per_device(state.opt_state),
+        "reference": bytes_per_device(state.ref_params),
+        "counters": bytes_per_device((state.step, state.rng, state.updates, state.skipped_updates)),
+    }
+    phase_extra = {
+        "update": {"batch": bytes_per_device(batch)},
+        "logprobs": {"batch": bytes_per_device((batch.input_ids, batch.attention_mask))},
+        "prefill": {"kv_cache": bytes_per_device(cache)},
+        "decode": {"kv_cache": bytes_per_device(cache)},
+    }
+    programs: dict[str, CompiledProgram] = {}
+    phases = tuple(section.phases)
+    with jax.set_mesh(mesh):
+        if "update" in phases or "logprobs" in phases:
+            fns = build_update_fns(graphdef, state_shardings, train_batch_shardings(batch, mesh, rules), mesh,
+                                   config, rules)
+            if "update" in phases:
+                programs["update"] = compile_program("update", fns.update, state, batch)
+            if "logprobs" in phases:
+                programs["logprobs"] = compile_program("logprobs", fns.policy_logprobs, state.params,
+                                                       batch.input_ids, batch.attention_mask)
+        sampler_tokens = {"prefill": int(config.rollout.max_prompt_tokens), "decode": 1}
+        for phase in ("prefill", "decode"):
+            if phase in phases:
+                programs[phase] = compile_program(
+                    phase, _cached_forward(graphdef, mesh, rules), state.params,
+                    _row_array((rollout_rows, sampler_tokens[phase]), jnp.int32, mesh, rules),
+                    cache, _row_array((rollout_rows, sampler_tokens[phase]), jnp.bool_, mesh, rules))
+    notes = []
+    if rollout_rows == trajectories:
+        notes.append(f"the rollout decodes all {trajectories} trajectories of a step together "
+                     f"(KV cache {rollout_rows} rows x {config.rollout.max_context} slots); "
+                     f"--config.plan.rollout_batch=N plans a chunked rollout")
+    return Plan(f"{Path(str(config.model.source)).name} ({decoder_cfg.num_layers} layers, d={decoder_cfg.hidden_size})",
+                parameters, shape, compiler, resident, phase_extra, programs, notes)
+
+
+def _row_array(shape, dtype, mesh, rules):
+    logical = ("batch",) + (None,) * (len(shape) - 1)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=rules.sharding(logical, mesh, shape))
+
+
+def _cached_forward(graphdef, mesh, rules):
+    """The sampler's per-call program: write ``tokens`` into the cache, logits of the last one."""
+    def forward(params, tokens, cache, token_mask):
+        return nnx.merge(graphdef, params).forward_cached(tokens, cache, token_mask)
+
+    return jax.jit(forward, donate_argnums=(2,))
+
+
+# ------------------------------------------------------------------ report
+def _gb(n: int) -> str:
+    return f"{n / GB:8.2f}"
+
+
+def format_plan(plan: Plan, hardware=tuple(HARDWARE)) -> str:
+    lines = [
+        f"model      : {plan.model}, {plan.parameters / 1e9:.3f} B parameters",
+        f"mesh       : (data, fsdp, tensor) = {plan.mesh_shape}  -> {math.prod(plan.mesh_shape)} devices",
+        f"compiler   : {plan.compiler}",
+        "",
+        "resident per device (whole run), GB",
+        *(f"  {k:<24}{_gb(v)}" for k, v in plan.resident.items()),
+        f"  {'total':<24}{_gb(sum(plan.resident.values()))}",
+        "",
+        "per phase, per device, GB: XLA memory_analysis of the compiled program",
+        f"  {'phase':<10}{'args':>9}{'outputs':>9}{'donated':>9}{'temps':>9}{'+other':>9}{'peak':>9}"
+        f"{'compile s':>11}   phase-only inputs",
+    ]
+    for name, p in plan.programs.items():
+        outside = plan.phase_peak(name) - p.peak_bytes
+        extra = ", ".join(f"{k} {v / GB:.2f}" for k, v in plan.phase_extra.get(name, {}).items())
+        lines.append(f"  {name:<10}{_gb(p.argument_bytes)}{_gb(p.output_bytes)}{_gb(p.alias_bytes)}"
+                     f"{_gb(p.temp_bytes)}{_gb(outside)}{_gb(plan.phase_peak(name))}{p.compile_seconds:>11.1f}   {extra}")
+    lines += ["", f"fits? peak {plan.peak_bytes / GB:.2f} GB per device vs {USABLE_FRACTION:.0%} of HBM"]
+    for key in hardware:
+        label, capacity = HARDWARE[key]
+        usable = capacity * USABLE_FRACTION
+        verdict = "fits" if plan.peak_bytes <= usable else f"DOES NOT FIT (needs {plan.peak_bytes / usable:.1f}x)"
+        lines.append(f"  {label:<28}{verdict}")
+    lines += ["", "temps = activations (remat), gradient accumulator, log-prob chunks, attention scores;",
+              "+other = resident buffers the program does not take as arguments (e.g. Adam state while decoding)."]
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def plan_main(config) -> Plan | None:
+    """Entry point of ``--mode=plan``: print the per-device memory table (and return the plan).
+
+    When this process's JAX already runs with fewer CPU devices than ``plan.devices``, the
+    plan is made in a child process instead, which prints the table (returns None).
+    """
+    section = config.get("plan") or default_plan_config()
+    try:
+        plan = make_plan(config)
+    except _NeedsFreshProcess as need:
+        _plan_in_child(config, need.args[0])
+        return None
+    print(format_plan(plan, tuple(section.hardware)), flush=True)
+    return plan
+
+
+if __name__ == "__main__":  # the child process of _plan_in_child
+    plan_main(pickle.loads(Path(sys.argv[1]).read_bytes()))
+
