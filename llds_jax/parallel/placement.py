@@ -72,5 +72,6 @@ def golden_path(name: str) -> Path:
 
 def write_golden(name: str, specs: dict[str, PartitionSpec]) -> Path:
     path = golden_path(name)
-    path.write_text(json.dumps(specs_to_json(specs), indent=1, sort_keys=True) + "\n")
+    lines = [f" {json.dumps(name)}: {json.dumps(spec)}" for name, spec in specs_to_json(specs).items()]
+    path.write_text("{\n" + ",\n".join(lines) + "\n}\n")  # one parameter per line: readable diffs
     return path
