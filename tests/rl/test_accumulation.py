@@ -1,0 +1,120 @@
+"""Micro-batch and data-parallel accumulation of sums/denominators is exact.
+
+`loss_scope = "mini_batch"`: summing `micro_batch_loss` over micro-batches (with the
+mini-batch's `batch_constants`) gives the whole-batch loss and gradient. `"micro_batch"`:
+the sum is the mean of per-micro-batch losses (the reference's semantics). Pooled metrics
+equal the whole batch's metrics either way.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from batches import rollout_batch
+
+from llds_jax import rl
+
+# Micro-batches of one size: eager mode compiles every primitive once per shape, so shape
+# variety (not example count) is what costs time here. Halves already differ in token counts.
+SPLITS = {"halves": (4, 4), "quarters": (2, 2, 2, 2)}
+CASES = [(agg, "halves") for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum-norm")]
+CASES.append(("token-mean", "quarters"))
+
+
+def make_cfg(**overrides):
+    cfg = rl.default_config()
+    cfg.update(overrides)
+    return cfg
+
+
+def whole_batch(seed):
+    b = rollout_batch(seed, batch=8)
+    adv = rl.compute_advantages(jnp.asarray(b["rewards"]), jnp.asarray(b["group_ids"]), jnp.asarray(b["row_weight"] > 0))
+    masks = rl.LossMasks(*(jnp.asarray(b[k]) for k in ("action_mask", "answer_mask", "action_index", "row_weight", "num_searches")))
+    return rl.PolicyBatch(*(jnp.asarray(b[k]) for k in ("logp", "old_logp", "ref_logp", "entropy")), adv, masks)
+
+
+def rows(batch: rl.PolicyBatch, start: int, stop: int) -> rl.PolicyBatch:
+    return jax.tree.map(lambda x: x[start:stop], batch)
+
+
+def loss_and_grads(fn, batch):
+    def loss(logp, entropy):
+        return fn(batch._replace(logp=logp, entropy=entropy))
+
+    return jax.value_and_grad(loss, argnums=(0, 1))(batch.logp, batch.entropy)
+
+
+def micro_batches(batch, sizes):
+    bounds = np.cumsum((0,) + sizes)
+    return [rows(batch, int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@pytest.mark.parametrize("aggregation, split", CASES)
+def test_mini_batch_scope_accumulates_to_exactly_the_whole_batch(aggregation, split):
+    cfg = make_cfg(aggregation=aggregation, mask_answer=True, answer_weight=0.05, adaptive_ma=True)
+    batch = whole_batch(seed=3)
+    whole_loss, whole_grads = loss_and_grads(lambda b: rl.objective(*b, cfg)[0], batch)
+    constants = rl.batch_constants(batch.advantages, batch.masks, cfg)
+    parts = micro_batches(batch, SPLITS[split])
+    total, grads, pooled = 0.0, [], None
+    for part in parts:
+        value, part_grads = loss_and_grads(lambda b: rl.micro_batch_loss(b, cfg, constants, len(parts))[0], part)
+        total += float(value)
+        grads.append(part_grads)
+        terms = rl.objective_terms(part, cfg, constants)
+        pooled = terms if pooled is None else rl.accumulate(pooled, terms)
+    np.testing.assert_allclose(total, float(whole_loss), rtol=1e-6, atol=1e-7, err_msg="summed micro losses")
+    for i, name in enumerate(("logp", "entropy")):
+        np.testing.assert_allclose(
+            np.concatenate([np.asarray(g[i]) for g in grads]), np.asarray(whole_grads[i]), rtol=1e-6, atol=1e-8,
+            err_msg=f"d/d{name}",
+        )
+    _, pooled_metrics = rl.finalize(pooled, cfg)
+    _, whole_metrics = rl.objective(*batch, cfg)
+    for key, value in whole_metrics.items():
+        np.testing.assert_allclose(float(pooled_metrics[key]), float(value), rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("llds_denominator", ["action_tokens", "preserved_tokens"])
+def test_micro_batch_scope_is_the_mean_of_micro_batch_means(llds_denominator):
+    cfg = make_cfg(loss_scope="micro_batch", llds_denominator=llds_denominator)
+    batch = whole_batch(seed=6)  # halves with 27 and 19 action tokens: the two semantics differ
+    constants = rl.batch_constants(batch.advantages, batch.masks, cfg)
+    parts = micro_batches(batch, SPLITS["halves"])
+    total = sum(float(rl.micro_batch_loss(p, cfg, constants, len(parts))[0]) for p in parts)
+    want = np.mean([float(rl.objective(*p, cfg)[0]) for p in parts])
+    np.testing.assert_allclose(total, want, rtol=1e-6)
+    whole = float(rl.objective(*batch, cfg)[0])
+    assert abs(total - whole) > 1e-6, "the reference semantics should differ from the pooled token mean here"
+
+
+def test_batch_constants_equal_the_objective_terms_denominators():
+    cfg = make_cfg(aggregation="seq-mean-token-mean", llds_denominator="preserved_tokens")
+    batch = whole_batch(seed=7)
+    constants = rl.batch_constants(batch.advantages, batch.masks, cfg)
+    terms = rl.objective_terms(batch, cfg)
+    for key, value in constants.denominators.items():
+        assert float(value) == float(terms.denoms[key]), key
+
+
+def test_data_parallel_all_reduce_in_shard_map_equals_the_whole_batch():
+    cfg = make_cfg()
+    batch = whole_batch(seed=11)
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    spec = jax.P("data")
+    batch_specs = jax.tree.map(lambda _: spec, batch)
+
+    def per_shard(b):
+        return rl.all_reduce(rl.objective_terms(b, cfg), "data")
+
+    with jax.set_mesh(mesh):
+        sharded = jax.tree.map(lambda x: jax.device_put(x, jax.NamedSharding(mesh, spec)), batch)
+        terms = jax.jit(jax.shard_map(per_shard, in_specs=(batch_specs,), out_specs=jax.P()))(sharded)
+    loss, metrics = rl.finalize(terms, cfg)
+    want_loss, want_metrics = rl.objective(*batch, cfg)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    for key in ("llds/loss", "ratio_max", "ratio_min", "llds/gated_action_frac"):
+        np.testing.assert_allclose(float(metrics[key]), float(want_metrics[key]), rtol=1e-6, err_msg=key)
