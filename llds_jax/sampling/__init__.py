@@ -1,1 +1,35 @@
-"""llds_jax.sampling."""
+"""JAX sampler over the models' KV cache: jitted extend (prefill / append) and a jitted decode loop.
+
+Public API::
+
+    from llds_jax.sampling import generate, GenerateOutput, FinishReason
+    generate(model, input_ids, attention_mask, *, max_new_tokens, temperature=1.0, top_p=1.0,
+             top_k=0, stop_strings=(), stop_token_ids=(), key, tokenizer=None, pad_id=0)
+        -> GenerateOutput(tokens [B, max_new_tokens], logprobs [B, max_new_tokens],
+                          lengths [B], finish [B])   # numpy
+
+``model`` is a ``Decoder`` or an ``nnx.split`` ``(graphdef, params)`` pair. ``temperature=0``
+is greedy. Stop strings are matched on the bytes of the sampled ids while decoding and
+need ``tokenizer=`` (or a prebuilt ``StopStringTable``).
+
+Lower level, for multi-turn callers (the rollout): ``decode_loop.new_cache``,
+``decode_loop.extend`` (prefill or append a chunk), ``decode_loop.decode`` (the loop),
+``decode_loop.SamplingParams``, ``stop_strings.build_stop_table``, ``token_bytes.vocab_bytes``.
+"""
+
+from llds_jax.sampling.decode_loop import DecodeState, FinishReason, SamplingParams
+from llds_jax.sampling.generate import GenerateOutput, bucket, generate
+from llds_jax.sampling.stop_strings import StopStringTable, build_stop_table
+from llds_jax.sampling.token_bytes import vocab_bytes
+
+__all__ = [
+    "DecodeState",
+    "FinishReason",
+    "GenerateOutput",
+    "SamplingParams",
+    "StopStringTable",
+    "bucket",
+    "build_stop_table",
+    "generate",
+    "vocab_bytes",
+]

@@ -1,0 +1,37 @@
+"""The ``rollout`` config section and the terminator ids a policy stops on."""
+
+from __future__ import annotations
+
+import ml_collections
+
+# Chat-turn terminators and end-of-text markers of the supported families; those present in
+# a tokenizer's vocabulary stop an action in addition to its eos token.
+TERMINATOR_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Search-R1 reference limits (SPEC §2) and training-time sampling (T=1, top-p 0.95)."""
+    return ml_collections.ConfigDict(dict(
+        max_turns=3,               # searches allowed before the last, search-disabled turn (2 for NQ-only)
+        max_action_tokens=500,     # per-action cap (reference max_response_length per turn)
+        max_obs_tokens=500,        # feedback cut (reference max_obs_length)
+        max_prompt_tokens=2048,    # prompt keeps its last tokens (reference max_start_length)
+        max_context=4096,          # prompt + all actions + all feedback
+        topk=3,                    # passages per search
+        n_samples=5,               # trajectories per question (the GRPO group size)
+        temperature=1.0,           # 0 = greedy
+        top_p=0.95,
+        top_k=0,                   # 0 = off
+        stop_token_ids=(),         # () = the tokenizer's eos plus TERMINATOR_TOKENS it knows
+        pad_to_multiple=128,       # the returned arrays' L is a multiple of this (fewer trainer recompiles)
+    ))
+
+
+def terminator_ids(tokenizer, configured=()) -> tuple[int, ...]:
+    """``configured`` when given, else the eos id plus every known terminator in the vocabulary."""
+    if configured:
+        return tuple(int(i) for i in configured)
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    vocab = tokenizer.get_vocab()
+    ids.extend(vocab[t] for t in TERMINATOR_TOKENS if t in vocab)
+    return tuple(dict.fromkeys(ids))

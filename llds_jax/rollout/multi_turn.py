@@ -1,0 +1,157 @@
+"""``run_rollouts``: the turn-synchronous, batched Search-R1 loop.
+
+Every turn, all active trajectories decode one action together; all search queries of
+the turn go to the retriever in one batched call; each row's feedback ids are appended to
+its live KV cache (no re-prefill); rows that answered, ran out of turns or hit the
+context cap drop out (frozen in the decode loop, no feedback). Turns follow the
+reference's ``run_llm_loop``:
+
+* turns ``0 .. max_turns-1``: a search runs and its results come back as feedback; an
+  invalid action gets the invalid-action message; an answer ends the trajectory;
+* one last turn with search disabled: whatever the action is, the trajectory ends there
+  (a search written in it is counted as a valid action but not executed).
+
+Caps: an action has at most ``max_action_tokens`` tokens and never more than the context
+has room for; feedback is cut to ``max_obs_tokens`` and to the room left; the prompt
+keeps its last ``max_prompt_tokens``. A trajectory with no room left ends, ``truncated``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import jax
+import numpy as np
+from flax import nnx
+
+from llds_jax.rollout import protocol
+from llds_jax.rollout.config import terminator_ids
+from llds_jax.rollout.trajectory import RolloutBatch, Trajectory, collate
+from llds_jax.sampling.decode_loop import FinishReason, SamplingParams
+from llds_jax.sampling.generate import resolve_stop_table
+from llds_jax.sampling.session import DecodeSession, SampledAction
+from llds_jax.sampling.token_bytes import vocab_bytes
+
+
+class Policy(Protocol):
+    """What the loop needs from a policy; :class:`~llds_jax.sampling.session.DecodeSession` is one."""
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> None: ...
+
+    def act(self, active: np.ndarray, budgets: np.ndarray) -> list[SampledAction | None]: ...
+
+    def observe(self, chunks: Sequence[Sequence[int]]) -> None: ...
+
+
+def _is_model(policy) -> bool:
+    return isinstance(policy, nnx.Module) or (isinstance(policy, tuple) and len(policy) == 2)
+
+
+def make_policy(model, tokenizer, config, *, key: jax.Array) -> DecodeSession:
+    """A JAX decoding session for ``model`` (``Decoder`` or ``(graphdef, params)``) with ``config``'s knobs."""
+    graphdef, params = nnx.split(model) if isinstance(model, nnx.Module) else model
+    vocab_size = nnx.merge(graphdef, params).config.vocab_size
+    sampling = SamplingParams.create(
+        temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+        stop_token_ids=terminator_ids(tokenizer, config.stop_token_ids),
+        stop_table=resolve_stop_table(protocol.ACTION_STOP_STRINGS, tokenizer, vocab_size))
+    return DecodeSession((graphdef, params), sampling, max_context=config.max_context,
+                         max_action_tokens=config.max_action_tokens, key=key, pad_id=pad_token_id(tokenizer))
+
+
+def pad_token_id(tokenizer) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pad or 0)
+
+
+def run_rollouts(policy, tokenizer, questions: Sequence[str], retriever, config, *, key: jax.Array | None = None,
+                 group_ids: Sequence[int] | None = None) -> RolloutBatch:
+    """Roll out ``config.n_samples`` trajectories per question; rows are question-major.
+
+    ``policy``: a ``Decoder``, a ``(graphdef, params)`` pair (sampled with ``config``'s
+    temperature / top-p / top-k and ``key``), or any :class:`Policy`. ``retriever``: any
+    object with ``search(queries, topk) -> list[list[Hit]]``. ``group_ids[i]`` labels
+    question ``i``'s group (default ``i``); row ``i * n_samples + j`` is its ``j``-th sample.
+    """
+    if _is_model(policy):
+        if key is None:
+            raise ValueError("sampling from a model needs key=")
+        policy = make_policy(policy, tokenizer, config, key=key)
+    group_ids = list(range(len(questions))) if group_ids is None else list(group_ids)
+    if len(group_ids) != len(questions):
+        raise ValueError(f"{len(group_ids)} group ids for {len(questions)} questions")
+    vocab_size = getattr(getattr(policy, "config", None), "vocab_size", None)
+    vocab = vocab_bytes(tokenizer, vocab_size)
+    timings = dict(prefill_s=0.0, decode_s=0.0, append_s=0.0, retrieval_s=0.0, host_s=0.0)
+    started = time.perf_counter()
+
+    trajectories = []
+    for question, group in zip(questions, group_ids):
+        prompt_ids = protocol.encode_prompt(tokenizer, question, config.max_prompt_tokens)
+        trajectories.extend(Trajectory(prompt_ids=list(prompt_ids), group_id=group) for _ in range(config.n_samples))
+    clock = time.perf_counter()
+    policy.start([t.prompt_ids for t in trajectories])
+    timings["prefill_s"] += time.perf_counter() - clock
+
+    for turn in range(config.max_turns + 1):
+        search_allowed = turn < config.max_turns
+        budgets = np.array([min(config.max_action_tokens, config.max_context - t.length) for t in trajectories])
+        for traj, budget in zip(trajectories, budgets):
+            if not traj.done and budget <= 0:
+                traj.done = traj.truncated = True
+        active = np.array([not t.done for t in trajectories])
+        if not active.any():
+            break
+        clock = time.perf_counter()
+        sampled = policy.act(active, budgets)
+        timings["decode_s"] += time.perf_counter() - clock
+
+        searches: list[tuple[int, str]] = []
+        chunks: list[list[int]] = [[] for _ in trajectories]
+        for row, (traj, action) in enumerate(zip(trajectories, sampled)):
+            if action is None:
+                continue
+            record = traj.add_action(action.ids, action.logprobs, action.finish, vocab)
+            traj.truncated |= record.finish == FinishReason.CAP
+            parsed = protocol.parse_action(record.text)
+            traj.valid_actions += int(parsed.is_valid)
+            if parsed.kind == "answer":
+                traj.done = traj.finished = True
+            elif not search_allowed:
+                traj.done = True
+            elif parsed.kind == "search":
+                searches.append((row, parsed.content))
+            else:
+                chunks[row] = _cut_feedback(tokenizer, protocol.INVALID_ACTION_FEEDBACK, traj, config)
+                traj.add_feedback(chunks[row], "invalid")
+
+        if searches:
+            clock = time.perf_counter()
+            feedback = protocol.batch_search_feedback(retriever, [q for _, q in searches], config.topk)
+            timings["retrieval_s"] += time.perf_counter() - clock
+            for (row, _), text in zip(searches, feedback):
+                traj = trajectories[row]
+                chunks[row] = _cut_feedback(tokenizer, text, traj, config)
+                traj.add_feedback(chunks[row], "search")
+                traj.searches += 1
+        clock = time.perf_counter()
+        if search_allowed:
+            policy.observe(chunks)
+        timings["append_s"] += time.perf_counter() - clock
+
+    for traj in trajectories:
+        traj.done = True
+    batch = collate(trajectories, vocab, pad_id=pad_token_id(tokenizer), pad_to_multiple=config.pad_to_multiple)
+    total = time.perf_counter() - started
+    timings["host_s"] = total - sum(v for k, v in timings.items() if k != "host_s")
+    timings["total_s"] = total
+    return batch.with_timings(timings)
+
+
+def _cut_feedback(tokenizer, text: str, traj: Trajectory, config) -> list[int]:
+    """Feedback ids cut to ``max_obs_tokens`` and to the room left in the context."""
+    ids = protocol.encode_feedback(tokenizer, text, config.max_obs_tokens)
+    room = max(0, config.max_context - traj.length)
+    return ids[:room]

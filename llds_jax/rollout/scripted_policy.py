@@ -1,0 +1,75 @@
+"""A policy that replays fixed token streams, for testing the rollout without a model.
+
+Each row has one stream per turn: the ids a model "would" sample if nothing stopped it.
+``act`` emits them through the *same* stop logic as the JAX decode loop — stop ids, the
+byte-level stop-string tables of ``llds_jax.sampling.stop_strings``, the per-row budget —
+so a test can script ``</search>`` split over tokens or followed by more text and watch
+where the action really ends. Log-probs are a fixed function of the token id
+(:func:`scripted_logprob`), which lets tests check that each log-prob stayed next to
+its token through the whole rollout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from llds_jax.sampling.decode_loop import FinishReason
+from llds_jax.sampling.session import SampledAction
+from llds_jax.sampling.stop_strings import StopStringTable
+
+
+def scripted_logprob(token_id: int) -> float:
+    """The log-prob the scripted policy reports for ``token_id`` (distinct per id, always < 0)."""
+    return -1.0 - (int(token_id) % 997) / 1000.0
+
+
+class ScriptedPolicy:
+    """Replays ``streams[row][turn]``; when a row's scripted turn runs out it emits ``filler_id``."""
+
+    def __init__(self, streams: Sequence[Sequence[Sequence[int]]], stop_table: StopStringTable,
+                 stop_token_ids: Sequence[int] = (), filler_id: int = 0):
+        self.streams = [[list(turn) for turn in row] for row in streams]
+        self.stop_table = stop_table
+        self.stop_token_ids = frozenset(int(i) for i in stop_token_ids)
+        self.filler_id = filler_id
+        self.turn = [0] * len(self.streams)
+        self.prompts: list[list[int]] = []
+        self.observed: list[list[list[int]]] = [[] for _ in self.streams]
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> None:
+        if len(prompts) != len(self.streams):
+            raise ValueError(f"{len(prompts)} prompts for {len(self.streams)} scripted rows")
+        self.prompts = [list(p) for p in prompts]
+
+    def _one_action(self, row: int, budget: int) -> SampledAction:
+        turns = self.streams[row]
+        stream = turns[self.turn[row]] if self.turn[row] < len(turns) else []
+        self.turn[row] += 1
+        state = self.stop_table.initial_state(1)
+        ids: list[int] = []
+        finish = FinishReason.CAP
+        position = 0
+        while len(ids) < budget:
+            token = stream[position] if position < len(stream) else self.filler_id
+            position += 1
+            ids.append(token)
+            state, matched = self.stop_table.advance(state, np.array([token]))
+            if token in self.stop_token_ids:
+                finish = FinishReason.STOP_TOKEN
+                break
+            if matched[0]:
+                finish = FinishReason.STOP_STRING
+                break
+        logprobs = np.array([scripted_logprob(t) for t in ids], np.float32)
+        return SampledAction(np.array(ids, np.int32), logprobs, finish)
+
+    def act(self, active: np.ndarray, budgets: np.ndarray) -> list[SampledAction | None]:
+        return [self._one_action(row, int(budgets[row])) if active[row] else None
+                for row in range(len(self.streams))]
+
+    def observe(self, chunks: Sequence[Sequence[int]]) -> None:
+        for row, chunk in enumerate(chunks):
+            if chunk:
+                self.observed[row].append(list(chunk))

@@ -1,0 +1,178 @@
+"""The jitted pieces of the sampler: extend a KV cache with given tokens, and the decode loop.
+
+Everything a decode step needs is in one pytree, :class:`DecodeState`; the loop is a
+``lax.while_loop`` over it that ends when every row is done or the buffer is full.
+Parameters enter as arguments (``nnx.split`` state), never as closed-over constants, so a
+new policy after an optimizer step reuses the compiled program. So do the sampling knobs,
+the stop token ids and the stop-string tables: they are arrays, not trace-time constants.
+
+Per step, for every row at once::
+
+    token  ~ filtered(logits)              # greedy / temperature / top-k / top-p
+    done  |= token ∈ stop_ids  or  a stop string completed  or  length == budget
+    logits, cache = model.forward_cached(token, cache, token_mask=row was active)
+
+A row that is done is frozen: its token is ``pad_id``, its length and its cache stop
+moving (``token_mask`` False). The token that finishes a row *is* written to the cache,
+so a multi-turn caller can append tool feedback right after it without a re-prefill.
+
+Each row has its own ``budget`` (≤ the buffer width): the per-action cap, or less when
+the context cap is close. Buffer width, batch, cache length and table shapes are the only
+shapes; callers bucket them (see ``generate.py``) so repeated calls hit one compiled entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from llds_jax.models import KVCache, init_cache
+from llds_jax.sampling import stop_strings
+from llds_jax.sampling.filtering import sample_tokens
+
+MAX_STOP_IDS = 8
+
+
+class FinishReason(enum.IntEnum):
+    """Why a row stopped: its budget ran out, it sampled a stop id, or it completed a stop string."""
+
+    CAP = 0
+    STOP_TOKEN = 1
+    STOP_STRING = 2
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """The whole sampler state; one ``lax.while_loop`` carry.
+
+    tokens, logprobs: ``[B, N]`` generated ids and their log-probs (pad / 0 past ``lengths``).
+    lengths: ``[B]`` tokens generated per row (also the next write column).
+    done: ``[B]`` frozen rows.  finish: ``[B]`` :class:`FinishReason` of done rows.
+    stop_state: ``[B, K]`` int8 stop-string matcher state per row and stop string.
+    logits: ``[B, V]`` fp32 next-token logits.  cache: the KV cache.
+    step: scalar, columns written so far.  key: PRNG key for the next draw.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    lengths: jax.Array
+    done: jax.Array
+    finish: jax.Array
+    stop_state: jax.Array
+    logits: jax.Array
+    cache: KVCache
+    step: jax.Array
+    key: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Traced sampling knobs plus the stop ids / stop-string tables, all as arrays."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    stop_ids: jax.Array       # [MAX_STOP_IDS] int32, -1 = unused
+    stop_table: jax.Array     # [K, S, V] int8 (see stop_strings.py)
+
+    @classmethod
+    def create(cls, *, temperature: float, top_k: int, top_p: float, stop_token_ids, stop_table):
+        ids = [int(i) for i in stop_token_ids]
+        if len(ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(ids)}: {ids}")
+        return cls(
+            temperature=jnp.asarray(temperature, jnp.float32),
+            top_k=jnp.asarray(top_k, jnp.int32),
+            top_p=jnp.asarray(top_p, jnp.float32),
+            stop_ids=jnp.asarray(ids + [-1] * (MAX_STOP_IDS - len(ids)), jnp.int32),
+            stop_table=jnp.asarray(stop_table, jnp.int8),
+        )
+
+
+jax.tree_util.register_dataclass(
+    SamplingParams, data_fields=["temperature", "top_k", "top_p", "stop_ids", "stop_table"], meta_fields=[])
+
+
+@functools.partial(jax.jit, static_argnames=("config", "batch", "max_len"))
+def new_cache(config, batch: int, max_len: int) -> KVCache:
+    """An empty cache of ``batch`` rows × ``max_len`` slots, created on device (no host zeros)."""
+    return init_cache(config, batch, max_len)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def extend(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, token_mask: jax.Array,
+           cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Append ``tokens [B, T]`` (``token_mask`` marks real ones) to each row of ``cache``.
+
+    Covers the prefill of a left-padded prompt batch and the append of right-padded tool
+    feedback alike. Returns the fp32 logits ``[B, V]`` after each row's last real token.
+    """
+    model = nnx.merge(graphdef, params)
+    return model.forward_cached(tokens, cache, token_mask=token_mask)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "width"), donate_argnames=("cache",))
+def decode(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: KVCache,
+           done: jax.Array, budget: jax.Array, key: jax.Array, sampling: SamplingParams, *,
+           width: int, pad_id: jax.Array | int = 0) -> DecodeState:
+    """Sample up to ``budget[b] ≤ width`` tokens per row, starting from ``logits [B, V]``.
+
+    ``done [B]`` marks rows that take no part (they stay frozen). Returns the final
+    :class:`DecodeState`; its cache holds every sampled token.
+    """
+    model = nnx.merge(graphdef, params)
+    batch = logits.shape[0]
+    pad_id = jnp.asarray(pad_id, jnp.int32)
+    budget = jnp.minimum(budget.astype(jnp.int32), width)
+    start_done = done | (budget <= 0)
+    state = DecodeState(
+        tokens=jnp.full((batch, width), pad_id, jnp.int32),
+        logprobs=jnp.zeros((batch, width), jnp.float32),
+        lengths=jnp.zeros((batch,), jnp.int32),
+        done=start_done,
+        finish=jnp.full((batch,), FinishReason.CAP, jnp.int32),
+        stop_state=jnp.zeros((batch, sampling.stop_table.shape[0]), jnp.int8),
+        logits=logits.astype(jnp.float32),
+        cache=cache,
+        step=jnp.zeros((), jnp.int32),
+        key=key,
+    )
+
+    def keep_going(s: DecodeState):
+        return (s.step < width) & ~jnp.all(s.done)
+
+    def one_token(s: DecodeState) -> DecodeState:
+        key, draw_key = jax.random.split(s.key)
+        sampled, logprob = sample_tokens(s.logits, draw_key, sampling.temperature, sampling.top_k,
+                                         sampling.top_p)
+        active = ~s.done
+        token = jnp.where(active, sampled, pad_id)
+        logprob = jnp.where(active, logprob, 0.0)
+        stop_state, string_hit = stop_strings.advance(sampling.stop_table, s.stop_state, token)
+        id_hit = jnp.any(token[:, None] == sampling.stop_ids[None, :], axis=-1)
+        lengths = s.lengths + active.astype(jnp.int32)
+        capped = lengths >= budget
+        finish = jnp.where(id_hit, FinishReason.STOP_TOKEN,
+                           jnp.where(string_hit, FinishReason.STOP_STRING, FinishReason.CAP))
+        now_done = active & (id_hit | string_hit | capped)
+        next_logits, cache = model.forward_cached(token[:, None], s.cache, token_mask=active[:, None])
+        return DecodeState(
+            tokens=s.tokens.at[:, s.step].set(token),
+            logprobs=s.logprobs.at[:, s.step].set(logprob),
+            lengths=lengths,
+            done=s.done | now_done,
+            finish=jnp.where(now_done, finish, s.finish),
+            stop_state=stop_state,
+            logits=next_logits,
+            cache=cache,
+            step=s.step + 1,
+            key=key,
+        )
+
+    return jax.lax.while_loop(keep_going, one_token, state)

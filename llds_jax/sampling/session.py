@@ -1,0 +1,119 @@
+"""A multi-turn decoding session: one live KV cache for a batch of conversations.
+
+The rollout alternates "every active row writes an action" and "some rows receive tool
+feedback". Re-prefilling the whole history each turn costs O(context) per turn and, in
+the measured PyTorch reference run (STACK.md), dominated generation time; a session keeps
+the cache and only ever feeds it new tokens:
+
+    start(prompts)      prefill the left-padded prompts                (extend)
+    act(active, budget) sample one action per active row               (decode loop)
+    observe(chunks)     append each row's feedback ids, right-padded   (extend)
+
+The token that ends an action is already in the cache (the decode loop writes every
+sampled token), so feedback goes straight after it and positions continue exactly as in
+a full forward over the concatenated ids.
+
+Shapes are bucketed — batch and prompt/chunk widths to powers of two, the action buffer to
+``bucket(max_action_tokens)``, the cache to ``bucket(max_context)`` slots — so a training
+run compiles a handful of programs once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from llds_jax.sampling import decode_loop
+from llds_jax.sampling.generate import MIN_LENGTH_BUCKET, bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledAction:
+    """One row's action as sampled: ids, their log-probs and why it ended."""
+
+    ids: np.ndarray
+    logprobs: np.ndarray
+    finish: decode_loop.FinishReason
+
+
+class DecodeSession:
+    """Turn-synchronous decoding for ``rows`` conversations sharing one cache.
+
+    ``model``: a ``Decoder`` or ``(graphdef, params)``; ``sampling``: a
+    :class:`~llds_jax.sampling.decode_loop.SamplingParams`; ``max_context``: the most
+    tokens any row may hold (prompt + actions + feedback); ``max_action_tokens``: the
+    per-action cap (the decode buffer width).
+    """
+
+    def __init__(self, model, sampling: decode_loop.SamplingParams, *, max_context: int,
+                 max_action_tokens: int, key: jax.Array, pad_id: int = 0):
+        self.graphdef, self.params = nnx.split(model) if isinstance(model, nnx.Module) else model
+        self.config = nnx.merge(self.graphdef, self.params).config
+        self.sampling = sampling
+        self.cache_len = bucket(max_context, MIN_LENGTH_BUCKET)
+        self.width = bucket(max_action_tokens, MIN_LENGTH_BUCKET)
+        self.pad_id = pad_id
+        self.key = key
+        self.rows = 0
+        self.cache = None
+        self.logits = None
+
+    @property
+    def batch(self) -> int:
+        return bucket(self.rows)
+
+    def _extend(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        logits, self.cache = decode_loop.extend(self.graphdef, self.params, jnp.asarray(ids), jnp.asarray(mask),
+                                                self.cache)
+        has_tokens = jnp.asarray(mask.any(axis=1))[:, None]
+        self.logits = logits if self.logits is None else jnp.where(has_tokens, logits, self.logits)
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Prefill a fresh cache with the prompts (left-padded to a bucketed width)."""
+        self.rows = len(prompts)
+        width = bucket(max(len(p) for p in prompts), MIN_LENGTH_BUCKET)
+        ids = np.full((self.batch, width), self.pad_id, np.int32)
+        mask = np.zeros((self.batch, width), bool)
+        for row, prompt in enumerate(prompts):
+            if prompt:
+                ids[row, width - len(prompt):] = prompt
+                mask[row, width - len(prompt):] = True
+        self.cache = decode_loop.new_cache(self.config, self.batch, self.cache_len)
+        self.logits = None
+        self._extend(ids, mask)
+
+    def act(self, active: np.ndarray, budgets: np.ndarray) -> list[SampledAction | None]:
+        """Sample one action for every active row (up to its budget); ``None`` for the others."""
+        done = np.ones((self.batch,), bool)
+        done[: self.rows] = ~np.asarray(active, bool)
+        budget = np.zeros((self.batch,), np.int32)
+        budget[: self.rows] = budgets
+        self.key, key = jax.random.split(self.key)
+        state = decode_loop.decode(self.graphdef, self.params, self.logits, self.cache, jnp.asarray(done),
+                                   jnp.asarray(budget), key, self.sampling, width=self.width, pad_id=self.pad_id)
+        self.cache, self.logits = state.cache, state.logits
+        tokens, logprobs, lengths, finish = jax.device_get((state.tokens, state.logprobs, state.lengths, state.finish))
+        return [
+            SampledAction(tokens[row, : lengths[row]], logprobs[row, : lengths[row]],
+                          decode_loop.FinishReason(int(finish[row])))
+            if not done[row] else None
+            for row in range(self.rows)
+        ]
+
+    def observe(self, chunks: Sequence[Sequence[int]]) -> None:
+        """Append each row's feedback ids (empty for rows that get none)."""
+        longest = max((len(c) for c in chunks), default=0)
+        if longest == 0:
+            return
+        width = bucket(longest, MIN_LENGTH_BUCKET)
+        ids = np.full((self.batch, width), self.pad_id, np.int32)
+        mask = np.zeros((self.batch, width), bool)
+        for row, chunk in enumerate(chunks):
+            ids[row, : len(chunk)] = chunk
+            mask[row, : len(chunk)] = True
+        self._extend(ids, mask)

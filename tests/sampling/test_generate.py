@@ -1,0 +1,139 @@
+"""``generate``: greedy parity with transformers, stops, frozen rows, reproducibility, one compile per bucket."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llds_jax.models import from_pretrained
+from llds_jax.models.testing import tiny_model
+from llds_jax.sampling import FinishReason, build_stop_table, decode_loop, generate
+
+from .hf_reference import hf_greedy, left_padded, tiny_hf_model
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def hf_and_ours(request, tmp_path_factory):
+    hf_model = tiny_hf_model(request.param)
+    directory = tmp_path_factory.mktemp(f"hf_{request.param}")
+    hf_model.save_pretrained(directory)
+    return request.param, hf_model, from_pretrained(directory)
+
+
+def test_greedy_matches_transformers_generate_on_left_padded_batch(hf_and_ours):
+    family, hf_model, model = hf_and_ours
+    ids, mask = left_padded((11, 6, 3, 9), vocab=256, seed=1)
+    expected = hf_greedy(hf_model, ids, mask, NEW_TOKENS)
+    out = generate(model, ids, mask, max_new_tokens=NEW_TOKENS, temperature=0.0, key=jax.random.key(0))
+    assert out.lengths.tolist() == [NEW_TOKENS] * 4
+    mismatch = np.argwhere(out.tokens != expected)
+    assert mismatch.size == 0, f"{family}: first mismatches (row, step) {mismatch[:5].tolist()}\n" \
+                               f"ours\n{out.tokens}\ntransformers\n{expected}"
+
+
+def test_logprobs_are_the_models_logprobs_at_temperature_one(hf_and_ours):
+    _, _, model = hf_and_ours
+    ids, mask = left_padded((11, 6, 3, 9), vocab=256, seed=2)
+    out = generate(model, ids, mask, max_new_tokens=NEW_TOKENS, temperature=1.0, key=jax.random.key(3))
+    # One uncached forward over prompt + sampled tokens (left padding kept): position t predicts t+1.
+    full_ids = np.concatenate([ids, out.tokens], axis=1)
+    full_mask = np.concatenate([mask, np.ones_like(out.tokens)], axis=1)
+    logp = np.asarray(jax.nn.log_softmax(model(jnp.asarray(full_ids), jnp.asarray(full_mask)), axis=-1))
+    width = ids.shape[1]
+    expected = np.take_along_axis(logp[:, width - 1:-1], out.tokens[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(out.logprobs, expected, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen2", seed=3)
+
+
+def test_sampled_decoding_with_a_fixed_key_is_reproducible(model):
+    ids, mask = left_padded((5, 9, 2), vocab=256)
+    kwargs = dict(max_new_tokens=10, temperature=1.0, top_p=0.9, top_k=50)
+    a = generate(model, ids, mask, key=jax.random.key(11), **kwargs)
+    b = generate(model, ids, mask, key=jax.random.key(11), **kwargs)
+    c = generate(model, ids, mask, key=jax.random.key(12), **kwargs)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    assert not np.array_equal(a.tokens, c.tokens)
+
+
+def test_stop_token_id_freezes_only_its_row(model):
+    ids, mask = left_padded((5, 9, 2), vocab=256, seed=4)
+    free = generate(model, ids, mask, max_new_tokens=10, temperature=0.0, key=jax.random.key(0))
+    stop_id = int(free.tokens[1, 3])
+    first_in_row = [int(np.argmax(r == stop_id)) if (r == stop_id).any() else None for r in free.tokens]
+    out = generate(model, ids, mask, max_new_tokens=10, temperature=0.0, stop_token_ids=[stop_id],
+                   key=jax.random.key(0), pad_id=-7)
+    for row, first in enumerate(first_in_row):
+        if first is None:
+            assert out.lengths[row] == 10 and out.finish[row] == FinishReason.CAP
+            np.testing.assert_array_equal(out.tokens[row], free.tokens[row])
+        else:
+            assert out.lengths[row] == first + 1 and out.finish[row] == FinishReason.STOP_TOKEN
+            np.testing.assert_array_equal(out.tokens[row, : first + 1], free.tokens[row, : first + 1])
+            assert (out.tokens[row, first + 1:] == -7).all() and (out.logprobs[row, first + 1:] == 0).all()
+
+
+def test_stop_string_ends_the_row_after_the_completing_token(model):
+    ids, mask = left_padded((6, 3), vocab=256, seed=5)
+    free = generate(model, ids, mask, max_new_tokens=12, temperature=0.0, key=jax.random.key(0))
+    vocab = tuple(f"<{i}>".encode() for i in range(256))  # token i decodes to "<i>"
+    target = f"{free.tokens[0, 4]}><{free.tokens[0, 5]}"  # starts inside token 4, ends inside token 5
+    table = build_stop_table(vocab, (target,))
+    out = generate(model, ids, mask, max_new_tokens=12, temperature=0.0, stop_strings=table, key=jax.random.key(0))
+    text0 = "".join(f"<{t}>" for t in free.tokens[0])
+    assert out.lengths[0] == 6 or text0.find(target) < 6 * 3, (out.lengths, text0, target)
+    assert out.finish[0] == FinishReason.STOP_STRING
+    assert target in "".join(f"<{t}>" for t in out.tokens[0, : out.lengths[0]])
+    assert target not in "".join(f"<{t}>" for t in out.tokens[0, : out.lengths[0] - 1])
+
+
+def test_one_compiled_program_per_bucket_across_repeated_calls(model):
+    def sizes():
+        return decode_loop.extend._cache_size(), decode_loop.decode._cache_size()
+
+    generate(model, *left_padded((5, 3), vocab=256), max_new_tokens=9, key=jax.random.key(0))
+    before = sizes()
+    # Same buckets (batch ≤ 2, prompt ≤ 16, new ≤ 16), different lengths, knobs, stops and keys.
+    for seed, (lengths, new) in enumerate([((7, 2), 16), ((16, 5), 10), ((1, 12), 11), ((3, 3), 9)]):
+        generate(model, *left_padded(lengths, vocab=256, seed=seed), max_new_tokens=new,
+                 temperature=[0.0, 0.7, 1.0, 1.3][seed], top_p=[1.0, 0.9, 0.5, 1.0][seed],
+                 top_k=[0, 0, 20, 5][seed], stop_token_ids=[seed], key=jax.random.key(seed))
+    # New weights (same shapes) reuse the program too: params are arguments.
+    generate(tiny_model("qwen2", seed=9), *left_padded((4, 8), vocab=256), max_new_tokens=12, key=jax.random.key(1))
+    assert sizes() == before, f"jit cache grew within one bucket: {before} -> {sizes()}"
+    generate(model, *left_padded((20, 3), vocab=256), max_new_tokens=9, key=jax.random.key(0))
+    grown = sizes()
+    assert grown[0] == before[0] + 1, f"a new prompt bucket should add one extend program: {before} -> {grown}"
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_on_smollm2_for_32_tokens():
+    import transformers
+
+    from llds_jax.utils.assets import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                                 dtype="float32").eval()
+    prompts = ["The capital of France is", "Search engines answer questions by"]
+    rows = [tokenizer.encode(p) for p in prompts]
+    width = max(len(r) for r in rows)
+    ids = np.zeros((2, width), np.int32)
+    mask = np.zeros((2, width), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    expected = hf_greedy(hf_model, ids, mask, 32)
+    out = generate(from_pretrained(gguf), ids, mask, max_new_tokens=32, temperature=0.0, key=jax.random.key(0))
+    assert tokenizer.decode(out.tokens[0][:3]).strip().startswith("Paris"), tokenizer.decode(out.tokens[0])
+    mismatch = np.argwhere(out.tokens != expected)
+    assert mismatch.size == 0, (f"first mismatches (row, step) {mismatch[:5].tolist()}:\n"
+                                f"ours {tokenizer.batch_decode(out.tokens)}\nhf   {tokenizer.batch_decode(expected)}")
