@@ -168,30 +168,55 @@ def eval_main(config) -> Path:
 
 
 def load_policy(model_cfg):
-    """(model, tokenizer) for ``model.source``: ``tiny:<family>`` (random, for smoke tests) or a pretrained one.
+    """(model, tokenizer) for ``model.source``.
 
-    Pretrained sources (``smollm2``, an HF directory, a ``.gguf`` file, a run's exported
-    HF directory) go through ``llds_jax.models.from_pretrained``, the loader training uses.
+    - ``tiny:<family>``: a random tiny model (smoke tests; needs ``model.tokenizer``);
+    - ``smollm2``: the real SmolLM2-135M-Instruct GGUF from the asset cache;
+    - a ``.gguf`` file or an HF directory: ``llds_jax.models.from_pretrained``;
+    - a run directory of ours: its newest HF export ``<run>/hf/step_<N>``
+      (``Checkpointer.export_hf``), i.e. the trained policy without optimizer state.
+
+    ``model.tokenizer`` overrides where the tokenizer comes from (default: the source).
     """
     from transformers import AutoTokenizer
 
-    source = model_cfg.source
+    from llds_jax import models
+
+    source, tokenizer_source = model_cfg.source, model_cfg.get("tokenizer") or ""
     if source.startswith("tiny:"):
         from llds_jax.models.testing import tiny_model
 
-        if not model_cfg.get("tokenizer"):
+        if not tokenizer_source:
             raise ValueError("model.source=tiny:<family> needs model.tokenizer=<tokenizer dir>")
-        tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
         return tiny_model(source.split(":", 1)[1], vocab_size=_padded_vocab(len(tokenizer))), tokenizer
-    from llds_jax import models
-
-    loaded = models.from_pretrained(source, dtype=model_cfg.get("dtype", "float32"))
-    if isinstance(loaded, tuple):
-        model, tokenizer = loaded
+    path = resolve_model_path(source)
+    model = models.from_pretrained(path, dtype=model_cfg.get("dtype", "float32"))
+    if tokenizer_source:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    elif path.suffix == ".gguf":
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     else:
-        model = loaded
-        tokenizer = AutoTokenizer.from_pretrained(model_cfg.get("tokenizer") or source)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     return model, tokenizer
+
+
+def resolve_model_path(source: str) -> Path:
+    """``smollm2`` → the cached GGUF; a run directory → its newest HF export; else the path itself."""
+    if source == "smollm2":
+        from llds_jax.utils.assets import smollm2_gguf_path
+
+        return smollm2_gguf_path()
+    path = Path(source).expanduser()
+    if path.is_dir() and not (path / "config.json").exists() and (path / "checkpoints").exists():
+        exports = sorted((path / "hf").glob("step_*"), key=lambda p: int(p.name.split("_")[1])) \
+            if (path / "hf").exists() else []
+        if not exports:
+            raise FileNotFoundError(
+                f"{path} is a training run without an HF export; export the policy with "
+                f"Checkpointer.export_hf (writes {path}/hf/step_<N>) and evaluate that")
+        return exports[-1]
+    return path
 
 
 def _padded_vocab(size: int, multiple: int = 128) -> int:

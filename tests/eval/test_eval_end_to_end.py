@@ -115,3 +115,14 @@ def test_greedy_evaluation_uses_one_sample_at_temperature_zero():
     assert (cfg.n_samples, cfg.temperature) == (1, 0.0)
     sampled = eval_rollout_config(rollout_defaults(), greedy=False)
     assert (sampled.n_samples, sampled.temperature, sampled.top_p) == (1, 1.0, 0.95)
+
+
+def test_a_run_directory_resolves_to_its_newest_hf_export(tmp_path):
+    from llds_jax.eval.run import resolve_model_path
+
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(FileNotFoundError, match="export_hf"):
+        resolve_model_path(str(tmp_path))
+    for step in (5, 40, 10):
+        (tmp_path / "hf" / f"step_{step}").mkdir(parents=True)
+    assert resolve_model_path(str(tmp_path)) == tmp_path / "hf" / "step_40"
