@@ -46,7 +46,9 @@ What the trainer calls each step
    switchable extra forward pass after the step's updates that gives Δ and the LLD rate);
 2. ``report = monitor.update(step, metrics)`` → log ``report.as_metrics()``; act on
    ``report.action`` (``STOP``: save a checkpoint and stop; ``RAISE_LAMBDA``: use
-   ``report.llds_lambda`` from the next step on).
+   ``report.llds_lambda`` from the next step on). Build the monitor once with
+   ``DeathSpiralMonitor(MonitorConfig.from_mapping(config.get("monitor")), llds_lambda=λ)``;
+   on resume call ``monitor.warm_up(report.load_metrics(workdir / "metrics.jsonl"))``.
 """
 
 from llds_jax.diagnostics.from_rollout import response_batch_from_rollout

@@ -170,6 +170,20 @@ class DeathSpiralMonitor:
         return MonitorReport(step, self.phase, self.phase is not previous, action, self.llds_lambda,
                              slope, t_stat, grad_surge, entropy_surge, message)
 
+    def warm_up(self, rows: Iterable[Mapping[str, float]]) -> None:
+        """Refill the windows from a resumed run's recorded rows (each with ``step``), taking no action.
+
+        λ is not replayed: the trainer restores it from its checkpoint and passes it to the
+        constructor. Use ``report.load_metrics(workdir / "metrics.jsonl")`` for the rows.
+        """
+        active = self.config
+        self.config = dataclasses.replace(active, on_phase_two="log", on_phase_three="log")
+        try:
+            for row in rows:
+                self.update(int(row["step"]), row)
+        finally:
+            self.config = active
+
     def _raise_lambda(self, message: str) -> tuple[Action, str]:
         cfg = self.config
         old = self.llds_lambda

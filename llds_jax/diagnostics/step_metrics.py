@@ -89,9 +89,9 @@ def step_diagnostics(batch: ResponseBatch) -> dict[str, float]:
     metrics.update(likelihood_by_action(batch.old_logp_per_action, batch.tokens_per_action, incorrect, "incorrect"))
     if batch.delta_logp_per_action is not None:
         metrics.update(lld_rates(batch.delta_logp_per_action, batch.tokens_per_action, correct))
-        for name, selected in (("correct", correct), ("incorrect", incorrect)):
-            delta = np.asarray(batch.delta_logp_per_action, np.float64).sum(axis=1)
-            metrics[f"diag/delta_{name}/all"] = _mean(delta[selected])
+        delta = np.asarray(batch.delta_logp_per_action, np.float64).sum(axis=1)
+        metrics["diag/delta_correct/all"] = _mean(delta[correct])
+        metrics["diag/delta_incorrect/all"] = _mean(delta[incorrect])
     metrics.update(behaviour_statistics(batch))
     if batch.first_search_docs is not None and batch.group_id is not None:
         rate, eligible = first_action_correctness(batch.first_search_docs, batch.group_id, advantage)

@@ -114,3 +114,13 @@ def test_config_rejects_unknown_actions_and_settings():
     with pytest.raises(ValueError, match="unknown monitor settings"):
         MonitorConfig.from_mapping({"windw": 10})
     assert MonitorConfig.from_mapping({"window": 30}) == dataclasses.replace(MonitorConfig(), window=30)
+
+
+def test_warm_up_after_resume_restores_the_phase_without_acting():
+    rows = death_spiral_run(4)
+    uninterrupted = replay(rows)[109]
+    resumed = DeathSpiralMonitor(MonitorConfig(on_phase_two="stop"))
+    resumed.warm_up(rows[:109])
+    report = resumed.update(109, rows[109])
+    assert report.phase is uninterrupted.phase is Phase.STEADY_DECAY
+    assert report.ll_t_stat == pytest.approx(uninterrupted.ll_t_stat) and report.action is Action.NONE
