@@ -118,3 +118,18 @@ def test_data_parallel_all_reduce_in_shard_map_equals_the_whole_batch():
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
     for key in ("llds/loss", "ratio_max", "ratio_min", "llds/gated_action_frac"):
         np.testing.assert_allclose(float(metrics[key]), float(want_metrics[key]), rtol=1e-6, err_msg=key)
+
+
+def test_jitted_objective_on_batch_sharded_arrays_under_an_explicit_mesh():
+    """The trainer's path: global arrays sharded on `data`, explicit axes (sharding errors fail at trace)."""
+    cfg = make_cfg()
+    batch = whole_batch(seed=11)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        sharded = jax.tree.map(lambda x: jax.device_put(x, jax.NamedSharding(mesh, jax.P("data"))), batch)
+        step = jax.jit(jax.value_and_grad(lambda logp, b: rl.objective(logp, *b[1:], cfg)[0]))
+        value, grad = step(sharded.logp, sharded)
+    want_value, want_grad = jax.value_and_grad(lambda logp: rl.objective(logp, *batch[1:], cfg)[0])(batch.logp)
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-6, atol=1e-9)
+    assert grad.sharding.spec[0] == "data", grad.sharding
