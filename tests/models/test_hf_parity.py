@@ -86,3 +86,18 @@ def test_save_pretrained_loads_in_transformers_with_identical_logits(family, tmp
     reloaded = from_pretrained(tmp_path)
     again = _jit_logits(reloaded)(ids, mask)
     np.testing.assert_array_equal(again, _jit_logits(model)(ids, mask))
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+], ids=["linear", "llama3"])
+def test_rope_scaling_matches_transformers(rope, tmp_path):
+    hf_model = build_hf_model("llama", seed=2, rope_parameters=rope)
+    hf_model.save_pretrained(tmp_path)
+    model = from_pretrained(tmp_path)
+    assert model.config.rope_scaling_dict["rope_type"] == rope["rope_type"]
+    ids, mask = padded_batch(side="right")
+    diff = _max_diff_on_real_tokens(_jit_logits(model)(ids, mask), hf_logits(hf_model, ids, mask), mask)
+    assert diff <= TOL, f"llama {rope['rope_type']} RoPE: max logit diff {diff:.3g} > {TOL}"

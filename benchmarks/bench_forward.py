@@ -1,0 +1,115 @@
+"""Forward and log-prob throughput: llds_jax (jit, fp32) vs transformers PyTorch (eager, fp32).
+
+Both run on this CPU in the same process, on identical weights (ours are written with
+``save_pretrained`` and loaded by transformers), same batch, same dtype (fp32). The
+log-prob row is what training needs: per-token log π of the given ids plus entropy;
+ours via ``hidden_states`` + chunked ``token_logprobs``, torch via full logits +
+``log_softmax`` (transformers' usual path).
+
+    .venv/bin/python benchmarks/bench_forward.py --models tiny,smollm2 --batch 4 --length 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+from flax import nnx
+
+from llds_jax.models import from_pretrained, save_pretrained
+from llds_jax.models.logprobs import sequence_logprobs
+from llds_jax.models.testing import tiny_model
+from llds_jax.utils.assets import smollm2_gguf_path
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up / compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _ours_fns(model, ids, mask):
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda s, a, m: nnx.merge(graphdef, s)(a, m))
+    logprobs = jax.jit(lambda s, a, m: sequence_logprobs(nnx.merge(graphdef, s), a, m, chunk_size=128))
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    return (lambda: forward(state, ids, mask).block_until_ready(),
+            lambda: jax.block_until_ready(logprobs(state, ids, mask)))
+
+
+def _torch_fns(model, ids, mask):
+    ids_t, mask_t = torch.as_tensor(ids, dtype=torch.long), torch.as_tensor(mask, dtype=torch.long)
+
+    @torch.no_grad()
+    def forward():
+        return model(input_ids=ids_t, attention_mask=mask_t).logits
+
+    @torch.no_grad()
+    def logprobs():
+        logits = model(input_ids=ids_t, attention_mask=mask_t).logits[:, :-1].float()
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = torch.gather(logp_all, -1, ids_t[:, 1:, None])[..., 0]
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp, entropy
+
+    return forward, logprobs
+
+
+def bench(name: str, model, batch: int, length: int, repeats: int) -> list[tuple]:
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, model.config.vocab_size, (batch, length)).astype(np.int32)
+    mask = np.ones((batch, length), np.int32)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(model, tmp)
+        torch_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    rows = []
+    for what, ours_fn, torch_fn in zip(("forward", "log-probs+entropy"), _ours_fns(model, ids, mask),
+                                       _torch_fns(torch_model, ids, mask)):
+        t_ours, t_torch = _time(ours_fn, repeats), _time(torch_fn, repeats)
+        tokens = batch * length
+        rows.append((name, what, f"{batch}x{length}", tokens / t_ours, tokens / t_torch, t_torch / t_ours))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="tiny,smollm2")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--torch-threads", type=int, default=None, help="default: torch's own default")
+    args = parser.parse_args()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    rows = []
+    for name in args.models.split(","):
+        if name == "tiny":
+            model = tiny_model("qwen2", vocab_size=2048, hidden_size=256, num_layers=4, intermediate_size=1024,
+                               num_heads=8, num_kv_heads=4, head_dim=32)
+        elif name == "smollm2":
+            model = from_pretrained(smollm2_gguf_path())
+        else:
+            raise SystemExit(f"--models: unknown model {name!r} (tiny, smollm2)")
+        rows += bench(name, model, args.batch, args.length, args.repeats)
+    print(f"\njax {jax.__version__} ({jax.devices()[0].platform}, {len(jax.devices())} device(s)); "
+          f"torch {torch.__version__} ({torch.get_num_threads()} threads); fp32 both; median of {args.repeats}")
+    header = ("model", "measure", "batch", "llds_jax tok/s", "torch tok/s", "speed-up")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for name, what, shape, ours, theirs, ratio in rows:
+        print(f"| {name} | {what} | {shape} | {ours:,.0f} | {theirs:,.0f} | {ratio:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
