@@ -8,11 +8,16 @@ equal the whole batch's metrics either way.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from batches import rollout_batch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import BATCH, rollouts
 
 from llds_jax import rl
 
@@ -133,3 +138,39 @@ def test_jitted_objective_on_batch_sharded_arrays_under_an_explicit_mesh():
     np.testing.assert_allclose(float(value), float(want_value), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-6, atol=1e-9)
     assert grad.sharding.spec[0] == "data", grad.sharding
+
+
+@functools.cache
+def _micro_and_whole(aggregation: str):
+    cfg = make_cfg(aggregation=aggregation, mask_answer=True, answer_weight=0.05, adaptive_ma=True)
+
+    def micro(logp, entropy, batch, constants):
+        return rl.micro_batch_loss(batch._replace(logp=logp, entropy=entropy), cfg, constants, 1)[0]
+
+    def whole(logp, entropy, batch):
+        return rl.objective(logp, *batch[1:3], entropy, *batch[4:], cfg)[0]
+
+    constants = jax.jit(lambda adv, masks: rl.batch_constants(adv, masks, cfg))
+    return (jax.jit(jax.value_and_grad(micro, argnums=(0, 1))), jax.jit(jax.value_and_grad(whole, argnums=(0, 1))),
+            constants)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+@settings(max_examples=15, deadline=None)
+@given(batch=rollouts(), assignment=st.lists(st.integers(0, 2), min_size=BATCH, max_size=BATCH))
+def test_any_partition_of_rows_into_micro_batches_accumulates_exactly(aggregation, batch, assignment):
+    """Micro-batch k = the batch with every row outside k turned into a padding row (same shape, one jit)."""
+    logp, old_logp, ref_logp, entropy, advantages, masks = batch
+    whole_batch_ = rl.PolicyBatch(logp, old_logp, ref_logp, entropy, advantages, masks)
+    micro, whole, constants_fn = _micro_and_whole(aggregation)
+    constants = constants_fn(advantages, masks)
+    total, grad_logp, grad_entropy = 0.0, 0.0, 0.0
+    for k in set(assignment):
+        keep = jnp.asarray(np.asarray(assignment) == k, jnp.float32)
+        part = whole_batch_._replace(masks=masks._replace(row_weight=masks.row_weight * keep))
+        value, (g_logp, g_entropy) = micro(logp, entropy, part, constants)
+        total, grad_logp, grad_entropy = total + float(value), grad_logp + g_logp, grad_entropy + g_entropy
+    want, (want_logp, want_entropy) = whole(logp, entropy, whole_batch_)
+    np.testing.assert_allclose(total, float(want), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(grad_logp), np.asarray(want_logp), rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(np.asarray(grad_entropy), np.asarray(want_entropy), rtol=1e-6, atol=1e-8)
