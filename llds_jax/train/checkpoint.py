@@ -424,3 +424,38 @@ class PreemptionGuard:
                 log.warning("preemption sync unavailable (%s); relying on request() only", err)
                 return False
         return self._signalled.is_set()
+
+
+class NonFiniteStreak:
+    """Stop the run after ``limit`` non-finite (skipped) optimizer updates in a row.
+
+    The update step already skips a non-finite update and counts it; one bad batch is noise,
+    but a streak means the weights or the data went wrong and every further step is wasted.
+    Feed it each step's per-mini-batch skip flags in order; when it trips, save (the state is
+    the last finite one — skipped updates leave it unchanged) and exit with ``message``::
+
+        streak = NonFiniteStreak(limit=config.train.max_nonfinite_updates)
+        if streak.record(per_mini["update/skipped"]):
+            ckpt.save(step, state, extra); ckpt.close(); raise SystemExit(streak.message)
+    """
+
+    def __init__(self, limit: int):
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"non-finite update limit={limit!r}: must be an int >= 1")
+        self.limit = limit
+        self.current = 0
+        self.total = 0
+
+    def record(self, skipped_flags) -> bool:
+        """Add one step's skip flags (truthy = skipped); True once the streak reaches the limit."""
+        for flag in list(skipped_flags):
+            skipped = bool(flag)
+            self.total += skipped
+            self.current = self.current + 1 if skipped else 0
+        return self.current >= self.limit
+
+    @property
+    def message(self) -> str:
+        return (f"stopping: {self.current} optimizer updates in a row had a non-finite loss or gradient "
+                f"(limit {self.limit}; {self.total} skipped in this run). The checkpoint holds the last "
+                f"finite state; inspect the data of the last steps or lower the learning rate, then resume.")

@@ -18,6 +18,7 @@ from llds_jax.train.checkpoint import (
     CheckpointCorruptError,
     Checkpointer,
     CheckpointError,
+    NonFiniteStreak,
     PreemptionGuard,
     abstract_like,
     parse_resume,
@@ -232,3 +233,13 @@ def test_export_hf_writes_complete_directory_only(tmp_path):
     assert target.name == "step_12" and (target / "config.json").exists()
     assert calls[0][2] == {"dtype": "bf16"}
     assert not list((tmp_path / "hf").glob(".*tmp"))
+
+
+def test_non_finite_streak_trips_only_on_consecutive_skips():
+    streak = NonFiniteStreak(limit=3)
+    assert not streak.record([0, 1, 1])      # two in a row
+    assert not streak.record([0, 1])         # a finite update resets the streak
+    assert streak.record([1, 1])             # 1 + 2 = 3 across the step boundary
+    assert "3 optimizer updates in a row" in streak.message and "5 skipped" in streak.message
+    with pytest.raises(ValueError, match="limit=0"):
+        NonFiniteStreak(limit=0)
