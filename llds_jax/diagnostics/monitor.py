@@ -36,6 +36,22 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+# Names the trainer's console metrics use for the same quantities; read when the
+# canonical key (llds_jax.diagnostics) is absent, by the monitor and by the report.
+KEY_ALIASES = {
+    "grad/norm_preclip": ("grad/norm",),
+    "diag/entropy": ("policy/entropy",),
+    "diag/searches/mean": ("rollout/searches_mean",),
+    "diag/valid_action_rate": ("rollout/valid_action_rate",),
+}
+
+
+def lookup(metrics: Mapping[str, float], key: str):
+    """``metrics[key]``, else the first of its :data:`KEY_ALIASES` present, else None."""
+    if metrics.get(key) is not None:
+        return metrics[key]
+    return next((metrics[a] for a in KEY_ALIASES.get(key, ()) if metrics.get(a) is not None), None)
+
 
 class Phase(enum.IntEnum):
     STAGNATION = 1
@@ -135,9 +151,9 @@ class DeathSpiralMonitor:
 
     def update(self, step: int, metrics: Mapping[str, float]) -> MonitorReport:
         cfg = self.config
-        _append_finite(self._likelihood, metrics.get(cfg.likelihood_key), lambda v: (step, v))
-        _append_finite(self._grad_norm, metrics.get(cfg.grad_norm_key))
-        _append_finite(self._entropy, metrics.get(cfg.entropy_key))
+        _append_finite(self._likelihood, lookup(metrics, cfg.likelihood_key), lambda v: (step, v))
+        _append_finite(self._grad_norm, lookup(metrics, cfg.grad_norm_key))
+        _append_finite(self._entropy, lookup(metrics, cfg.entropy_key))
 
         slope, t_stat = window_slope(self._likelihood) if len(self._likelihood) == cfg.window else (math.nan, math.nan)
         grad_surge = surge_ratio(self._grad_norm, cfg.surge_window)

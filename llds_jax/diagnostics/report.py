@@ -26,17 +26,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from llds_jax.diagnostics.monitor import MonitorConfig, MonitorReport, Phase, phase_spans, replay  # noqa: E402
+from llds_jax.diagnostics.monitor import (  # noqa: E402
+    KEY_ALIASES,
+    MonitorConfig,
+    MonitorReport,
+    Phase,
+    lookup,
+    phase_spans,
+    replay,
+)
 
 PHASE_COLOURS = {Phase.STEADY_DECAY: "#f5b041", Phase.ACCELERATION: "#e74c3c"}
-# Names the trainer's console metrics use for the same quantities; read when the
-# canonical key (llds_jax.diagnostics) is absent from a row.
-KEY_ALIASES = {
-    "grad/norm_preclip": ("grad/norm",),
-    "diag/entropy": ("policy/entropy",),
-    "diag/searches/mean": ("rollout/searches_mean",),
-    "diag/valid_action_rate": ("rollout/valid_action_rate",),
-}
 _ACTION_KEY = re.compile(r"^diag/ll_(correct|incorrect)/action(\d+)$")
 
 
@@ -110,9 +110,8 @@ def load_metrics(path: str | Path, phase: str = "rl") -> list[dict[str, float]]:
                 raise ValueError(f"{path}:line {line_number}: field 'step': missing or not a number")
             if row.get("phase", phase) != phase:
                 continue
-            for key, aliases in KEY_ALIASES.items():
-                if row.get(key) is None:
-                    row[key] = next((row[a] for a in aliases if row.get(a) is not None), None)
+            for key in KEY_ALIASES:
+                row[key] = lookup(row, key)
             by_step[int(row["step"])] = row
     if not by_step:
         raise ValueError(f"{path}: no {phase!r} metric rows")

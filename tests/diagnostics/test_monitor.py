@@ -124,3 +124,9 @@ def test_warm_up_after_resume_restores_the_phase_without_acting():
     report = resumed.update(109, rows[109])
     assert report.phase is uninterrupted.phase is Phase.STEADY_DECAY
     assert report.ll_t_stat == pytest.approx(uninterrupted.ll_t_stat) and report.action is Action.NONE
+
+
+def test_monitor_reads_the_trainers_console_key_names_too():
+    rows = [{("grad/norm" if k == "grad/norm_preclip" else "policy/entropy" if k == "diag/entropy" else k): v
+             for k, v in row.items()} for row in death_spiral_run(0)]
+    assert first_step_in(replay(rows), Phase.ACCELERATION) == first_step_in(replay(death_spiral_run(0)), Phase.ACCELERATION)
