@@ -16,7 +16,6 @@ and retriever as training); override them exactly as for ``--mode=train``.
 
 import ml_collections
 
-from llds_jax.retrieval.config import default_retrieval_config
 from llds_jax.train.config import base_config
 
 
@@ -24,8 +23,6 @@ def get_config():
     c = base_config()
     c.workdir = "runs/eval"
     c.model.source = "smollm2"       # or an HF dir, a .gguf file, or tiny:<family> with model.tokenizer
-    # The retrieval service's own section (what build_retriever reads): BM25 over the bundled cut.
-    c.retrieval = default_retrieval_config()
     c.rollout.max_turns = 2
     c.eval = ml_collections.ConfigDict(dict(
         # Files (.jsonl FlashRAG / .parquet Search-R1), directories of them, or bundled:<name>;
