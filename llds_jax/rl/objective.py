@@ -30,11 +30,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from llds_jax.rl import kl as kl_lib
 from llds_jax.rl.action_runs import action_run_ids, action_run_starts
 from llds_jax.rl.aggregation import aggregate
 from llds_jax.rl.config import validate
+from llds_jax.rl.kl import KL_ESTIMATORS
 from llds_jax.rl.llds import answer_coefficient, llds_terms
+from llds_jax.rl.metrics import TermSink, add_diagnostics
 from llds_jax.rl.policy_losses import POLICY_LOSSES
 
 LOSS_KEYS = ("pg", "kl_ref", "entropy", "llds")
@@ -112,85 +113,51 @@ def batch_constants(advantages: jax.Array, masks: LossMasks, cfg) -> BatchConsta
 
 
 def objective_terms(batch: PolicyBatch, cfg, constants: BatchConstants | None = None) -> ObjectiveTerms:
-    """Unreduced sums, their denominators and extrema for one (micro-)batch."""
+    """Unreduced sums, their denominators and extrema for one (micro-)batch.
+
+    `constants` (from `batch_constants` over the whole mini-batch) only supplies the mean
+    number of searches for adaptive MA here; the denominators stored in the result are always
+    this batch's own, so that pooling terms over micro-batches adds them up correctly.
+    """
     validate(cfg)
     masks = batch.masks
     mask = masks.action_mask.astype(jnp.float32)
-    shape = mask.shape
     row_weight = _row_weight(masks)
     token_mask = mask * row_weight[:, None]
-    on = token_mask > 0
     logp = batch.logp.astype(jnp.float32)
     old_logp = jax.lax.stop_gradient(batch.old_logp.astype(jnp.float32))
-    advantages = _token_advantages(batch.advantages, shape)
+    advantages = _token_advantages(batch.advantages, mask.shape)
     own = batch_constants(batch.advantages, masks, cfg)
     mean_searches = (constants or own).mean_searches
-    sums, denoms, maxima, minima = {}, {}, {}, {}
+    sink = TermSink({}, {}, {}, {})
 
-    def add(key, values, weights):
-        sums[key], denoms[key] = (values * weights).sum(), weights.sum()
-
-    def add_agg(key, values):
-        sums[key], denoms[key] = aggregate(values, mask, row_weight, cfg.aggregation, cfg.token_sum_norm_length)
+    def add_aggregated(key: str, values: jax.Array) -> None:
+        sink.add_ratio(key, *aggregate(values, mask, row_weight, cfg.aggregation, cfg.token_sum_norm_length))
 
     policy = POLICY_LOSSES.get(cfg.policy_loss)(logp, old_logp, advantages, mask, cfg)
-    add_agg("pg", policy.loss)
+    add_aggregated("pg", policy.loss)
     for key, values, coef in (("kl_ref", batch.ref_logp, cfg.kl_coef), ("entropy", batch.entropy, cfg.entropy_coef)):
         if values is None and coef > 0:
-            raise ValueError(f"rl: {key} is needed because its coefficient is {coef}")
-        if key == "kl_ref" and values is not None:
-            values = kl_lib.KL_ESTIMATORS.get(cfg.kl_estimator)(logp, jax.lax.stop_gradient(values))
-        add_agg(key, jnp.zeros(shape, jnp.float32) if values is None else values.astype(jnp.float32))
+            raise ValueError(f"rl: {key} input is None but its coefficient is {coef}")
+        if values is None:
+            values = jnp.zeros_like(logp)
+        elif key == "kl_ref":
+            values = KL_ESTIMATORS.get(cfg.kl_estimator)(logp, jax.lax.stop_gradient(values.astype(jnp.float32)))
+        add_aggregated(key, values.astype(jnp.float32))
 
     run_ids = action_run_ids(mask, masks.action_index)
-    answer_mask = jnp.zeros(shape) if masks.answer_mask is None else masks.answer_mask
+    answer_mask = jnp.zeros_like(mask) if masks.answer_mask is None else masks.answer_mask
     llds = llds_terms(logp, old_logp, advantages, token_mask, answer_mask, run_ids, cfg, mean_searches)
-    sums["llds"], denoms["llds"] = llds.weighted.sum(), own.denominators["llds"]
-    sums["llds/penalty"], denoms["llds/penalty"] = llds.penalty.sum(), own.denominators["llds"]
+    sink.add_ratio("llds", llds.weighted.sum(), own.denominators["llds"])
+    sink.add_ratio("llds/penalty", llds.penalty.sum(), own.denominators["llds"])
+    sink.maxima["llds/answer_coef"] = answer_coefficient(cfg, mean_searches)
 
-    # Policy-ratio and KL-to-old diagnostics (SPEC §8).
-    add("ratio_mean", policy.ratio, token_mask)
-    add("clip_frac", (policy.clipped_high | policy.clipped_low).astype(jnp.float32), token_mask)
-    add("clip_frac_high", policy.clipped_high.astype(jnp.float32), token_mask)
-    add("clip_frac_low", policy.clipped_low.astype(jnp.float32), token_mask)
-    add("kl_old_k1", old_logp - logp, token_mask)
-    add("kl_old_k3", kl_lib.k3_kl(logp, old_logp), token_mask)
-    maxima["ratio_max"] = jnp.where(on, policy.ratio, -jnp.inf).max()
-    minima["ratio_min"] = jnp.where(on, policy.ratio, jnp.inf).min()
-
-    # LLDS activity: how much of the preserved set the gate switches on.
-    starts = (action_run_starts(mask, masks.action_index) & on).astype(jnp.float32)
-    preserved_actions = starts * llds.preserved
-    gated_actions = preserved_actions * llds.gate
-    preserved_rows = llds.preserved.max(axis=-1) * row_weight
-    gated_rows = llds.gate.max(axis=-1) * row_weight
-    rows_with_actions = (mask.max(axis=-1) > 0) * row_weight
-    add("llds/gated_token_frac", llds.gate, llds.preserved * token_mask)
-    sums["llds/gated_action_frac"], denoms["llds/gated_action_frac"] = gated_actions.sum(), preserved_actions.sum()
-    sums["llds/gated_response_frac"], denoms["llds/gated_response_frac"] = gated_rows.sum(), preserved_rows.sum()
-    sums["llds/gated_actions_per_preserved_response"] = gated_actions.sum()
-    denoms["llds/gated_actions_per_preserved_response"] = preserved_rows.sum()
-    sums["llds/preserved_response_frac"], denoms["llds/preserved_response_frac"] = (
-        preserved_rows.sum(),
-        rows_with_actions.sum(),
+    add_diagnostics(
+        sink, policy=policy, llds=llds, logp=logp, old_logp=old_logp, advantages=advantages,
+        token_mask=token_mask, row_weight=row_weight, run_ids=run_ids,
+        run_starts=action_run_starts(mask, masks.action_index), num_searches=masks.num_searches,
     )
-    maxima["llds/answer_coef"] = answer_coefficient(cfg, mean_searches)
-
-    # Likelihood of correct / incorrect responses (SPEC §8), per own tokens and per action.
-    for sign, selected in (("pos", advantages > 0), ("neg", advantages < 0)):
-        weights = token_mask * selected
-        add(f"logp_old/{sign}_mean", old_logp, weights)
-        sums[f"logp_old/{sign}_mean_all_token_scaled"] = (old_logp * weights).sum()
-        denoms[f"logp_old/{sign}_mean_all_token_scaled"] = token_mask.sum()
-        add(f"logp_old/{sign}_first_action", old_logp, weights * (run_ids == 0))
-        add(f"logp_old/{sign}_later_actions", old_logp, weights * (run_ids >= 1))
-        add(f"delta_logp/{sign}_mean", logp - old_logp, weights)
-
-    sums["response/action_tokens"], denoms["response/action_tokens"] = token_mask.sum(), row_weight.sum()
-    sums["response/actions"], denoms["response/actions"] = starts.sum(), row_weight.sum()
-    if masks.num_searches is not None:
-        add("response/searches", masks.num_searches.astype(jnp.float32), row_weight)
-    return ObjectiveTerms(sums, denoms, maxima, minima)
+    return ObjectiveTerms(sink.sums, sink.denoms, sink.maxima, sink.minima)
 
 
 def accumulate(a: ObjectiveTerms, b: ObjectiveTerms) -> ObjectiveTerms:
