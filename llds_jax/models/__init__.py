@@ -40,6 +40,8 @@ Model (``Decoder(config, rngs=nnx.Rngs(seed))``; ``model.config``)
         dataclass pytree; cache.next_positions() -> [B]. init_cache(config, batch, max_len,
         dtype=None) -> empty cache (laid out by the rules table under jax.set_mesh).
         Writes beyond max_len are dropped: size the cache for the longest row.
+    CACHE_LOGICAL_AXES: a KVCache of logical-axis tuples; cache_shardings(config, batch,
+        max_len, mesh, rules=None, dtype=None) -> KVCache of NamedShardings for jit boundaries.
 
 Functional use inside jit (params as arguments, never closed over):
     graphdef, state = nnx.split(model)
@@ -70,9 +72,18 @@ Every Param carries ``logical_axes`` metadata; see ``llds_jax.parallel`` for pla
 """
 
 from llds_jax.models.config import ConfigError, DecoderConfig
-from llds_jax.models.decoder import Decoder, KVCache, init_cache, positions_from_mask
+from llds_jax.models.decoder import (
+    CACHE_LOGICAL_AXES,
+    Decoder,
+    KVCache,
+    cache_shardings,
+    init_cache,
+    positions_from_mask,
+)
 
 __all__ = [
+    "CACHE_LOGICAL_AXES",
+    "cache_shardings",
     "ConfigError",
     "Decoder",
     "DecoderConfig",

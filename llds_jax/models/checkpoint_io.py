@@ -26,7 +26,7 @@ from llds_jax.models.config import DecoderConfig
 from llds_jax.models.decoder import Decoder
 from llds_jax.models.safetensors_io import CheckpointError, read_checkpoint_dir, write_safetensors
 from llds_jax.parallel.placement import iter_params
-from llds_jax.parallel.rules import DEFAULT, ShardingRules
+from llds_jax.parallel.rules import ShardingRules, current_rules
 
 # Present in some HF checkpoints, never needed: RoPE tables are recomputed.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -157,7 +157,7 @@ def from_pretrained(path: str | Path, dtype: str = "float32", mesh: jax.sharding
     abstract = dict(iter_params(abstract_model))
     specs = _weight_specs(cfg)
     _check_tensors(str(path), cfg, specs, tensors, abstract)
-    rules = rules or DEFAULT
+    rules = rules or current_rules()
     for spec in specs:
         var = abstract[spec.ours]
         sharding = None

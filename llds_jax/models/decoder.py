@@ -22,7 +22,7 @@ from flax import nnx
 
 from llds_jax.models import layers as L
 from llds_jax.models.config import DecoderConfig
-from llds_jax.parallel.rules import constrain
+from llds_jax.parallel.rules import ShardingRules, constrain, logical_to_sharding
 
 INIT_STD = 0.02  # HF initializer_range default for these families
 
@@ -53,15 +53,25 @@ class KVCache:
         return jnp.sum(self.valid, axis=-1, dtype=jnp.int32)
 
 
+KV_AXES = ("layers", "batch", "cache_seq", "act_kv_heads", None)
+CACHE_LOGICAL_AXES = KVCache(k=KV_AXES, v=KV_AXES, valid=("batch", "cache_seq"), end=("batch",))
+
+
 def init_cache(config: DecoderConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
     """An empty cache; under ``jax.set_mesh`` it is laid out by the rules table."""
     dtype = jnp.dtype(dtype or config.dtype)
     shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-    kv_axes = ("layers", "batch", "cache_seq", "act_kv_heads", None)
-    k = constrain(jnp.zeros(shape, dtype), kv_axes)
-    v = constrain(jnp.zeros(shape, dtype), kv_axes)
-    valid = constrain(jnp.zeros((batch, max_len), bool), ("batch", "cache_seq"))
-    return KVCache(k=k, v=v, valid=valid, end=jnp.zeros((batch,), jnp.int32))
+    return KVCache(k=constrain(jnp.zeros(shape, dtype), KV_AXES), v=constrain(jnp.zeros(shape, dtype), KV_AXES),
+                   valid=constrain(jnp.zeros((batch, max_len), bool), CACHE_LOGICAL_AXES.valid),
+                   end=jnp.zeros((batch,), jnp.int32))
+
+
+def cache_shardings(config: DecoderConfig, batch: int, max_len: int, mesh: jax.sharding.Mesh,
+                    rules: ShardingRules | None = None, dtype: Any = None) -> KVCache:
+    """A KVCache of NamedShardings (for ``jax.jit(in_shardings=/out_shardings=)``)."""
+    shapes = jax.eval_shape(lambda: init_cache(config, batch, max_len, dtype))
+    return jax.tree.map(lambda axes, leaf: logical_to_sharding(axes, mesh, rules, leaf.shape),
+                        CACHE_LOGICAL_AXES, shapes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
@@ -262,8 +272,7 @@ class Decoder(nnx.Module):
 
         x, (new_k, new_v) = _run_layers(
             self.config, self.layers.stacked(), self.embed_tokens(tokens), (cache.k, cache.v), layer_fn)
-        kv_axes = ("layers", "batch", "cache_seq", "act_kv_heads", None)
-        new_k, new_v = constrain(new_k, kv_axes), constrain(new_v, kv_axes)
+        new_k, new_v = constrain(new_k, KV_AXES), constrain(new_v, KV_AXES)
         hidden = L.rms_norm(x, self.final_norm[...], self.config.rms_eps)
         last_real = jnp.max(jnp.where(token_mask, jnp.arange(length)[None, :] + 1, 0), axis=-1)
         new_cache = KVCache(k=new_k, v=new_v, valid=valid, end=cache.end + last_real.astype(jnp.int32))

@@ -9,6 +9,7 @@
     rules.spec(("batch", "seq"), shape, mesh) -> PartitionSpec   # drops non-dividing axes
     logical_to_sharding(("batch", "seq"), mesh, rules=None, shape=None) -> NamedSharding
     constrain(x, ("batch", "seq", "act_embed"))  # identity without jax.set_mesh(mesh)
+    with use_rules(rules): ...                    # table for constraints traced in the block
     shard_model(model, mesh, rules=None)          # in place, from each Param's logical_axes
     param_specs(model_or_abstract_model, mesh, rules=None) -> {dotted path: PartitionSpec}
 
@@ -20,16 +21,25 @@ norm. Batches are sharded with "batch" -> ("data", "fsdp"). Run jitted code unde
 
 from llds_jax.parallel.mesh import MESH_AXES, make_mesh
 from llds_jax.parallel.placement import param_shardings, param_specs, shard_model
-from llds_jax.parallel.rules import DEFAULT_RULES, ShardingRules, constrain, logical_to_sharding
+from llds_jax.parallel.rules import (
+    DEFAULT_RULES,
+    ShardingRules,
+    constrain,
+    current_rules,
+    logical_to_sharding,
+    use_rules,
+)
 
 __all__ = [
     "DEFAULT_RULES",
     "MESH_AXES",
     "ShardingRules",
     "constrain",
+    "current_rules",
     "logical_to_sharding",
     "make_mesh",
     "param_shardings",
     "param_specs",
     "shard_model",
+    "use_rules",
 ]

@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from llds_jax.parallel.rules import DEFAULT, ShardingRules
+from llds_jax.parallel.rules import ShardingRules, current_rules
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 
@@ -45,7 +45,7 @@ def logical_axes_of(var: nnx.Variable, name: str = "?") -> tuple[str | None, ...
 
 def param_specs(model: nnx.Module, mesh, rules: ShardingRules | None = None) -> dict[str, PartitionSpec]:
     """Dotted parameter path → PartitionSpec on ``mesh`` (shape-aware, see rules.spec)."""
-    rules = rules or DEFAULT
+    rules = rules or current_rules()
     return {name: rules.spec(logical_axes_of(var, name), var.shape, mesh) for name, var in iter_params(model)}
 
 

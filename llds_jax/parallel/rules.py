@@ -14,9 +14,11 @@ Two rules keep specs legal on any mesh and any model size:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -72,8 +74,9 @@ class ShardingRules:
              mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None) -> PartitionSpec:
         """PartitionSpec for an array with these logical axes.
 
-        With ``shape`` and ``mesh``, mesh axes absent from the mesh or not dividing the
-        dimension are dropped (trailing ones first), so the spec is always placeable.
+        With ``mesh``, mesh axes absent from it or of size 1 are left out; with ``shape``
+        too, axes not dividing the dimension are dropped (trailing ones first), so the
+        spec is always placeable.
         """
         if shape is not None and len(shape) != len(logical_axes):
             raise ValueError(f"logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
@@ -88,8 +91,8 @@ class ShardingRules:
                         f"mesh axis {axis!r} used twice in one spec: by {used[axis]!r} and {logical!r} "
                         f"(logical axes {tuple(logical_axes)})")
                 used[axis] = logical
-            if mesh_shape is not None:
-                axes = [a for a in axes if a in mesh_shape]
+            if mesh_shape is not None:  # size-1 axes shard nothing; leaving them out keeps specs readable
+                axes = [a for a in axes if mesh_shape.get(a, 1) > 1]
                 if shape is not None:
                     while axes and shape[dim] % math.prod(mesh_shape[a] for a in axes):
                         axes.pop()
@@ -102,18 +105,39 @@ class ShardingRules:
 
 
 DEFAULT = ShardingRules()
+_ACTIVE_RULES: contextvars.ContextVar[ShardingRules] = contextvars.ContextVar("llds_rules", default=DEFAULT)
+
+
+def current_rules() -> ShardingRules:
+    """The table ``constrain`` uses: DEFAULT unless inside ``use_rules``."""
+    return _ACTIVE_RULES.get()
+
+
+@contextlib.contextmanager
+def use_rules(rules: ShardingRules) -> Iterator[ShardingRules]:
+    """Make ``rules`` the table for activation constraints traced inside this block.
+
+    Rules are read at trace time: a function jitted under one table keeps it in its
+    compiled cache, so trace (call the jitted function the first time) inside the block.
+    """
+    token = _ACTIVE_RULES.set(rules)
+    try:
+        yield rules
+    finally:
+        _ACTIVE_RULES.reset(token)
 
 
 def logical_to_sharding(logical_axes: Sequence[str | None], mesh: jax.sharding.Mesh,
                         rules: ShardingRules | None = None,
                         shape: Sequence[int] | None = None) -> NamedSharding:
     """NamedSharding on ``mesh`` for an array whose dims carry these logical names."""
-    return (rules or DEFAULT).sharding(logical_axes, mesh, shape)
+    return (rules or current_rules()).sharding(logical_axes, mesh, shape)
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None],
               rules: ShardingRules | None = None) -> jax.Array:
-    """Sharding constraint by logical names against the ambient mesh (``jax.set_mesh``).
+    """Sharding constraint by logical names against the ambient mesh (``jax.set_mesh``)
+    and the ambient rules table (``use_rules``; DEFAULT otherwise).
 
     Without an ambient mesh (single device, plain tests) this is the identity, so model
     code reads the same everywhere; with one, the constraint is real on every backend,
@@ -122,5 +146,5 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None],
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    spec = (rules or DEFAULT).spec(logical_axes, x.shape, mesh)
+    spec = (rules or current_rules()).spec(logical_axes, x.shape, mesh)
     return jax.lax.with_sharding_constraint(x, spec)

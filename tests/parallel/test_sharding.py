@@ -10,11 +10,18 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from llds_jax.models import Decoder, DecoderConfig, init_cache
+from llds_jax.models import (
+    Decoder,
+    DecoderConfig,
+    cache_shardings,
+    from_pretrained,
+    init_cache,
+    save_pretrained,
+)
 from llds_jax.models.logprobs import sequence_logprobs
 from llds_jax.models.testing import tiny_model
-from llds_jax.parallel import ShardingRules, constrain, logical_to_sharding, make_mesh, shard_model
-from llds_jax.parallel.placement import golden_path, param_specs, specs_to_json, write_golden
+from llds_jax.parallel import ShardingRules, constrain, logical_to_sharding, make_mesh, shard_model, use_rules
+from llds_jax.parallel.placement import golden_path, iter_params, param_specs, specs_to_json, write_golden
 
 MESHES = [(8, 1, 1), (2, 4, 1), (1, 2, 4)]
 QWEN25_3B = DecoderConfig(vocab_size=151936, hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=2,
@@ -124,3 +131,37 @@ def test_make_mesh_rejects_shapes_that_do_not_fit_the_devices():
     with pytest.raises(ValueError, match="one entry per axis"):
         make_mesh((8, 1))
     assert dict(make_mesh((-1, 2, 1)).shape) == {"data": 4, "fsdp": 2, "tensor": 1}
+
+
+def test_use_rules_changes_activation_constraints_traced_inside():
+    mesh = make_mesh((2, 1, 4))
+    x = jnp.ones((8, 16))
+    replicated_batch = ShardingRules.from_mapping(None, batch=None, act_embed="tensor")
+    with jax.set_mesh(mesh), use_rules(replicated_batch):
+        y = jax.jit(lambda a: constrain(a + 1, ("batch", "act_embed")))(x)
+    assert tuple(y.sharding.spec) == (None, "tensor"), y.sharding
+
+
+def test_from_pretrained_places_each_weight_on_its_sharding(tmp_path, single_device_outputs):
+    save_pretrained(tiny_model("qwen2_untied"), tmp_path)
+    mesh = make_mesh((1, 2, 4))
+    model = from_pretrained(tmp_path, mesh=mesh)
+    specs = param_specs(model, mesh)
+    for name, var in iter_params(model):
+        assert var.get_value().sharding.spec == specs[name], f"{name}: {var.get_value().sharding}"
+    ids, mask = _batch()
+    with jax.set_mesh(mesh):
+        logits = _outputs(model, ids, mask)[0]
+    np.testing.assert_allclose(np.asarray(logits), single_device_outputs[0], atol=1e-5)
+
+
+def test_cache_shardings_match_what_init_cache_produces_under_the_mesh():
+    mesh = make_mesh((2, 1, 4))
+    cfg = tiny_model("qwen3").config.replace(num_kv_heads=4)
+    expected = cache_shardings(cfg, batch=4, max_len=16, mesh=mesh)
+    with jax.set_mesh(mesh):
+        cache = jax.jit(lambda: init_cache(cfg, 4, 16))()
+    assert expected.k.spec == P(None, "data", None, "tensor", None)
+    for name in ("k", "v", "valid"):
+        got, want = getattr(cache, name).sharding, getattr(expected, name)
+        assert got.is_equivalent_to(want, getattr(cache, name).ndim), f"{name}: {got} vs {want}"
