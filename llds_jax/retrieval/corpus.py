@@ -163,11 +163,15 @@ class Corpus:
     def __len__(self) -> int:
         return len(self._offsets) - 1
 
-    def __del__(self):
-        fd = getattr(self, "_fd", None)
+    def close(self) -> None:
+        fd, self._fd = getattr(self, "_fd", None), None
         if fd is not None:
             os.close(fd)
-            self._fd = None
+
+    def __del__(self, _close=os.close):  # os may already be torn down at interpreter exit
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            _close(fd)
 
     def _line_bytes(self, index: int) -> bytes:
         start, stop = int(self._offsets[index]), int(self._offsets[index + 1])

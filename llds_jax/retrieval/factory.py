@@ -28,17 +28,15 @@ def check_method(r: ConfigDict) -> str:
 
 
 def resolve_index_path(r: ConfigDict) -> Path:
-    """``retrieval.index_path``, or a cache directory named after the corpus content and method.
+    """``retrieval.index_path``, or a cache directory named after the corpus file and method.
 
-    The fingerprint (path, size, mtime) keeps an index from silently serving an edited corpus.
+    The fingerprint (path, size, mtime) keeps an index from silently serving an edited
+    corpus. A dense directory holds the embeddings once and one faiss file per factory.
     """
     if r.index_path:
         return Path(r.index_path)
     corpus_path = Path(r.corpus_path)
-    name = f"{corpus_path.name}.{corpus_fingerprint(corpus_path)}.{check_method(r)}"
-    if r.method == "dense":
-        name += "." + "".join(ch if ch.isalnum() else "_" for ch in r.faiss_factory)
-    return cache_dir() / "indexes" / name
+    return cache_dir() / "indexes" / f"{corpus_path.name}.{corpus_fingerprint(corpus_path)}.{check_method(r)}"
 
 
 def open_bm25(r: ConfigDict, build_if_missing: bool = True) -> BM25Retriever:

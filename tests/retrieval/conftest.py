@@ -36,3 +36,31 @@ def small_bm25(small_corpus):
     from llds_jax.retrieval import BM25Retriever
 
     return BM25Retriever.build(small_corpus)
+
+
+@pytest.fixture(scope="session")
+def minilm_model():
+    """Real all-MiniLM-L6-v2 weights, loaded once (each `TextEmbedder` over it compiles its own shapes)."""
+    from llds_jax.models.encoder_weights import load_bert_encoder
+    from llds_jax.utils.assets import minilm_dir
+
+    return load_bert_encoder(minilm_dir())
+
+
+@pytest.fixture(scope="session")
+def make_embedder(minilm_model):
+    from tokenizers import Tokenizer
+
+    from llds_jax.retrieval.embedder import EmbedderOptions, TextEmbedder
+    from llds_jax.utils.assets import minilm_dir
+
+    def make(**options) -> TextEmbedder:
+        tokenizer = Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
+        return TextEmbedder(minilm_model, tokenizer, EmbedderOptions(**options))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def minilm_embedder(make_embedder):
+    return make_embedder(batch_size=8)
