@@ -94,3 +94,5 @@ def validate(cfg) -> None:
     for flag in ("unbiased_std", "mask_answer", "adaptive_ma", "answer_in_gate"):
         if not isinstance(cfg[flag], bool):
             raise ValueError(f"rl.{flag} must be a bool, got {cfg[flag]!r}")
+    if cfg.adaptive_ma and not cfg.mask_answer:
+        raise ValueError("rl.adaptive_ma = True scales the MA answer weight, so it needs rl.mask_answer = True")

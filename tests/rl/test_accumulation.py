@@ -21,11 +21,11 @@ from strategies import BATCH, rollouts
 
 from llds_jax import rl
 
-# Micro-batches of one size: eager mode compiles every primitive once per shape, so shape
-# variety (not example count) is what costs time here. Halves already differ in token counts.
-SPLITS = {"halves": (4, 4), "quarters": (2, 2, 2, 2)}
+# Sliced micro-batches of one size: eager mode compiles every primitive once per shape, so shape
+# variety (not example count) is what costs time. Halves already differ in token counts; any
+# partition of rows is covered by the hypothesis test at the end (padding-row micro-batches).
+SPLITS = {"halves": (4, 4)}
 CASES = [(agg, "halves") for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum-norm")]
-CASES.append(("token-mean", "quarters"))
 
 
 def make_cfg(**overrides):

@@ -40,6 +40,13 @@ def test_validate_names_the_bad_field_and_value(field, value, message):
         rl.validate(cfg)
 
 
+def test_adaptive_ma_without_ma_is_rejected_instead_of_silently_ignored():
+    cfg = rl.default_config()
+    cfg.adaptive_ma = True
+    with pytest.raises(ValueError, match="needs rl.mask_answer = True"):
+        rl.validate(cfg)
+
+
 def test_validate_rejects_unknown_and_missing_fields():
     cfg = rl.default_config()
     cfg.lambda_llds = 0.1

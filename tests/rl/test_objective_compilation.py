@@ -35,8 +35,8 @@ def test_traced_program_size_does_not_grow_with_batch_or_length():
 
 def test_metrics_are_finite_on_an_all_padding_batch():
     cfg = rl.default_config()
-    *arrays, adv, masks = inputs(4, 16)
-    masks = masks._replace(row_weight=jnp.zeros(4))
+    *arrays, adv, masks = inputs(8, 24)
+    masks = masks._replace(row_weight=jnp.zeros(8))
     loss, metrics = rl.objective(*arrays, adv, masks, cfg)
     assert float(loss) == 0.0
     bad = {k: float(v) for k, v in metrics.items() if not np.isfinite(float(v))}

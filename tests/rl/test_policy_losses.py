@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from batches import rollout_batch
 
 from llds_jax import rl
 
@@ -68,13 +69,14 @@ def test_low_var_kl_is_clamped_at_ten():
     assert float(rl.KL_ESTIMATORS.get("low_var_kl")(jnp.array(-30.0), jnp.array(0.0))) == 10.0
 
 
-def test_objective_runs_with_gspo_and_sequence_mean_aggregation():
+def test_gspo_objective_with_sequence_mean_aggregation_is_pure_entropy_bonus_on_policy():
     cfg = cfg_with(policy_loss="gspo", aggregation="seq-mean-token-mean", clip_low=3e-4, clip_high=4e-4)
-    mask = jnp.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    loss, metrics = rl.objective(
-        jnp.full((2, 3), -1.0), jnp.full((2, 3), -1.0), jnp.full((2, 3), -1.0), jnp.ones((2, 3)),
-        jnp.array([1.0, -1.0]), rl.LossMasks(mask), cfg,
-    )
-    # pi = pi_old = pi_ref: pg = mean over rows of -A = 0, KL = 0, entropy 1
-    np.testing.assert_allclose(float(loss), -cfg.entropy_coef, atol=1e-7)
-    assert float(metrics["ratio_max"]) == 1.0
+    b = rollout_batch(0)  # the (8, 24) shape the other objective tests already compiled
+    masks = rl.LossMasks(jnp.asarray(b["action_mask"]), row_weight=jnp.asarray(b["row_weight"]))
+    logp = jnp.asarray(b["old_logp"])
+    loss, metrics = rl.objective(logp, logp, logp, jnp.ones_like(logp), jnp.asarray(b["rewards"] - 0.5), masks, cfg)
+    # pi = pi_old = pi_ref: every ratio is 1, pg = mean over rows of -A, KL = 0, entropy 1.
+    rows = (np.asarray(b["action_mask"]).sum(-1) > 0) & (np.asarray(b["row_weight"]) > 0)
+    want_pg = -np.mean((b["rewards"] - 0.5)[rows])
+    np.testing.assert_allclose(float(loss), want_pg - cfg.entropy_coef, rtol=1e-6, atol=1e-7)
+    assert float(metrics["ratio_max"]) == 1.0 and float(metrics["ratio_min"]) == 1.0
