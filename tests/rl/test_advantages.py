@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llds_jax import rl
 
@@ -88,3 +90,25 @@ def test_two_prompts_with_different_ids_are_never_merged():
 def test_unknown_estimator_lists_known_ones():
     with pytest.raises(ValueError, match="dr_grpo, grpo, rloo"):
         rl.compute_advantages(jnp.ones(2), jnp.zeros(2, jnp.int32), jnp.ones(2, bool), estimator="ppo")
+
+
+_grpo = jax.jit(lambda r, g, v: rl.compute_advantages(r, g, v))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rewards=st.lists(st.sampled_from([0.0, 0.25, 1.0]), min_size=16, max_size=16),
+    groups=st.lists(st.integers(0, 4), min_size=16, max_size=16),
+    valid=st.lists(st.booleans(), min_size=16, max_size=16),
+    perm_seed=st.integers(0, 2**31 - 1),
+)
+def test_grpo_advantages_sum_to_zero_per_group_and_follow_row_permutations(rewards, groups, valid, perm_seed):
+    rewards, groups, valid = np.asarray(rewards, np.float32), np.asarray(groups), np.asarray(valid)
+    adv = np.asarray(_grpo(rewards, groups, valid))
+    for g in np.unique(groups[valid]):
+        members = (groups == g) & valid
+        if members.sum() > 1:
+            assert abs(adv[members].sum()) < 1e-4, (g, adv[members])
+    assert np.all(adv[~valid] == 0.0)
+    perm = np.random.default_rng(perm_seed).permutation(16)
+    np.testing.assert_allclose(np.asarray(_grpo(rewards[perm], groups[perm], valid[perm])), adv[perm], rtol=1e-6, atol=1e-6)
