@@ -19,8 +19,9 @@ so sum_k loss_k is exactly the loss of the whole mini-batch in one piece (and in
 the micro-batch size). `"micro_batch"` reproduces the reference (verl): each micro-batch is
 normalised by its own denominators (LLDS: its own action tokens) and the mini-batch loss is
 the mean of the micro-batch losses. Under jit with batch-sharded global arrays the sums are
-already global; inside `shard_map`, pass the terms through `all_reduce` and build the
-constants from all-reduced masks. Metrics are always pooled sums / pooled denominators.
+already global (a "micro-batch" is then the global one across shards); inside `shard_map`,
+call `batch_constants(..., axis_name=...)` and pass terms through `all_reduce`. Metrics are
+always pooled sums / pooled denominators.
 """
 
 from __future__ import annotations
@@ -85,12 +86,12 @@ def _token_advantages(advantages: jax.Array, shape) -> jax.Array:
     return jnp.broadcast_to(advantages[:, None] if advantages.ndim == 1 else advantages, shape)
 
 
-def _mean_searches(masks: LossMasks, row_weight: jax.Array, cfg) -> jax.Array:
+def _searches_sum_and_rows(masks: LossMasks, row_weight: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
     if masks.num_searches is None:
         if cfg.mask_answer and cfg.adaptive_ma:
             raise ValueError("rl.adaptive_ma needs masks.num_searches")
-        return jnp.zeros((), jnp.float32)
-    return (masks.num_searches * row_weight).sum() / jnp.maximum(row_weight.sum(), 1.0)
+        return jnp.zeros((), jnp.float32), row_weight.sum()
+    return (masks.num_searches * row_weight).sum(), row_weight.sum()
 
 
 def _llds_denominator(token_mask: jax.Array, advantages: jax.Array, cfg) -> jax.Array:
@@ -99,8 +100,11 @@ def _llds_denominator(token_mask: jax.Array, advantages: jax.Array, cfg) -> jax.
     return token_mask.sum()
 
 
-def batch_constants(advantages: jax.Array, masks: LossMasks, cfg) -> BatchConstants:
-    """Denominators of the loss terms + mean searches for a whole mini-batch (masks only)."""
+def batch_constants(advantages: jax.Array, masks: LossMasks, cfg, *, axis_name=None) -> BatchConstants:
+    """Denominators of the loss terms + mean searches for a whole mini-batch (masks only).
+
+    Inside `shard_map`, `axis_name` sums the pieces over the data-parallel axis first.
+    """
     validate(cfg)
     row_weight = _row_weight(masks)
     mask = masks.action_mask.astype(jnp.float32)
@@ -109,7 +113,10 @@ def batch_constants(advantages: jax.Array, masks: LossMasks, cfg) -> BatchConsta
     denom = aggregate(zeros, mask, row_weight, cfg.aggregation, cfg.token_sum_norm_length)[1]
     denominators = {"pg": denom, "kl_ref": denom, "entropy": denom}
     denominators["llds"] = _llds_denominator(mask * row_weight[:, None], advantages, cfg)
-    return BatchConstants(denominators, _mean_searches(masks, row_weight, cfg))
+    searches, rows = _searches_sum_and_rows(masks, row_weight, cfg)
+    if axis_name is not None:
+        denominators, searches, rows = jax.lax.psum((denominators, searches, rows), axis_name)
+    return BatchConstants(denominators, searches / jnp.maximum(rows, 1.0))
 
 
 def objective_terms(batch: PolicyBatch, cfg, constants: BatchConstants | None = None) -> ObjectiveTerms:

@@ -105,23 +105,33 @@ def test_batch_constants_equal_the_objective_terms_denominators():
         assert float(value) == float(terms.denoms[key]), key
 
 
-def test_data_parallel_all_reduce_in_shard_map_equals_the_whole_batch():
-    cfg = make_cfg()
+def test_data_parallel_shard_map_with_psummed_constants_equals_the_whole_batch():
+    cfg = make_cfg(mask_answer=True, answer_weight=0.05, adaptive_ma=True)
     batch = whole_batch(seed=11)
     mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     spec = jax.P("data")
     batch_specs = jax.tree.map(lambda _: spec, batch)
 
     def per_shard(b):
-        return rl.all_reduce(rl.objective_terms(b, cfg), "data")
+        constants = rl.batch_constants(b.advantages, b.masks, cfg, axis_name="data")
+
+        def local_loss(logp):
+            return rl.micro_batch_loss(b._replace(logp=logp), cfg, constants, 1)[0]
+
+        loss, grad = jax.value_and_grad(local_loss)(b.logp)
+        terms = rl.all_reduce(rl.objective_terms(b, cfg, constants), "data")
+        return jax.lax.psum(loss, "data"), grad, terms
 
     with jax.set_mesh(mesh):
         sharded = jax.tree.map(lambda x: jax.device_put(x, jax.NamedSharding(mesh, spec)), batch)
-        terms = jax.jit(jax.shard_map(per_shard, in_specs=(batch_specs,), out_specs=jax.P()))(sharded)
-    loss, metrics = rl.finalize(terms, cfg)
+        step = jax.jit(jax.shard_map(per_shard, in_specs=(batch_specs,), out_specs=(jax.P(), spec, jax.P())))
+        loss, grad, terms = step(sharded)
     want_loss, want_metrics = rl.objective(*batch, cfg)
+    want_grad = jax.grad(lambda logp: rl.objective(logp, *batch[1:], cfg)[0])(batch.logp)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
-    for key in ("llds/loss", "ratio_max", "ratio_min", "llds/gated_action_frac"):
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-6, atol=1e-9)
+    _, metrics = rl.finalize(terms, cfg)
+    for key in ("llds/loss", "llds/answer_coef", "ratio_max", "ratio_min", "llds/gated_action_frac"):
         np.testing.assert_allclose(float(metrics[key]), float(want_metrics[key]), rtol=1e-6, err_msg=key)
 
 
