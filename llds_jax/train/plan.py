@@ -205,6 +205,7 @@ class Plan:
     phase_extra: dict[str, dict[str, int]]  # per device, alive during one phase only
     programs: dict[str, CompiledProgram]
     notes: list[str]
+    attention_scores: dict[str, int] = dataclasses.field(default_factory=dict)  # one layer, per device
 
     def phase_peak(self, phase: str) -> int:
         """Peak bytes per device of a phase: XLA's live set of the program plus what it does not see."""
@@ -328,13 +329,23 @@ def make_plan(config, devices=None) -> Plan:
                     phase, _cached_forward(graphdef, mesh, rules), state.params,
                     _row_array((rollout_rows, sampler_tokens[phase]), jnp.int32, mesh, rules),
                     cache, _row_array((rollout_rows, sampler_tokens[phase]), jnp.bool_, mesh, rules))
+    dp, tensor = shape[0] * shape[1], shape[2]
+    heads = decoder_cfg.num_heads // tensor if decoder_cfg.num_heads % tensor == 0 else decoder_cfg.num_heads
+    context, prompt = int(config.rollout.max_context), int(config.rollout.max_prompt_tokens)
+    attention = {  # rows per device x heads per device x queries x keys x fp32
+        "update": -(-config.train.micro_batch_size // dp) * heads * length * length * 4,
+        "logprobs": -(-config.train.logprob_batch_size // dp) * heads * length * length * 4,
+        "prefill": -(-rollout_rows // dp) * heads * prompt * context * 4,
+        "decode": -(-rollout_rows // dp) * heads * 1 * context * 4,
+    }
     notes = []
     if rollout_rows == trajectories:
         notes.append(f"the rollout decodes all {trajectories} trajectories of a step together "
                      f"(KV cache {rollout_rows} rows x {config.rollout.max_context} slots); "
                      f"--config.plan.rollout_batch=N plans a chunked rollout")
     return Plan(f"{Path(str(config.model.source)).name} ({decoder_cfg.num_layers} layers, d={decoder_cfg.hidden_size})",
-                parameters, shape, compiler, resident, phase_extra, programs, notes)
+                parameters, shape, compiler, resident, phase_extra, programs, notes,
+                {k: v for k, v in attention.items() if k in programs})
 
 
 def _row_array(shape, dtype, mesh, rules):
@@ -367,13 +378,14 @@ def format_plan(plan: Plan, hardware=tuple(HARDWARE)) -> str:
         "",
         "per phase, per device, GB: XLA memory_analysis of the compiled program",
         f"  {'phase':<10}{'args':>9}{'outputs':>9}{'donated':>9}{'temps':>9}{'+other':>9}{'peak':>9}"
-        f"{'compile s':>11}   phase-only inputs",
+        f"{'attn/layer':>11}{'compile s':>11}   phase-only inputs",
     ]
     for name, p in plan.programs.items():
         outside = plan.phase_peak(name) - p.peak_bytes
         extra = ", ".join(f"{k} {v / GB:.2f}" for k, v in plan.phase_extra.get(name, {}).items())
         lines.append(f"  {name:<10}{_gb(p.argument_bytes)}{_gb(p.output_bytes)}{_gb(p.alias_bytes)}"
-                     f"{_gb(p.temp_bytes)}{_gb(outside)}{_gb(plan.phase_peak(name))}{p.compile_seconds:>11.1f}   {extra}")
+                     f"{_gb(p.temp_bytes)}{_gb(outside)}{_gb(plan.phase_peak(name))}"
+                     f"{plan.attention_scores.get(name, 0) / GB:>11.2f}{p.compile_seconds:>11.1f}   {extra}")
     lines += ["", f"fits? peak {plan.peak_bytes / GB:.2f} GB per device vs {USABLE_FRACTION:.0%} of HBM"]
     for key in hardware:
         label, capacity = HARDWARE[key]
@@ -381,7 +393,9 @@ def format_plan(plan: Plan, hardware=tuple(HARDWARE)) -> str:
         verdict = "fits" if plan.peak_bytes <= usable else f"DOES NOT FIT (needs {plan.peak_bytes / usable:.1f}x)"
         lines.append(f"  {label:<28}{verdict}")
     lines += ["", "temps = activations (remat), gradient accumulator, log-prob chunks, attention scores;",
-              "+other = resident buffers the program does not take as arguments (e.g. Adam state while decoding)."]
+              "+other = resident buffers the program does not take as arguments (e.g. Adam state while decoding);",
+              "attn/layer = one layer's fp32 attention scores per device (rows x heads x queries x keys x 4 B):",
+              "the attention materialises them, so they grow with T^2 and set the temps of long contexts."]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 

@@ -1,0 +1,153 @@
+"""Faults a long run meets, with real processes: kill -9 mid-step and mid-save, then resume.
+
+The trainer runs as ``python -m llds_jax.main`` (a random tiny Qwen2 decoder with the real Qwen2.5
+tokenizer, BM25 retriever, one device) exactly as a user would start it; a restarted run uses
+the same command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 2
+# Keys that legitimately differ between two runs of the same step: clocks and throughput.
+NONDETERMINISTIC_PREFIXES = ("time/", "throughput/", "wall_time")
+
+
+def train_command(workdir: Path, shared_dir: Path) -> list[str]:
+    overrides = {
+        "model.source": "tiny:qwen2", "model.tokenizer": str(shared_dir / "assets" / "qwen2_tokenizer"),
+        "workdir": str(workdir), "train.total_steps": STEPS, "train.save_every": 1, "train.warmup_sft_steps": 0,
+        "eval.data": "", "train.export_hf": False, "train.tensorboard": False,
+        "train.prompts_per_step": 2, "rollout.n_samples": 2, "train.mini_batch_size": 2,
+        "train.micro_batch_size": 2, "train.logprob_batch_size": 4, "rollout.max_turns": 1,
+        "rollout.max_action_tokens": 8, "rollout.max_obs_tokens": 32, "rollout.max_prompt_tokens": 256,
+        "rollout.max_context": 384,
+    }
+    return [sys.executable, "-m", "llds_jax.main", "--config=configs/cpu_smoke.py",
+            *(f"--config.{k}={v}" for k, v in overrides.items())]
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    # One persistent compilation cache per test: the 2nd and 3rd launch load the programs the
+    # first compiled (the same executables, so results stay bit-identical) instead of recompiling.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               JAX_COMPILATION_CACHE_DIR=str(log.parent / "jax_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
+    try:
+        code = proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if code:
+        pytest.fail(f"{' '.join(proc.args[:4])} exited {code}:\n{log.read_text()[-4000:]}")
+
+
+def wait_for(predicate, proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            pytest.fail(f"process ended (exit {proc.returncode}) before the awaited state:\n{log.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"timed out waiting; log:\n{log.read_text()[-4000:]}")
+        time.sleep(0.05)
+
+
+def rl_records(workdir: Path) -> dict[int, dict]:
+    """The last ``rl`` record per step of ``metrics.jsonl`` (a resumed run appends to it)."""
+    records = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("phase") == "rl":
+            records[record["step"]] = record
+    return records
+
+
+def comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(NONDETERMINISTIC_PREFIXES)}
+
+
+@pytest.mark.slow
+def test_kill_9_mid_step_then_same_command_resumes_and_matches_uninterrupted_run(tmp_path, shared_dir):
+    reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
+    reference = start(train_command(reference_dir, shared_dir), tmp_path / "reference.log")
+    finish(reference, tmp_path / "reference.log")
+
+    # Kill -9 as soon as step 0's checkpoint has committed: the process is then inside step 1.
+    cmd = train_command(killed_dir, shared_dir)
+    victim = start(cmd, tmp_path / "killed.log")
+    wait_for(lambda: (killed_dir / "checkpoints" / "0").is_dir(), victim, tmp_path / "killed.log")
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert victim.returncode == -signal.SIGKILL
+    assert not (killed_dir / "checkpoints" / "1").exists(), "step 1 must not have completed before the kill"
+
+    resumed = start(cmd, tmp_path / "resumed.log")
+    finish(resumed, tmp_path / "resumed.log")
+    assert "resumed from step 0" in (tmp_path / "resumed.log").read_text()
+
+    want, got = rl_records(reference_dir), rl_records(killed_dir)
+    assert sorted(got) == sorted(want) == list(range(STEPS))
+    expected, actual = comparable(want[1]), comparable(got[1])
+    differing = {k: (actual.get(k), expected[k]) for k in expected if actual.get(k) != expected[k]}
+    assert not differing, f"step 1 after kill -9 + resume differs from the uninterrupted run: {differing}"
+    assert actual["loss/total"] is not None and actual["llds/value"] is not None
+
+
+MID_SAVE_WRITER = """
+import sys, jax, jax.numpy as jnp
+from llds_jax.train.checkpoint import Checkpointer
+state = {"w": jnp.zeros((1024, 1024, 48), jnp.float32)}  # 200 MB: a save takes a while
+ckpt = Checkpointer(sys.argv[1], keep=5)
+ckpt.save(1, state, {"step": 1}); ckpt.wait()
+print("step 1 committed", flush=True)
+ckpt.save(2, jax.tree.map(lambda x: x + 2, state), {"step": 2}); ckpt.wait()
+print("step 2 committed", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_mid_save_leaves_only_complete_checkpoints(tmp_path):
+    from llds_jax.train.checkpoint import Checkpointer, abstract_like
+
+    log = tmp_path / "writer.log"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    writer = subprocess.Popen([sys.executable, "-c", MID_SAVE_WRITER, str(tmp_path)], cwd=REPO, env=env,
+                              stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    ckdir = tmp_path / "checkpoints"
+    in_progress = lambda: any(p.name.startswith("2.") for p in ckdir.glob("*")) if ckdir.exists() else False
+    wait_for(in_progress, writer, log, timeout=300)
+    os.killpg(writer.pid, signal.SIGKILL)
+    writer.wait()
+    assert "step 2 committed" not in log.read_text()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.all_steps() == [1], f"only the committed step may be listed, got {ckpt.all_steps()}"
+    target = abstract_like({"w": jax.device_put(jnp.zeros((1024, 1024, 48), jnp.float32), jax.devices()[0])})
+    restored = ckpt.restore_latest(target)
+    assert restored.step == 1 and restored.extra == {"step": 1}
+    assert float(np.asarray(restored.state["w"]).max()) == 0.0
+    # The next save of step 2 replaces the leftover temporary directory.
+    ckpt.save(2, {"w": restored.state["w"] + 2}, {"step": 2})
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
