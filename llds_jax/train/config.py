@@ -63,14 +63,16 @@ def base_config() -> ml_collections.ConfigDict:
         logprob_batch_size=64,
         warmup_sft_steps=0,        # format warm-up steps run before RL (see the sft section)
         save_every=100,
-        eval_every=0,              # 0 = only at the end
         tensorboard=True,
+        delta_diagnostics=True,    # one extra no-grad forward after the updates: Δ = logπ_new − logπ_old (LLD rate)
+        export_hf=True,            # write <workdir>/hf/step_<N> (transformers-loadable) at the end
+        max_doc_tokens=0,          # >0: every retrieved doc cut to this many tokens (warm-up, RL and eval alike)
     ))
+    c.monitor = ml_collections.ConfigDict(dict(enabled=True))  # + llds_jax.diagnostics.MonitorConfig fields
     c.resume = "auto"  # "auto" | "never" | a step number (llds_jax.train.checkpoint)
     c.sft = ml_collections.ConfigDict(dict(
         steps=20, batch_size=4, lr=1e-4, warmup_steps=0, max_seq_len=512,
         data=("bundled:nq_train", "bundled:hotpotqa_train"),
-        max_doc_tokens=60,         # each retrieved doc cut to this many tokens in the synthetic feedback
     ))
     c.eval = ml_collections.ConfigDict(dict(
         data="bundled:nq_dev", limit=40, greedy=True, batch_size=8,

@@ -1,0 +1,133 @@
+"""The rollout → score → update loop of GRPO + LLDS training (SPEC §1).
+
+One iteration: take ``train.prompts_per_step`` questions, roll out ``rollout.n_samples``
+trajectories each with the *current* params (the sampler reads the learner's arrays directly:
+same rules table, no resharding), score EM on the last ``<answer>``, group by prompt, then let
+the :class:`~llds_jax.train.learner.Learner` run π_old / π_ref / the sequential mini-batch
+updates. Everything measured is written through :class:`~llds_jax.train.metrics.MetricsWriter`
+with the keys the diagnostics contract names (``llds_jax/diagnostics/__init__.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from llds_jax.data.prompts import PromptIterator
+from llds_jax.diagnostics import DeathSpiralMonitor, MonitorConfig, step_diagnostics
+from llds_jax.diagnostics.from_rollout import response_batch_from_rollout
+from llds_jax.diagnostics.monitor import Action
+from llds_jax.rollout.multi_turn import run_rollouts
+from llds_jax.rollout.reward import exact_match
+from llds_jax.train.learner import Learner
+from llds_jax.train.metrics import MetricsWriter
+
+
+def em_rewards(answers, golden) -> np.ndarray:
+    """EM of each trajectory's own last ``<answer>`` (None → 0; the prompt's example never counts)."""
+    return np.array([0.0 if a is None else exact_match(a, g) for a, g in zip(answers, golden)], np.float32)
+
+
+def token_aligned(shifted: np.ndarray, length: int) -> np.ndarray:
+    """[N, T-1] "scores token t+1" → [N, length] "value at token t" (position 0 has none: 0)."""
+    out = np.zeros((shifted.shape[0], length), np.float32)
+    width = min(length - 1, shifted.shape[1])
+    out[:, 1:width + 1] = shifted[:, :width]
+    return out
+
+
+def rollout_arrays(rollout) -> dict[str, np.ndarray]:
+    return dict(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask, action_mask=rollout.action_mask,
+                answer_mask=rollout.answer_mask, action_index=rollout.action_index,
+                num_searches=rollout.searches.astype(np.float32), sampler_logprobs=rollout.sampler_logprobs)
+
+
+def rollout_metrics(rollout, rewards: np.ndarray) -> dict[str, float]:
+    stats = rollout.stats()
+    timings = rollout.timings
+    return {
+        "reward/mean": float(rewards.mean()), "reward/max": float(rewards.max()),
+        "reward/group_solved_frac": float(np.mean([rewards[rollout.group_ids == g].max() > 0
+                                                   for g in np.unique(rollout.group_ids)])),
+        "rollout/searches_mean": stats["rollout/searches"], "rollout/turns_mean": stats["rollout/turns"],
+        "rollout/valid_action_rate": stats["rollout/valid_action_rate"],
+        "rollout/finished_rate": stats["rollout/finished"], "rollout/truncated_rate": stats["rollout/truncated"],
+        "rollout/response_tokens_mean": stats["rollout/response_tokens"],
+        "rollout/action_tokens_mean": stats["rollout/action_tokens"],
+        "time/rollout_s": float(timings.get("total_s", 0.0)),
+        "time/retrieval_s": float(timings.get("retrieval_s", 0.0)),
+        "time/decode_s": float(timings.get("decode_s", 0.0)),
+        "time/prefill_s": float(timings.get("prefill_s", 0.0) + timings.get("append_s", 0.0)),
+        "throughput/rollout_tokens_per_s": float(rollout.action_mask.sum() / max(timings.get("total_s", 0.0), 1e-9)),
+    }
+
+
+def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, writer: MetricsWriter, config, *,
+            start_step: int = 0, on_step_end: Callable[[int, dict], Any] | None = None,
+            monitor: DeathSpiralMonitor | None = None) -> list[dict[str, float]]:
+    """Run RL steps ``start_step .. train.total_steps - 1``; returns the per-step metric dicts.
+
+    ``on_step_end(step, metrics)`` runs after a step is logged (checkpointing); returning
+    ``"stop"`` ends the loop early (preemption, monitor STOP).
+    """
+    history = []
+    base_key = jax.random.key(config.seed)
+    slots = int(config.rollout.max_turns) + 1
+    bar = tqdm(range(start_step, config.train.total_steps), desc="rl", unit="step", dynamic_ncols=True,
+               initial=start_step, total=config.train.total_steps)
+    for step in bar:
+        started = time.perf_counter()
+        batch = next(prompts)
+        rollout = run_rollouts(learner.policy(), tokenizer, [r.question for r in batch.records], retriever,
+                               config.rollout, key=jax.random.fold_in(base_key, step),
+                               group_ids=list(range(len(batch.records))))
+        golden = [batch.records[g].golden_answers for g in rollout.group_ids]
+        rewards = em_rewards(rollout.answers, golden)
+        arrays = rollout_arrays(rollout)
+        metrics = rollout_metrics(rollout, rewards)
+        update_metrics, extra = learner.update(arrays, rewards, rollout.group_ids)
+        metrics.update(update_metrics)
+        new_logp = None
+        if config.train.delta_diagnostics:
+            clock = time.perf_counter()
+            new_logp = token_aligned(learner.logprobs_now(arrays), rollout.input_ids.shape[1])
+            metrics["time/delta_logprobs_s"] = time.perf_counter() - clock
+        diag_batch = response_batch_from_rollout(
+            rollout, advantage=extra["advantages"], reward=rewards,
+            old_logprobs=token_aligned(extra["old_logp"], rollout.input_ids.shape[1]),
+            num_action_slots=slots, new_logprobs=new_logp)
+        metrics.update(step_diagnostics(diag_batch))
+        if config.rl.entropy_coef > 0:  # π_old's token-mean entropy = mini-batch 1's (π_θ = π_old there)
+            metrics["diag/entropy"] = float(extra["per_mini_batch"]["entropy"][0])
+        metrics["time/step_s"] = time.perf_counter() - started
+        metrics["data/epoch"] = float(batch.epoch)
+        if monitor is not None:
+            report = monitor.update(step, metrics)
+            metrics.update(report.as_metrics())
+            if report.action is Action.STOP:
+                tqdm.write(f"death-spiral monitor: STOP at step {step} ({report})")
+        writer.write(step, metrics, phase="rl")
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", llds=f"{metrics['llds/value']:.2e}",
+                        search=f"{metrics['rollout/searches_mean']:.2f}")
+        history.append(metrics)
+        stop = on_step_end(step, metrics) if on_step_end is not None else None
+        if stop == "stop" or (monitor is not None and report.action is Action.STOP):
+            break
+    bar.close()
+    return history
+
+
+def make_monitor(config) -> DeathSpiralMonitor | None:
+    section = config.get("monitor")
+    if section is None or not section.get("enabled", True):
+        return None
+    settings = {k: v for k, v in section.to_dict().items() if k != "enabled"}
+    if settings.get("on_phase_two") == "raise_lambda" or settings.get("on_phase_three") == "raise_lambda":
+        raise ValueError("monitor.on_phase_*='raise_lambda' is not supported by the trainer: λ is a compile-time "
+                         "constant of the update step (use 'log' or 'stop')")
+    return DeathSpiralMonitor(MonitorConfig.from_mapping(settings), llds_lambda=config.rl.llds_coef)

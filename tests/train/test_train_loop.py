@@ -1,0 +1,82 @@
+"""The whole ``--mode=train`` path on a tiny random model with the real tokenizer and the bundled BM25 corpus.
+
+Warm-up → RL (rollouts, EM, π_old/π_ref, sequential updates, diagnostics) → checkpoint → HF export →
+eval, then a second invocation that resumes from the checkpoint instead of warming up again.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from train_helpers import tiny_train_config
+
+from llds_jax.train.metrics import read_metrics
+from llds_jax.train.run import train
+
+
+@pytest.fixture(scope="module")
+def loop_config(tmp_path_factory, shared_dir):
+    c = tiny_train_config()
+    c.workdir = str(tmp_path_factory.mktemp("run"))
+    c.model.tokenizer = str(shared_dir / "assets" / "qwen2_tokenizer")
+    c.mesh.shape = (2, 1, 1)  # data-parallel: the sampler reads params laid out for the update
+    c.rollout.update(dict(n_samples=2, max_turns=1, max_action_tokens=8, max_obs_tokens=32, max_prompt_tokens=224,
+                          max_context=256, pad_to_multiple=128))
+    t = c.train
+    t.prompts_per_step, t.mini_batch_size, t.micro_batch_size, t.logprob_batch_size = 4, 4, 2, 8
+    t.total_steps, t.warmup_sft_steps, t.save_every = 2, 2, 0
+    c.sft.update(dict(batch_size=2, max_seq_len=384))
+    c.train.max_doc_tokens = 16
+    c.eval.update(dict(data="bundled:nq_dev", limit=2, batch_size=2))
+    c.monitor.enabled = True
+    return c
+
+
+@pytest.fixture(scope="module")
+def first_run(loop_config):
+    return train(loop_config)
+
+
+def test_metrics_jsonl_has_warmup_rl_and_eval_rows_with_contract_keys(first_run, loop_config):
+    rows = read_metrics(loop_config.workdir)
+    phases = [r["phase"] for r in rows]
+    assert phases == ["sft", "sft", "rl", "rl", "eval"], phases
+    rl = [r for r in rows if r["phase"] == "rl"]
+    for key in ("reward/mean", "llds/value", "llds/value_first_minibatch", "rollout/searches_mean",
+                "time/rollout_s", "time/retrieval_s", "time/logprobs_s", "time/update_s", "time/step_s",
+                "throughput/update_tokens_per_s", "grad/norm_preclip", "kl/mean", "ratio/max",
+                "logprob_gap/abs_mean", "diag/ll_correct/all", "diag/entropy", "monitor/phase"):
+        assert key in rl[0], f"metrics.jsonl row lacks {key!r}; has {sorted(rl[0])}"
+    assert all(r["llds/value_first_minibatch"] == 0.0 for r in rl)
+    assert (loop_config.workdir and (first_run["compile_counts"] == {
+        "policy_logprobs": 1, "update": 1, "reference_logprobs": 1})), first_run["compile_counts"]
+
+
+def test_sampler_and_trainer_agree_on_old_logprobs(first_run, loop_config):
+    rl = [r for r in read_metrics(loop_config.workdir) if r["phase"] == "rl"]
+    # Same params, same fp32 forward: only the cached-vs-full forward's rounding differs.
+    assert rl[0]["logprob_gap/abs_mean"] < 1e-3, rl[0]["logprob_gap/abs_mean"]
+
+
+def test_run_leaves_checkpoint_export_eval_and_tensorboard(first_run, loop_config):
+    from pathlib import Path
+
+    workdir = Path(loop_config.workdir)
+    assert (workdir / "checkpoints" / "1").is_dir()
+    assert (workdir / "hf" / "step_1" / "config.json").exists()
+    assert list((workdir / "eval").glob("*"))
+    assert list((workdir / "tensorboard").glob("events.*"))
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["rl_steps"] == 2 and len(summary["reward_per_step"]) == 2
+
+
+def test_second_invocation_resumes_without_warmup(first_run, loop_config):
+    config = loop_config.copy_and_resolve_references()
+    config.train.total_steps = 3
+    config.eval.data = ""
+    summary = train(config)
+    rows = read_metrics(config.workdir)
+    assert [r["phase"] for r in rows].count("sft") == 2, "resume must not redo the warm-up"
+    assert [r["step"] for r in rows if r["phase"] == "rl"] == [0, 1, 2]
+    assert summary["rl_steps"] == 1
