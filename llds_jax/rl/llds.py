@@ -48,14 +48,15 @@ def action_gate(gate_displacement: jax.Array, run_ids: jax.Array) -> jax.Array:
     return (sum_over_runs(gate_displacement, run_ids) > 0).astype(gate_displacement.dtype)
 
 
-def answer_coefficient(cfg, mean_searches: jax.Array | float) -> jax.Array:
+def answer_coefficient(cfg, mean_searches, llds_coef) -> jax.Array:
     """Coefficient of answer tokens: lambda, or min(w_ans [* max(mean_searches - 1, 0)], lambda)."""
+    llds_coef = jnp.asarray(llds_coef, jnp.float32)
     if not cfg.mask_answer:
-        return jnp.asarray(cfg.llds_coef, jnp.float32)
+        return llds_coef
     weight = jnp.asarray(cfg.answer_weight, jnp.float32)
     if cfg.adaptive_ma:
         weight = weight * jnp.maximum(jnp.asarray(mean_searches, jnp.float32) - 1.0, 0.0)
-    return jnp.minimum(weight, cfg.llds_coef)
+    return jnp.minimum(weight, llds_coef)
 
 
 class LLDSTerms(NamedTuple):
@@ -65,8 +66,12 @@ class LLDSTerms(NamedTuple):
     preserved: jax.Array  # [B, T] 0/1: action token of a response with A >= 0
 
 
-def llds_terms(logp, old_logp, advantages, token_mask, answer_mask, run_ids, cfg, mean_searches) -> LLDSTerms:
-    """Per-token LLDS pieces; `token_mask` is the action mask times the row weight."""
+def llds_terms(logp, old_logp, advantages, token_mask, answer_mask, run_ids, cfg, mean_searches, llds_coef) -> LLDSTerms:
+    """Per-token LLDS pieces; `token_mask` is the action mask times the row weight.
+
+    `llds_coef` (lambda) is passed in rather than read from `cfg` so it may be a traced
+    scalar: a monitor can change it between steps without recompiling.
+    """
     displacement = jax.lax.stop_gradient(old_logp) - logp
     d_const = jax.lax.stop_gradient(displacement)
     on = token_mask > 0
@@ -77,5 +82,5 @@ def llds_terms(logp, old_logp, advantages, token_mask, answer_mask, run_ids, cfg
     # `where`, not `maximum(0, d)`: the gradient must be exactly 0 at d = 0 (pi_theta = pi_old).
     reducing = jnp.where(d_const > 0, displacement, 0.0)
     penalty = token_mask * preserved * gate * reducing
-    coefficient = jnp.where(answer, answer_coefficient(cfg, mean_searches), cfg.llds_coef)
+    coefficient = jnp.where(answer, answer_coefficient(cfg, mean_searches, llds_coef), llds_coef)
     return LLDSTerms(weighted=coefficient * penalty, penalty=penalty, gate=gate * preserved, preserved=preserved)

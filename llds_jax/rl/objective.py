@@ -62,10 +62,11 @@ class PolicyBatch(NamedTuple):
 
 
 class BatchConstants(NamedTuple):
-    """What every micro-batch must share: loss denominators and the step's mean searches."""
+    """What every micro-batch must share: loss denominators, mean searches, and lambda."""
 
     denominators: dict[str, jax.Array]
     mean_searches: jax.Array
+    llds_coef: jax.Array  # lambda for this step: cfg.llds_coef unless overridden (may be traced)
 
 
 class ObjectiveTerms(NamedTuple):
@@ -100,10 +101,12 @@ def _llds_denominator(token_mask: jax.Array, advantages: jax.Array, cfg) -> jax.
     return token_mask.sum()
 
 
-def batch_constants(advantages: jax.Array, masks: LossMasks, cfg, *, axis_name=None) -> BatchConstants:
+def batch_constants(advantages: jax.Array, masks: LossMasks, cfg, *, axis_name=None, llds_coef=None) -> BatchConstants:
     """Denominators of the loss terms + mean searches for a whole mini-batch (masks only).
 
     Inside `shard_map`, `axis_name` sums the pieces over the data-parallel axis first.
+    `llds_coef` overrides `cfg.llds_coef` with a (possibly traced) scalar, so lambda can
+    change between steps (e.g. a death-spiral monitor raising it) without recompiling.
     """
     validate(cfg)
     row_weight = _row_weight(masks)
@@ -116,15 +119,16 @@ def batch_constants(advantages: jax.Array, masks: LossMasks, cfg, *, axis_name=N
     searches, rows = _searches_sum_and_rows(masks, row_weight, cfg)
     if axis_name is not None:
         denominators, searches, rows = jax.lax.psum((denominators, searches, rows), axis_name)
-    return BatchConstants(denominators, searches / jnp.maximum(rows, 1.0))
+    lam = jnp.asarray(cfg.llds_coef if llds_coef is None else llds_coef, jnp.float32)
+    return BatchConstants(denominators, searches / jnp.maximum(rows, 1.0), lam)
 
 
 def objective_terms(batch: PolicyBatch, cfg, constants: BatchConstants | None = None) -> ObjectiveTerms:
     """Unreduced sums, their denominators and extrema for one (micro-)batch.
 
-    `constants` (from `batch_constants` over the whole mini-batch) only supplies the mean
-    number of searches for adaptive MA here; the denominators stored in the result are always
-    this batch's own, so that pooling terms over micro-batches adds them up correctly.
+    `constants` (from `batch_constants` over the whole mini-batch) supplies lambda and the
+    mean number of searches for adaptive MA here; the denominators stored in the result are
+    always this batch's own, so that pooling terms over micro-batches adds them up correctly.
     """
     validate(cfg)
     masks = batch.masks
@@ -135,7 +139,7 @@ def objective_terms(batch: PolicyBatch, cfg, constants: BatchConstants | None = 
     old_logp = jax.lax.stop_gradient(batch.old_logp.astype(jnp.float32))
     advantages = _token_advantages(batch.advantages, mask.shape)
     own = batch_constants(batch.advantages, masks, cfg)
-    mean_searches = (constants or own).mean_searches
+    shared = constants or own
     sink = TermSink({}, {}, {}, {})
 
     def add_aggregated(key: str, values: jax.Array) -> None:
@@ -154,10 +158,11 @@ def objective_terms(batch: PolicyBatch, cfg, constants: BatchConstants | None = 
 
     run_ids = action_run_ids(mask, masks.action_index)
     answer_mask = jnp.zeros_like(mask) if masks.answer_mask is None else masks.answer_mask
-    llds = llds_terms(logp, old_logp, advantages, token_mask, answer_mask, run_ids, cfg, mean_searches)
+    llds = llds_terms(logp, old_logp, advantages, token_mask, answer_mask, run_ids, cfg, shared.mean_searches,
+                      shared.llds_coef)
     sink.add_ratio("llds", llds.weighted.sum(), own.denominators["llds"])
     sink.add_ratio("llds/penalty", llds.penalty.sum(), own.denominators["llds"])
-    sink.maxima["llds/answer_coef"] = answer_coefficient(cfg, mean_searches)
+    sink.maxima["llds/answer_coef"] = answer_coefficient(cfg, shared.mean_searches, shared.llds_coef)
 
     add_diagnostics(
         sink, policy=policy, llds=llds, logp=logp, old_logp=old_logp, advantages=advantages,

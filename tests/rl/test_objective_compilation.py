@@ -41,3 +41,21 @@ def test_metrics_are_finite_on_an_all_padding_batch():
     assert float(loss) == 0.0
     bad = {k: float(v) for k, v in metrics.items() if not np.isfinite(float(v))}
     assert not bad, bad
+
+
+def test_lambda_passed_through_batch_constants_changes_without_recompiling():
+    """A monitor may raise lambda mid-run: a traced lambda must equal the static one, one compile."""
+    cfg = rl.default_config()
+    logp, old, ref, ent, adv, masks = inputs(8, 24)
+
+    @jax.jit
+    def loss_with(lam, logp):
+        constants = rl.batch_constants(adv, masks, cfg, llds_coef=lam)
+        return rl.micro_batch_loss(rl.PolicyBatch(logp, old, ref, ent, adv, masks), cfg, constants, 1)[0]
+
+    for lam in (0.0, 0.1, 0.3):
+        static_cfg = rl.default_config()
+        static_cfg.llds_coef = lam
+        want = rl.objective(logp, old, ref, ent, adv, masks, static_cfg)[0]
+        np.testing.assert_allclose(float(loss_with(lam, logp)), float(want), rtol=1e-6, atol=1e-7, err_msg=f"lambda={lam}")
+    assert loss_with._cache_size() == 1
