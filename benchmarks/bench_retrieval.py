@@ -204,6 +204,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--corpus", type=Path, default=REPO.parent / "shared/data/corpus/wiki18_subset.jsonl")
     parser.add_argument("--questions", type=Path, default=REPO.parent / "shared/data/eval/nq.dev200.jsonl")
     parser.add_argument("--index_dir", type=Path, required=True, help="dense index dir built by --mode=index")
+    parser.add_argument("--skip_dense", action="store_true", help="BM25 (in-process and HTTP) only")
     parser.add_argument("--num_questions", type=int, default=50)
     parser.add_argument("--topk", type=int, default=3)
     parser.add_argument("--batch", type=int, default=50)
@@ -231,31 +232,33 @@ def main(argv=None) -> dict:
     bm25_dir = Path(args.index_dir) / "bm25"
     bm25.save(bm25_dir)
 
-    embedder = TextEmbedder.from_pretrained(minilm_dir(), EmbedderOptions(batch_size=64))
     retrievers = {"bm25": bm25}
-    for factory in ["Flat", *args.ann]:
+    dense_factories = [] if args.skip_dense else ["Flat", *args.ann]
+    embedder = TextEmbedder.from_pretrained(minilm_dir(), EmbedderOptions(batch_size=64)) if dense_factories else None
+    for factory in dense_factories:
         if not faiss_file(args.index_dir, factory).exists():
             start = time.perf_counter()
             build_dense_index(corpus, embedder, args.index_dir, factory, shard_size=1024,
                               encoder_name=str(minilm_dir()), show_progress=False)
             report[f"{factory}_build_s"] = time.perf_counter() - start
         retrievers[factory] = DenseRetriever.load(args.index_dir, factory, embedder, corpus)
-    retrievers["searchr1_torch_Flat"] = TorchSearchR1Retriever(minilm_dir(), retrievers["Flat"].index, corpus, 256)
+    if dense_factories:
+        retrievers["searchr1_torch_Flat"] = TorchSearchR1Retriever(minilm_dir(), retrievers["Flat"].index, corpus, 256)
 
     report["recall_at_k"] = {name: recall_at_k(r, questions, args.topk) for name, r in retrievers.items()}
     report["latency"] = {name: latency_profile(r, queries, args.topk, args.batch) for name, r in retrievers.items()}
 
     report["http_bm25"] = http_profile(args.corpus, bm25_dir, queries, clients=8, requests=50)
 
-    passages = list(corpus.iter_contents(0, args.encoder_passages))
-    torch_design = retrievers["searchr1_torch_Flat"]
-    report["encoder"] = {
-        "jax_fp32": encoder_throughput(embedder.encode_passages, passages, 64),
-        "torch_fp32": encoder_throughput(torch_design.encode, passages, 64),
-    }
+    if dense_factories:
+        passages = list(corpus.iter_contents(0, args.encoder_passages))
+        report["encoder"] = {
+            "jax_fp32": encoder_throughput(embedder.encode_passages, passages, 64),
+            "torch_fp32": encoder_throughput(retrievers["searchr1_torch_Flat"].encode, passages, 64),
+        }
 
     memory = {"corpus_offsets": 8.0, "bm25": directory_bytes(bm25_dir) / len(corpus)}
-    for factory in ["Flat", *args.ann]:
+    for factory in dense_factories:
         memory[factory] = faiss_file(args.index_dir, factory).stat().st_size / len(corpus)
     report["bytes_per_passage"] = memory
     report["machine"]["load_avg_at_end"] = os.getloadavg()
