@@ -7,10 +7,13 @@ tied vs untied head), and every dimension divides the 8-device test meshes.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from llds_jax.models.config import DecoderConfig
-from llds_jax.models.decoder import Decoder
+from llds_jax.models.decoder import INIT_STD, Decoder
+from llds_jax.parallel.placement import iter_params
 
 _TINY = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
              intermediate_size=128, rope_theta=10000.0, rms_eps=1e-6, max_position_embeddings=512)
@@ -33,5 +36,19 @@ def tiny_config(family: str = "qwen2", **overrides) -> DecoderConfig:
 
 
 def tiny_model(family: str = "qwen2", seed: int = 0, **overrides) -> Decoder:
-    """A randomly initialised tiny ``Decoder`` (weights ~ N(0, 0.02), norms 1)."""
-    return Decoder(tiny_config(family, **overrides), rngs=nnx.Rngs(seed))
+    """A randomly initialised tiny ``Decoder``: weights ~ N(0, 0.02), norms 1.
+
+    Values come from numpy's generator into an abstract model: eager ``jax.random``
+    compiles once per distinct shape (seconds each on a busy 2-core CI box), and tests
+    build many tiny models. Same seed, same weights.
+    """
+    config = tiny_config(family, **overrides)
+    model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(seed)
+    for name, var in iter_params(model):
+        if name.rsplit(".", 1)[-1].endswith("norm"):
+            value = np.ones(var.shape, np.float32)
+        else:
+            value = INIT_STD * rng.standard_normal(var.shape, dtype=np.float32)
+        var.set_value(jnp.asarray(value, dtype=config.weight_dtype))
+    return model

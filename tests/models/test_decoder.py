@@ -26,8 +26,7 @@ def test_scanned_model_traces_one_block_whatever_the_depth():
     assert unrolled > deep
 
 
-@pytest.mark.parametrize("remat", ["full", "dots_saveable"])
-def test_remat_and_scan_leave_gradients_unchanged(remat):
+def test_remat_and_scan_leave_gradients_unchanged():
     ids = jax.random.randint(jax.random.key(1), (2, 9), 0, 256)
     mask = jnp.arange(9)[None, :] >= jnp.array([[0], [3]])
 
@@ -41,7 +40,7 @@ def test_remat_and_scan_leave_gradients_unchanged(remat):
         return jax.jit(jax.grad(loss))(params)
 
     plain = grads(tiny_model("qwen3", scan_layers=False))
-    checkpointed = grads(tiny_model("qwen3", scan_layers=True, remat=remat))
+    checkpointed = grads(tiny_model("qwen3", scan_layers=True, remat="dots_saveable"))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(plain), jax.tree.leaves(checkpointed)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
 

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from llds_jax.models.logprobs import sequence_logprobs, token_logprobs
 from llds_jax.models.testing import tiny_model
@@ -78,7 +79,13 @@ def test_sequence_logprobs_scores_the_next_token_of_a_decoder():
     model = tiny_model("qwen3")
     ids = jax.random.randint(jax.random.key(0), (2, 10), 0, 256)
     mask = jnp.ones((2, 10), bool)
-    logp, _ = sequence_logprobs(model, ids, mask, chunk_size=4)
-    full = jax.nn.log_softmax(model(ids, mask), axis=-1)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def both(state):
+        m = nnx.merge(graphdef, state)
+        return sequence_logprobs(m, ids, mask, chunk_size=4)[0], jax.nn.log_softmax(m(ids, mask), axis=-1)
+
+    logp, full = both(state)
     want = jnp.take_along_axis(full[:, :-1], ids[:, 1:, None], axis=-1)[..., 0]
     np.testing.assert_allclose(logp, want, atol=1e-5)
