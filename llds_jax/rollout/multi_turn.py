@@ -57,8 +57,8 @@ def make_policy(model, tokenizer, config, *, key: jax.Array) -> DecodeSession:
         temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
         stop_token_ids=terminator_ids(tokenizer, config.stop_token_ids),
         stop_table=resolve_stop_table(protocol.ACTION_STOP_STRINGS, tokenizer, vocab_size))
-    return DecodeSession((graphdef, params), sampling, max_context=config.max_context,
-                         max_action_tokens=config.max_action_tokens, key=key, pad_id=pad_token_id(tokenizer))
+    return DecodeSession((graphdef, params), sampling, max_action_tokens=config.max_action_tokens, key=key,
+                         pad_id=pad_token_id(tokenizer))
 
 
 def pad_token_id(tokenizer) -> int:

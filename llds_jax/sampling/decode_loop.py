@@ -105,6 +105,25 @@ def new_cache(config, batch: int, max_len: int) -> KVCache:
     return init_cache(config, batch, max_len)
 
 
+@functools.partial(jax.jit, static_argnames=("max_len",), donate_argnames=("cache",))
+def grow_cache(cache: KVCache, max_len: int) -> KVCache:
+    """The same cache with ``max_len`` slots (new slots empty and invalid).
+
+    Why grow instead of allocating ``max_context`` slots up front: every decode step costs
+    time proportional to the cache's slot count (attention reads every slot, and the
+    cached forward rewrites the whole cache buffer per step), so a multi-turn session
+    keeps the cache one bucket above what its rows hold and pays one copy per growth.
+    """
+    extra = max_len - cache.max_len
+    if extra < 0:
+        raise ValueError(f"cannot shrink a cache of {cache.max_len} slots to {max_len}")
+
+    def pad(x, axis):
+        return jnp.pad(x, [(0, extra) if i == axis else (0, 0) for i in range(x.ndim)])
+
+    return KVCache(k=pad(cache.k, 2), v=pad(cache.v, 2), valid=pad(cache.valid, 1), end=cache.end)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def extend(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, token_mask: jax.Array,
            cache: KVCache) -> tuple[jax.Array, KVCache]:

@@ -13,9 +13,13 @@ The token that ends an action is already in the cache (the decode loop writes ev
 sampled token), so feedback goes straight after it and positions continue exactly as in
 a full forward over the concatenated ids.
 
-Shapes are bucketed — batch and prompt/chunk widths to powers of two, the action buffer to
-``bucket(max_action_tokens)``, the cache to ``bucket(max_context)`` slots — so a training
-run compiles a handful of programs once.
+Shapes are bucketed — batch, prompt/chunk widths and the cache's slot count to powers of
+two, the action buffer to ``bucket(max_action_tokens)`` — so a training run compiles a
+handful of programs once. The cache starts with room for the prompts and one action and
+grows a bucket at a time (``decode_loop.grow_cache``) as rows lengthen: a decode step's
+cost follows the cache's slot count, so a cache sized for ``max_context`` from the start
+would make every early step as slow as the last possible one. The context cap itself is
+the caller's (the rollout's) to enforce.
 """
 
 from __future__ import annotations
@@ -45,17 +49,15 @@ class DecodeSession:
     """Turn-synchronous decoding for ``rows`` conversations sharing one cache.
 
     ``model``: a ``Decoder`` or ``(graphdef, params)``; ``sampling``: a
-    :class:`~llds_jax.sampling.decode_loop.SamplingParams`; ``max_context``: the most
-    tokens any row may hold (prompt + actions + feedback); ``max_action_tokens``: the
+    :class:`~llds_jax.sampling.decode_loop.SamplingParams`; ``max_action_tokens``: the
     per-action cap (the decode buffer width).
     """
 
-    def __init__(self, model, sampling: decode_loop.SamplingParams, *, max_context: int,
-                 max_action_tokens: int, key: jax.Array, pad_id: int = 0):
+    def __init__(self, model, sampling: decode_loop.SamplingParams, *, max_action_tokens: int, key: jax.Array,
+                 pad_id: int = 0):
         self.graphdef, self.params = nnx.split(model) if isinstance(model, nnx.Module) else model
         self.config = nnx.merge(self.graphdef, self.params).config
         self.sampling = sampling
-        self.cache_len = bucket(max_context, MIN_LENGTH_BUCKET)
         self.width = bucket(max_action_tokens, MIN_LENGTH_BUCKET)
         self.pad_id = pad_id
         self.key = key
@@ -66,6 +68,12 @@ class DecodeSession:
     @property
     def batch(self) -> int:
         return bucket(self.rows)
+
+    def _reserve(self, new_tokens: int) -> None:
+        """Grow the cache so every row has ``new_tokens`` free slots after its end."""
+        needed = int(jax.device_get(self.cache.end).max()) + new_tokens
+        if needed > self.cache.max_len:
+            self.cache = decode_loop.grow_cache(self.cache, bucket(needed, MIN_LENGTH_BUCKET))
 
     def _extend(self, ids: np.ndarray, mask: np.ndarray) -> None:
         logits, self.cache = decode_loop.extend(self.graphdef, self.params, jnp.asarray(ids), jnp.asarray(mask),
@@ -83,7 +91,7 @@ class DecodeSession:
             if prompt:
                 ids[row, width - len(prompt):] = prompt
                 mask[row, width - len(prompt):] = True
-        self.cache = decode_loop.new_cache(self.config, self.batch, self.cache_len)
+        self.cache = decode_loop.new_cache(self.config, self.batch, bucket(width + self.width, MIN_LENGTH_BUCKET))
         self.logits = None
         self._extend(ids, mask)
 
@@ -93,6 +101,7 @@ class DecodeSession:
         done[: self.rows] = ~np.asarray(active, bool)
         budget = np.zeros((self.batch,), np.int32)
         budget[: self.rows] = budgets
+        self._reserve(self.width)
         self.key, key = jax.random.split(self.key)
         state = decode_loop.decode(self.graphdef, self.params, self.logits, self.cache, jnp.asarray(done),
                                    jnp.asarray(budget), key, self.sampling, width=self.width, pad_id=self.pad_id)
@@ -116,4 +125,5 @@ class DecodeSession:
         for row, chunk in enumerate(chunks):
             ids[row, : len(chunk)] = chunk
             mask[row, : len(chunk)] = True
+        self._reserve(width)
         self._extend(ids, mask)
