@@ -41,7 +41,9 @@ def dense_group_ids(keys: jax.Array) -> jax.Array:
     return inverse.reshape(n)
 
 
-def group_stats(rewards: jax.Array, group_ids: jax.Array, valid: jax.Array, *, unbiased_std: bool) -> GroupStats:
+def group_stats(
+    rewards: jax.Array, group_ids: jax.Array, valid: jax.Array, *, unbiased_std: bool
+) -> GroupStats:
     n = rewards.shape[0]
     weight = valid.astype(rewards.dtype)
     seg = dense_group_ids(group_ids)

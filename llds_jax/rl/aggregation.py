@@ -59,6 +59,8 @@ def token_sum_norm(values, action_mask, row_weight, norm_length):
     return (values * mask).sum(), row_weight.sum() * length
 
 
-def aggregate(values: jax.Array, action_mask: jax.Array, row_weight: jax.Array, mode: str, norm_length: int = 0):
+def aggregate(
+    values: jax.Array, action_mask: jax.Array, row_weight: jax.Array, mode: str, norm_length: int = 0
+):
     """(sum, denominator) of per-token `values` under aggregation `mode`."""
     return AGGREGATIONS.get(mode)(values, action_mask, row_weight, norm_length)

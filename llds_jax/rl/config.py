@@ -95,4 +95,6 @@ def validate(cfg) -> None:
         if not isinstance(cfg[flag], bool):
             raise ValueError(f"rl.{flag} must be a bool, got {cfg[flag]!r}")
     if cfg.adaptive_ma and not cfg.mask_answer:
-        raise ValueError("rl.adaptive_ma = True scales the MA answer weight, so it needs rl.mask_answer = True")
+        raise ValueError(
+            "rl.adaptive_ma = True scales the MA answer weight, so it needs rl.mask_answer = True"
+        )

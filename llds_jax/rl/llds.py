@@ -66,7 +66,9 @@ class LLDSTerms(NamedTuple):
     preserved: jax.Array  # [B, T] 0/1: action token of a response with A >= 0
 
 
-def llds_terms(logp, old_logp, advantages, token_mask, answer_mask, run_ids, cfg, mean_searches, llds_coef) -> LLDSTerms:
+def llds_terms(
+    logp, old_logp, advantages, token_mask, answer_mask, run_ids, cfg, mean_searches, llds_coef
+) -> LLDSTerms:
     """Per-token LLDS pieces; `token_mask` is the action mask times the row weight.
 
     `llds_coef` (lambda) is passed in rather than read from `cfg` so it may be a traced
@@ -83,4 +85,6 @@ def llds_terms(logp, old_logp, advantages, token_mask, answer_mask, run_ids, cfg
     reducing = jnp.where(d_const > 0, displacement, 0.0)
     penalty = token_mask * preserved * gate * reducing
     coefficient = jnp.where(answer, answer_coefficient(cfg, mean_searches, llds_coef), llds_coef)
-    return LLDSTerms(weighted=coefficient * penalty, penalty=penalty, gate=gate * preserved, preserved=preserved)
+    return LLDSTerms(
+        weighted=coefficient * penalty, penalty=penalty, gate=gate * preserved, preserved=preserved
+    )

@@ -71,7 +71,9 @@ def add_diagnostics(
     sink.add_ratio("llds/gated_action_frac", gated_actions, preserved_actions)
     sink.add_ratio("llds/gated_response_frac", (gate.max(axis=-1) * row_weight).sum(), preserved_rows)
     sink.add_ratio("llds/gated_actions_per_preserved_response", gated_actions, preserved_rows)
-    sink.add_ratio("llds/preserved_response_frac", preserved_rows, ((token_mask.max(axis=-1) > 0) * row_weight).sum())
+    sink.add_ratio(
+        "llds/preserved_response_frac", preserved_rows, ((token_mask.max(axis=-1) > 0) * row_weight).sum()
+    )
 
     # Likelihood of correct / incorrect responses under pi_old, and its drift so far.
     for sign, selected in (("pos", advantages > 0), ("neg", advantages < 0)):

@@ -101,7 +101,9 @@ def _llds_denominator(token_mask: jax.Array, advantages: jax.Array, cfg) -> jax.
     return token_mask.sum()
 
 
-def batch_constants(advantages: jax.Array, masks: LossMasks, cfg, *, axis_name=None, llds_coef=None) -> BatchConstants:
+def batch_constants(
+    advantages: jax.Array, masks: LossMasks, cfg, *, axis_name=None, llds_coef=None
+) -> BatchConstants:
     """Denominators of the loss terms + mean searches for a whole mini-batch (masks only).
 
     Inside `shard_map`, `axis_name` sums the pieces over the data-parallel axis first.
@@ -147,27 +149,49 @@ def objective_terms(batch: PolicyBatch, cfg, constants: BatchConstants | None = 
 
     policy = POLICY_LOSSES.get(cfg.policy_loss)(logp, old_logp, advantages, mask, cfg)
     add_aggregated("pg", policy.loss)
-    for key, values, coef in (("kl_ref", batch.ref_logp, cfg.kl_coef), ("entropy", batch.entropy, cfg.entropy_coef)):
+    for key, values, coef in (
+        ("kl_ref", batch.ref_logp, cfg.kl_coef),
+        ("entropy", batch.entropy, cfg.entropy_coef),
+    ):
         if values is None and coef > 0:
             raise ValueError(f"rl: {key} input is None but its coefficient is {coef}")
         if values is None:
             values = jnp.zeros_like(logp)
         elif key == "kl_ref":
-            values = KL_ESTIMATORS.get(cfg.kl_estimator)(logp, jax.lax.stop_gradient(values.astype(jnp.float32)))
+            values = KL_ESTIMATORS.get(cfg.kl_estimator)(
+                logp, jax.lax.stop_gradient(values.astype(jnp.float32))
+            )
         add_aggregated(key, values.astype(jnp.float32))
 
     run_ids = action_run_ids(mask, masks.action_index)
     answer_mask = jnp.zeros_like(mask) if masks.answer_mask is None else masks.answer_mask
-    llds = llds_terms(logp, old_logp, advantages, token_mask, answer_mask, run_ids, cfg, shared.mean_searches,
-                      shared.llds_coef)
+    llds = llds_terms(
+        logp,
+        old_logp,
+        advantages,
+        token_mask,
+        answer_mask,
+        run_ids,
+        cfg,
+        shared.mean_searches,
+        shared.llds_coef,
+    )
     sink.add_ratio("llds", llds.weighted.sum(), own.denominators["llds"])
     sink.add_ratio("llds/penalty", llds.penalty.sum(), own.denominators["llds"])
     sink.maxima["llds/answer_coef"] = answer_coefficient(cfg, shared.mean_searches, shared.llds_coef)
 
     add_diagnostics(
-        sink, policy=policy, llds=llds, logp=logp, old_logp=old_logp, advantages=advantages,
-        token_mask=token_mask, row_weight=row_weight, run_ids=run_ids,
-        run_starts=action_run_starts(mask, masks.action_index), num_searches=masks.num_searches,
+        sink,
+        policy=policy,
+        llds=llds,
+        logp=logp,
+        old_logp=old_logp,
+        advantages=advantages,
+        token_mask=token_mask,
+        row_weight=row_weight,
+        run_ids=run_ids,
+        run_starts=action_run_starts(mask, masks.action_index),
+        num_searches=masks.num_searches,
     )
     return ObjectiveTerms(sink.sums, sink.denoms, sink.maxima, sink.minima)
 
@@ -224,4 +248,6 @@ def micro_batch_loss(
 
 def objective(logp, old_logp, ref_logp, entropy, advantages, masks: LossMasks, cfg):
     """(loss, metrics) of one batch in one piece: `finalize(objective_terms(...))`."""
-    return finalize(objective_terms(PolicyBatch(logp, old_logp, ref_logp, entropy, advantages, masks), cfg), cfg)
+    return finalize(
+        objective_terms(PolicyBatch(logp, old_logp, ref_logp, entropy, advantages, masks), cfg), cfg
+    )

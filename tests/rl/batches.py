@@ -49,7 +49,15 @@ def rollout_batch(seed: int, batch: int = 8, length: int = 24, group: int = 4, d
     ref_logp = (old_logp + 0.5 * rng.normal(size=(batch, length))).astype(np.float32)
     entropy = np.abs(rng.normal(size=(batch, length))).astype(np.float32) * 3.0
     return dict(
-        logp=logp, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy, rewards=rewards,
-        group_ids=group_ids, action_mask=action_mask, answer_mask=answer_mask,
-        action_index=action_index, row_weight=row_weight, num_searches=num_searches,
+        logp=logp,
+        old_logp=old_logp,
+        ref_logp=ref_logp,
+        entropy=entropy,
+        rewards=rewards,
+        group_ids=group_ids,
+        action_mask=action_mask,
+        answer_mask=answer_mask,
+        action_index=action_index,
+        row_weight=row_weight,
+        num_searches=num_searches,
     )

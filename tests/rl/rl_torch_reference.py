@@ -46,7 +46,9 @@ def aggregate(values, mask, row_weight, mode, norm_length=0):
     per_row = []
     for b in rows:
         row_total = (values[b] * mask[b]).sum()
-        per_row.append(row_weight[b] * (row_total / mask[b].sum() if mode == "seq-mean-token-mean" else row_total))
+        per_row.append(
+            row_weight[b] * (row_total / mask[b].sum() if mode == "seq-mean-token-mean" else row_total)
+        )
     return sum(per_row) / sum(row_weight[b] for b in rows)
 
 
@@ -72,8 +74,10 @@ def llds_loss(logp, old_logp, advantages, mask, answer_mask, action_index, row_w
             continue
         d = old_logp[b] - logp[b]
         d_const = d.detach()
-        in_gate = [bool(mask[b, t]) and (cfg.answer_in_gate or not cfg.mask_answer or not answer_mask[b, t])
-                   for t in range(logp.shape[1])]
+        in_gate = [
+            bool(mask[b, t]) and (cfg.answer_in_gate or not cfg.mask_answer or not answer_mask[b, t])
+            for t in range(logp.shape[1])
+        ]
         runs = action_runs(mask[b], None if action_index is None else action_index[b])
         if cfg.llds_gate == "token":
             groups = [(run, True) for run in runs]
@@ -91,8 +95,19 @@ def llds_loss(logp, old_logp, advantages, mask, answer_mask, action_index, row_w
     return total / n_tokens
 
 
-def reference_loss(logp, old_logp, ref_logp, entropy, advantages, mask, answer_mask, action_index,
-                   row_weight, num_searches, cfg):
+def reference_loss(
+    logp,
+    old_logp,
+    ref_logp,
+    entropy,
+    advantages,
+    mask,
+    answer_mask,
+    action_index,
+    row_weight,
+    num_searches,
+    cfg,
+):
     """Total loss of SPEC §4-5 for policy_loss = "ppo" and kl_estimator = "low_var_kl"."""
     adv = advantages[:, None].expand_as(logp)
     log_ratio = logp - old_logp
@@ -104,4 +119,6 @@ def reference_loss(logp, old_logp, ref_logp, entropy, advantages, mask, answer_m
     pg = torch.where(clipped > unclipped, clipped, unclipped)
     agg = lambda x: aggregate(x, mask, row_weight, cfg.aggregation, cfg.token_sum_norm_length)
     loss = agg(pg) + cfg.kl_coef * agg(kl_k3(logp, ref_logp)) - cfg.entropy_coef * agg(entropy)
-    return loss + llds_loss(logp, old_logp, advantages, mask, answer_mask, action_index, row_weight, num_searches, cfg)
+    return loss + llds_loss(
+        logp, old_logp, advantages, mask, answer_mask, action_index, row_weight, num_searches, cfg
+    )

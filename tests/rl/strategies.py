@@ -35,7 +35,8 @@ def rollouts(draw, *, single_action: bool = False, same_policy: bool = False):
     row_weight = np.asarray(draw(st.lists(st.booleans(), min_size=BATCH, max_size=BATCH)), np.float32)
     row_weight[0] = 1.0
     advantages = np.asarray(
-        draw(st.lists(st.sampled_from([-1.2, -0.5, 0.0, 0.5, 1.2]), min_size=BATCH, max_size=BATCH)), np.float32
+        draw(st.lists(st.sampled_from([-1.2, -0.5, 0.0, 0.5, 1.2]), min_size=BATCH, max_size=BATCH)),
+        np.float32,
     )
     rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
     old_logp = (-2.0 * np.abs(rng.normal(size=(BATCH, LENGTH)))).astype(np.float32)
@@ -50,5 +51,11 @@ def rollouts(draw, *, single_action: bool = False, same_policy: bool = False):
         row_weight=jnp.asarray(row_weight),
         num_searches=jnp.asarray(rng.integers(0, 4, size=BATCH).astype(np.float32)),
     )
-    return (jnp.asarray(logp), jnp.asarray(old_logp), jnp.asarray(ref_logp), jnp.asarray(entropy),
-            jnp.asarray(advantages), masks)
+    return (
+        jnp.asarray(logp),
+        jnp.asarray(old_logp),
+        jnp.asarray(ref_logp),
+        jnp.asarray(entropy),
+        jnp.asarray(advantages),
+        masks,
+    )

@@ -25,7 +25,9 @@ from llds_jax import rl
 # variety (not example count) is what costs time. Halves already differ in token counts; any
 # partition of rows is covered by the hypothesis test at the end (padding-row micro-batches).
 SPLITS = {"halves": (4, 4)}
-CASES = [(agg, "halves") for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum-norm")]
+CASES = [
+    (agg, "halves") for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum-norm")
+]
 
 
 def make_cfg(**overrides):
@@ -36,9 +38,18 @@ def make_cfg(**overrides):
 
 def whole_batch(seed):
     b = rollout_batch(seed, batch=8)
-    adv = rl.compute_advantages(jnp.asarray(b["rewards"]), jnp.asarray(b["group_ids"]), jnp.asarray(b["row_weight"] > 0))
-    masks = rl.LossMasks(*(jnp.asarray(b[k]) for k in ("action_mask", "answer_mask", "action_index", "row_weight", "num_searches")))
-    return rl.PolicyBatch(*(jnp.asarray(b[k]) for k in ("logp", "old_logp", "ref_logp", "entropy")), adv, masks)
+    adv = rl.compute_advantages(
+        jnp.asarray(b["rewards"]), jnp.asarray(b["group_ids"]), jnp.asarray(b["row_weight"] > 0)
+    )
+    masks = rl.LossMasks(
+        *(
+            jnp.asarray(b[k])
+            for k in ("action_mask", "answer_mask", "action_index", "row_weight", "num_searches")
+        )
+    )
+    return rl.PolicyBatch(
+        *(jnp.asarray(b[k]) for k in ("logp", "old_logp", "ref_logp", "entropy")), adv, masks
+    )
 
 
 def rows(batch: rl.PolicyBatch, start: int, stop: int) -> rl.PolicyBatch:
@@ -66,7 +77,9 @@ def test_mini_batch_scope_accumulates_to_exactly_the_whole_batch(aggregation, sp
     parts = micro_batches(batch, SPLITS[split])
     total, grads, pooled = 0.0, [], None
     for part in parts:
-        value, part_grads = loss_and_grads(lambda b: rl.micro_batch_loss(b, cfg, constants, len(parts))[0], part)
+        value, part_grads = loss_and_grads(
+            lambda b: rl.micro_batch_loss(b, cfg, constants, len(parts))[0], part
+        )
         total += float(value)
         grads.append(part_grads)
         terms = rl.objective_terms(part, cfg, constants)
@@ -74,13 +87,18 @@ def test_mini_batch_scope_accumulates_to_exactly_the_whole_batch(aggregation, sp
     np.testing.assert_allclose(total, float(whole_loss), rtol=1e-6, atol=1e-7, err_msg="summed micro losses")
     for i, name in enumerate(("logp", "entropy")):
         np.testing.assert_allclose(
-            np.concatenate([np.asarray(g[i]) for g in grads]), np.asarray(whole_grads[i]), rtol=1e-6, atol=1e-8,
+            np.concatenate([np.asarray(g[i]) for g in grads]),
+            np.asarray(whole_grads[i]),
+            rtol=1e-6,
+            atol=1e-8,
             err_msg=f"d/d{name}",
         )
     _, pooled_metrics = rl.finalize(pooled, cfg)
     _, whole_metrics = rl.objective(*batch, cfg)
     for key, value in whole_metrics.items():
-        np.testing.assert_allclose(float(pooled_metrics[key]), float(value), rtol=1e-5, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(
+            float(pooled_metrics[key]), float(value), rtol=1e-5, atol=1e-6, err_msg=key
+        )
 
 
 @pytest.mark.parametrize("llds_denominator", ["action_tokens", "preserved_tokens"])
@@ -144,7 +162,9 @@ def test_jitted_objective_on_batch_sharded_arrays_under_an_explicit_mesh():
         sharded = jax.tree.map(lambda x: jax.device_put(x, jax.NamedSharding(mesh, jax.P("data"))), batch)
         step = jax.jit(jax.value_and_grad(lambda logp, b: rl.objective(logp, *b[1:], cfg)[0]))
         value, grad = step(sharded.logp, sharded)
-    want_value, want_grad = jax.value_and_grad(lambda logp: rl.objective(logp, *batch[1:], cfg)[0])(batch.logp)
+    want_value, want_grad = jax.value_and_grad(lambda logp: rl.objective(logp, *batch[1:], cfg)[0])(
+        batch.logp
+    )
     np.testing.assert_allclose(float(value), float(want_value), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-6, atol=1e-9)
     assert grad.sharding.spec[0] == "data", grad.sharding
@@ -161,8 +181,11 @@ def _micro_and_whole(aggregation: str):
         return rl.objective(logp, *batch[1:3], entropy, *batch[4:], cfg)[0]
 
     constants = jax.jit(lambda adv, masks: rl.batch_constants(adv, masks, cfg))
-    return (jax.jit(jax.value_and_grad(micro, argnums=(0, 1))), jax.jit(jax.value_and_grad(whole, argnums=(0, 1))),
-            constants)
+    return (
+        jax.jit(jax.value_and_grad(micro, argnums=(0, 1))),
+        jax.jit(jax.value_and_grad(whole, argnums=(0, 1))),
+        constants,
+    )
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])

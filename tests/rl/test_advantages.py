@@ -45,7 +45,9 @@ def random_groups(seed, n=24):
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
 @pytest.mark.parametrize("unbiased_std", [True, False])
 def test_estimators_match_loop_over_groups_reference(estimator, unbiased_std):
-    fn = jax.jit(lambda r, g, v: rl.compute_advantages(r, g, v, estimator=estimator, unbiased_std=unbiased_std))
+    fn = jax.jit(
+        lambda r, g, v: rl.compute_advantages(r, g, v, estimator=estimator, unbiased_std=unbiased_std)
+    )
     for seed in range(4):
         rewards, group_ids, valid = random_groups(seed)
         got = np.asarray(fn(rewards, group_ids, valid))
@@ -111,4 +113,6 @@ def test_grpo_advantages_sum_to_zero_per_group_and_follow_row_permutations(rewar
             assert abs(adv[members].sum()) < 1e-4, (g, adv[members])
     assert np.all(adv[~valid] == 0.0)
     perm = np.random.default_rng(perm_seed).permutation(16)
-    np.testing.assert_allclose(np.asarray(_grpo(rewards[perm], groups[perm], valid[perm])), adv[perm], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(_grpo(rewards[perm], groups[perm], valid[perm])), adv[perm], rtol=1e-6, atol=1e-6
+    )

@@ -13,7 +13,10 @@ def test_defaults_are_the_reference_settings():
     assert (cfg.advantage_estimator, cfg.policy_loss, cfg.kl_estimator) == ("grpo", "ppo", "low_var_kl")
     assert (cfg.clip_low, cfg.clip_high, cfg.kl_coef, cfg.entropy_coef) == (0.2, 0.2, 0.001, 0.001)
     assert (cfg.aggregation, cfg.llds_gate, cfg.llds_coef, cfg.llds_denominator) == (
-        "token-mean", "action", 0.1, "action_tokens",
+        "token-mean",
+        "action",
+        0.1,
+        "action_tokens",
     )
     assert cfg.advantage_eps == 1e-6 and cfg.unbiased_std and not cfg.mask_answer
 
@@ -21,7 +24,11 @@ def test_defaults_are_the_reference_settings():
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("llds_gate", "trajectory", "rl.llds_gate = 'trajectory' is not one of \\['action', 'response', 'token'\\]"),
+        (
+            "llds_gate",
+            "trajectory",
+            "rl.llds_gate = 'trajectory' is not one of \\['action', 'response', 'token'\\]",
+        ),
         ("aggregation", "mean", "rl.aggregation = 'mean'"),
         ("policy_loss", "grpo", "rl.policy_loss = 'grpo'"),
         ("kl_estimator", "k4", "rl.kl_estimator = 'k4'"),

@@ -45,7 +45,9 @@ def jax_value_and_grad(cfg, *, jit: bool):
 def advantages_of(batch):
     return np.asarray(
         rl.compute_advantages(
-            jnp.asarray(batch["rewards"]), jnp.asarray(batch["group_ids"]), jnp.asarray(batch["row_weight"] > 0)
+            jnp.asarray(batch["rewards"]),
+            jnp.asarray(batch["group_ids"]),
+            jnp.asarray(batch["row_weight"] > 0),
         )
     )
 
@@ -61,21 +63,37 @@ def check_against_reference(cfg, seed, value_and_grad):
         num_searches=jnp.asarray(batch["num_searches"]),
     )
     value, (grad_logp, grad_entropy) = value_and_grad(
-        jnp.asarray(batch["logp"]), jnp.asarray(batch["entropy"]), jnp.asarray(batch["old_logp"]),
-        jnp.asarray(batch["ref_logp"]), jnp.asarray(advantages), masks,
+        jnp.asarray(batch["logp"]),
+        jnp.asarray(batch["entropy"]),
+        jnp.asarray(batch["old_logp"]),
+        jnp.asarray(batch["ref_logp"]),
+        jnp.asarray(advantages),
+        masks,
     )
     t = {k: torch.tensor(v) for k, v in batch.items()}
     logp = t["logp"].clone().requires_grad_(True)
     entropy = t["entropy"].clone().requires_grad_(True)
     ref_value = reference_loss(
-        logp, t["old_logp"], t["ref_logp"], entropy, torch.tensor(advantages), t["action_mask"],
-        t["answer_mask"], t["action_index"], t["row_weight"], t["num_searches"], cfg,
+        logp,
+        t["old_logp"],
+        t["ref_logp"],
+        entropy,
+        torch.tensor(advantages),
+        t["action_mask"],
+        t["answer_mask"],
+        t["action_index"],
+        t["row_weight"],
+        t["num_searches"],
+        cfg,
     )
     ref_value.backward()
     ref_value = ref_value.detach()
-    context = f"cfg={ {k: cfg[k] for k in ('llds_gate', 'mask_answer', 'answer_weight', 'adaptive_ma', 'llds_coef', 'aggregation')} } seed={seed}"
+    shown = ("llds_gate", "mask_answer", "answer_weight", "adaptive_ma", "llds_coef", "aggregation")
+    context = f"cfg={ {k: cfg[k] for k in shown} } seed={seed}"
     np.testing.assert_allclose(float(value), float(ref_value), atol=TOL, rtol=TOL, err_msg=f"loss, {context}")
-    np.testing.assert_allclose(np.asarray(grad_logp), logp.grad.numpy(), atol=TOL, rtol=TOL, err_msg=f"d/dlogp, {context}")
+    np.testing.assert_allclose(
+        np.asarray(grad_logp), logp.grad.numpy(), atol=TOL, rtol=TOL, err_msg=f"d/dlogp, {context}"
+    )
     np.testing.assert_allclose(
         np.asarray(grad_entropy), entropy.grad.numpy(), atol=TOL, rtol=TOL, err_msg=f"d/dentropy, {context}"
     )

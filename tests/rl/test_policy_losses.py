@@ -30,13 +30,17 @@ def test_ppo_clip_uses_separate_low_and_high_clips():
 
 def test_log_ratio_clamp_keeps_the_ratio_finite():
     cfg = cfg_with(log_ratio_clamp=20.0)
-    out = rl.POLICY_LOSSES.get("ppo")(jnp.array([[0.0]]), jnp.array([[-200.0]]), jnp.array([[-1.0]]), jnp.ones((1, 1)), cfg)
+    out = rl.POLICY_LOSSES.get("ppo")(
+        jnp.array([[0.0]]), jnp.array([[-200.0]]), jnp.array([[-1.0]]), jnp.ones((1, 1)), cfg
+    )
     np.testing.assert_allclose(float(out.ratio[0, 0]), np.exp(20.0), rtol=1e-6)
 
 
 def test_dual_clip_bounds_the_loss_of_negative_advantages():
     cfg = cfg_with(dual_clip_c=3.0)
-    out = rl.POLICY_LOSSES.get("ppo")(jnp.log(jnp.array([[10.0, 10.0]])), jnp.zeros((1, 2)), jnp.array([[-1.0, 1.0]]), jnp.ones((1, 2)), cfg)
+    out = rl.POLICY_LOSSES.get("ppo")(
+        jnp.log(jnp.array([[10.0, 10.0]])), jnp.zeros((1, 2)), jnp.array([[-1.0, 1.0]]), jnp.ones((1, 2)), cfg
+    )
     np.testing.assert_allclose(np.asarray(out.loss), [[3.0, -1.2]], rtol=1e-6)
 
 
@@ -53,12 +57,22 @@ def test_gspo_gives_every_token_of_a_response_the_same_sequence_ratio():
         return (rl.POLICY_LOSSES.get("gspo")(lp, old, jnp.ones((1, 4)), mask, cfg).loss * mask).sum()
 
     grad = np.asarray(jax.grad(total)(logp))
-    np.testing.assert_allclose(grad[0, :3], -seq_ratio, rtol=1e-6, err_msg="each token's gradient is -A * s_i")
+    np.testing.assert_allclose(
+        grad[0, :3], -seq_ratio, rtol=1e-6, err_msg="each token's gradient is -A * s_i"
+    )
 
 
 @pytest.mark.parametrize(
     "name, want",
-    [("k1", 0.5), ("kl", 0.5), ("abs", 0.5), ("k2", 0.125), ("mse", 0.125), ("k3", np.exp(-0.5) + 0.5 - 1), ("low_var_kl", np.exp(-0.5) + 0.5 - 1)],
+    [
+        ("k1", 0.5),
+        ("kl", 0.5),
+        ("abs", 0.5),
+        ("k2", 0.125),
+        ("mse", 0.125),
+        ("k3", np.exp(-0.5) + 0.5 - 1),
+        ("low_var_kl", np.exp(-0.5) + 0.5 - 1),
+    ],
 )
 def test_kl_estimators_on_one_token(name, want):
     got = rl.KL_ESTIMATORS.get(name)(jnp.array(-1.0), jnp.array(-1.5))
@@ -74,7 +88,9 @@ def test_gspo_objective_with_sequence_mean_aggregation_is_pure_entropy_bonus_on_
     b = rollout_batch(0)  # the (8, 24) shape the other objective tests already compiled
     masks = rl.LossMasks(jnp.asarray(b["action_mask"]), row_weight=jnp.asarray(b["row_weight"]))
     logp = jnp.asarray(b["old_logp"])
-    loss, metrics = rl.objective(logp, logp, logp, jnp.ones_like(logp), jnp.asarray(b["rewards"] - 0.5), masks, cfg)
+    loss, metrics = rl.objective(
+        logp, logp, logp, jnp.ones_like(logp), jnp.asarray(b["rewards"] - 0.5), masks, cfg
+    )
     # pi = pi_old = pi_ref: every ratio is 1, pg = mean over rows of -A, KL = 0, entropy 1.
     rows = (np.asarray(b["action_mask"]).sum(-1) > 0) & (np.asarray(b["row_weight"]) > 0)
     want_pg = -np.mean((b["rewards"] - 0.5)[rows])
