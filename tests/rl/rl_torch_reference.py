@@ -29,9 +29,25 @@ def action_runs(action_mask_row, action_index_row=None) -> list[list[int]]:
     return runs
 
 
-def kl_k3(logp, ref_logp):
+def kl_estimate(logp, ref_logp, name):
+    """Schulman's estimators as verl's `kl_penalty` names them."""
+    if name in ("k1", "kl"):
+        return logp - ref_logp
+    if name in ("k2", "mse"):
+        return 0.5 * (logp - ref_logp) ** 2
+    if name == "abs":
+        return (logp - ref_logp).abs()
     x = ref_logp - logp
     return torch.clamp(torch.exp(x) - x - 1.0, -10.0, 10.0)
+
+
+def policy_log_ratio(logp, old_logp, mask, policy_loss):
+    """Token log-ratio (PPO) or, for GSPO, the response's mean log-ratio with a token-wise gradient."""
+    if policy_loss == "ppo":
+        return logp - old_logp
+    length = mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    seq = (((logp - old_logp) * mask).sum(dim=-1, keepdim=True) / length).detach()
+    return logp - logp.detach() + seq
 
 
 def aggregate(values, mask, row_weight, mode, norm_length=0):
@@ -108,17 +124,21 @@ def reference_loss(
     num_searches,
     cfg,
 ):
-    """Total loss of SPEC §4-5 for policy_loss = "ppo" and kl_estimator = "low_var_kl"."""
+    """Total loss of SPEC §4-5: clipped surrogate (+ dual clip), KL, entropy bonus, LLDS."""
     adv = advantages[:, None].expand_as(logp)
-    log_ratio = logp - old_logp
+    log_ratio = policy_log_ratio(logp, old_logp, mask, cfg.policy_loss)
     if cfg.log_ratio_clamp > 0:
         log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     pg = torch.where(clipped > unclipped, clipped, unclipped)
+    if cfg.dual_clip_c > 0:
+        floor = -adv * cfg.dual_clip_c
+        pg = torch.where((adv < 0) & (floor < pg), floor, pg)
     agg = lambda x: aggregate(x, mask, row_weight, cfg.aggregation, cfg.token_sum_norm_length)
-    loss = agg(pg) + cfg.kl_coef * agg(kl_k3(logp, ref_logp)) - cfg.entropy_coef * agg(entropy)
+    kl = kl_estimate(logp, ref_logp, cfg.kl_estimator)
+    loss = agg(pg) + cfg.kl_coef * agg(kl) - cfg.entropy_coef * agg(entropy)
     return loss + llds_loss(
         logp, old_logp, advantages, mask, answer_mask, action_index, row_weight, num_searches, cfg
     )

@@ -165,3 +165,18 @@ def _grad_wrt_constants():
         return rl.objective(logp, old_logp, ref_logp, entropy, advantages, masks, cfg)[0]
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+@pytest.mark.parametrize("gate", GATES)
+@PROPERTY_SETTINGS
+@given(batch=rollouts())
+def test_feedback_prompt_and_padding_tokens_never_receive_gradient(gate, batch):
+    """The whole objective (pg + KL + entropy + LLDS), not just LLDS: masked tokens are inert."""
+    logp, old_logp, ref_logp, entropy, advantages, masks = batch
+    _, (grad_logp, grad_entropy) = full_objective(gate, 0.2)(
+        logp, entropy, old_logp, ref_logp, advantages, masks
+    )
+    inert = (np.asarray(masks.action_mask) * np.asarray(masks.row_weight)[:, None]) == 0
+    for name, grad in (("logp", grad_logp), ("entropy", grad_entropy)):
+        leaked = np.asarray(grad)[inert]
+        assert np.all(leaked == 0.0), f"d/d{name} nonzero on masked tokens: max {np.abs(leaked).max()}"

@@ -128,6 +128,11 @@ OTHER_VARIANTS = [
     dict(llds_denominator="preserved_tokens"),
     dict(mask_answer=True, answer_weight=0.05, answer_in_gate=False),
     dict(log_ratio_clamp=0.0, clip_low=0.1, clip_high=0.28),
+    dict(dual_clip_c=1.05),
+    dict(policy_loss="gspo", aggregation="seq-mean-token-mean", clip_low=0.02, clip_high=0.03),
+    dict(kl_estimator="k1", kl_coef=0.05),
+    dict(kl_estimator="k2", kl_coef=0.05),
+    dict(kl_estimator="abs", kl_coef=0.05),
 ]
 
 
