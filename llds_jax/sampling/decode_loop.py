@@ -12,8 +12,9 @@ Per step, for every row at once::
     done  |= token ∈ stop_ids  or  a stop string completed  or  length == budget
     logits, cache = model.forward_cached(token, cache, token_mask=row was active)
 
-A row that is done is frozen: its token is ``pad_id``, its length and its cache stop
-moving (``token_mask`` False). The token that finishes a row *is* written to the cache,
+A row that is done is frozen: its token is ``pad_id``, its length, its cache and its
+next-token logits stop moving (``token_mask`` False), so a row sitting out one turn
+resumes exactly where it stopped. The token that finishes a row *is* written to the cache,
 so a multi-turn caller can append tool feedback right after it without a re-prefill.
 
 Each row has its own ``budget`` (≤ the buffer width): the per-action cap, or less when
@@ -105,7 +106,7 @@ def new_cache(config, batch: int, max_len: int) -> KVCache:
     return init_cache(config, batch, max_len)
 
 
-@functools.partial(jax.jit, static_argnames=("max_len",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("max_len",))
 def grow_cache(cache: KVCache, max_len: int) -> KVCache:
     """The same cache with ``max_len`` slots (new slots empty and invalid).
 
@@ -188,7 +189,7 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: 
             done=s.done | now_done,
             finish=jnp.where(now_done, finish, s.finish),
             stop_state=stop_state,
-            logits=next_logits,
+            logits=jnp.where(active[:, None], next_logits, s.logits),  # frozen rows keep theirs
             cache=cache,
             step=s.step + 1,
             key=key,

@@ -1,0 +1,53 @@
+"""DecodeSession: actions and appended feedback continue one cache, which grows as rows lengthen."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llds_jax.models.testing import tiny_model
+from llds_jax.sampling import SamplingParams
+from llds_jax.sampling.generate import resolve_stop_table
+from llds_jax.sampling.session import DecodeSession
+
+
+def test_session_continuation_equals_one_forward_over_the_whole_conversation():
+    model = tiny_model("llama", seed=1)
+    sampling = SamplingParams.create(temperature=1.0, top_k=0, top_p=1.0, stop_token_ids=[],
+                                     stop_table=resolve_stop_table((), None, model.config.vocab_size))
+    session = DecodeSession(model, sampling, max_action_tokens=10, key=jax.random.key(0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 256, n).tolist() for n in (9, 3, 14)]
+    conversation = [list(p) for p in prompts]
+    sampled = [[] for _ in prompts]  # (position, token, logprob) of every sampled token
+
+    session.start(prompts)
+    initial_slots = session.cache.max_len
+    plan = [  # (active rows, budgets, feedback chunk lengths)
+        ([True, True, True], [10, 4, 7], [40, 0, 100]),
+        ([True, False, True], [6, 0, 10], [5, 0, 0]),
+        ([True, True, False], [10, 10, 0], None),
+    ]
+    for active, budgets, chunk_lengths in plan:
+        actions = session.act(np.array(active), np.array(budgets))
+        for row, action in enumerate(actions):
+            assert (action is None) == (not active[row])
+            if action is None:
+                continue
+            assert len(action.ids) == budgets[row]
+            for token, logprob in zip(action.ids, action.logprobs):
+                sampled[row].append((len(conversation[row]), int(token), float(logprob)))
+                conversation[row].append(int(token))
+        if chunk_lengths is not None:
+            chunks = [rng.integers(1, 256, n).tolist() for n in chunk_lengths]
+            session.observe(chunks)
+            for row, chunk in enumerate(chunks):
+                conversation[row].extend(chunk)
+    assert session.cache.max_len > initial_slots, "the 100-token chunk should have grown the cache"
+
+    for row, seq in enumerate(conversation):
+        logp = jax.nn.log_softmax(jax.jit(model)(jnp.asarray([seq]))[0], axis=-1)
+        for position, token, logprob in sampled[row]:
+            expected = float(logp[position - 1, token])
+            assert abs(expected - logprob) < 1e-4, (row, position, expected, logprob)
