@@ -32,14 +32,14 @@ def get_config():
     c.optim.lr = 2e-6
     c.optim.warmup_ratio = 0.0
     c.optim.lr_first_step_zero = False
-    c.train.total_steps = 6
-    c.train.prompts_per_step = 4
+    c.train.total_steps = 4
+    c.train.prompts_per_step = 2
     c.rollout.n_samples = 4
-    c.train.mini_batch_size = 8
-    c.train.micro_batch_size = 4
+    c.train.mini_batch_size = 4
+    c.train.micro_batch_size = 2
     c.train.logprob_batch_size = 8
     c.rollout.max_context = 512  # prompt ≈156 + search ≈30 + feedback ≈250 + answer ≈30
-    c.train.warmup_sft_steps = 16
+    c.train.warmup_sft_steps = 10  # loss 2.3 → 0.4 in 4 steps (measured); STACK.md: format learned by ≈8
     c.train.save_every = 0
     c.train.tensorboard = True
     c.sft.batch_size = 4
@@ -47,6 +47,7 @@ def get_config():
     c.sft.max_seq_len = 512
     c.train.max_doc_tokens = 60  # docs cut to 60 tokens in warm-up, RL and eval (≈30% shorter sequences)
     c.eval.data = "bundled:nq_dev"
-    c.eval.limit = 16
+    c.eval.limit = 8
+    c.eval.batch_size = 8
     c.eval.greedy = True
     return c

@@ -16,5 +16,6 @@ def get_config():
         grid=(("rl.llds_coef", (0.0, 0.01, 0.1)), ("rl.llds_gate", ("action", "response"))),
         workdir_root="runs/sweep_llds",
         launch=False,
+        num_devices=0,  # validate the runs for this many devices (0 = this host's; e.g. 64 for a v5e-64)
     ))
     return c

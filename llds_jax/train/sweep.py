@@ -7,6 +7,7 @@ A sweep config has the usual sections (ignored here) plus::
                   ("rl.llds_gate", ("action", "response")))
     sweep.workdir_root = "runs/sweep_llds"              # run i writes <root>/<name of its overrides>
     sweep.launch = False                                # True: run them one after another here
+    sweep.num_devices = 0                               # validate for this many devices (0 = this host's)
 
 Every grid point is resolved and validated *before* anything runs, so a bad combination
 (sizes that do not divide, an unknown gate) fails naming the run and the field. Printed
@@ -56,7 +57,7 @@ def load_config_file(path: str):
     return module.get_config()
 
 
-def resolve_run(base_config_path: str, overrides: dict, workdir: str):
+def resolve_run(base_config_path: str, overrides: dict, workdir: str, num_devices: int | None = None):
     """The run's full config; fails naming the run when an override path does not exist or validation fails."""
     config = load_config_file(base_config_path)
     for key, value in {**overrides, "workdir": workdir}.items():
@@ -70,7 +71,7 @@ def resolve_run(base_config_path: str, overrides: dict, workdir: str):
             raise TrainConfigError(f"sweep run {run_name(overrides)!r}: unknown config field {key!r}")
         section[leaf] = value
     try:
-        validate(config)
+        validate(config, num_devices)
     except (TrainConfigError, ValueError) as err:
         raise TrainConfigError(f"sweep run {run_name(overrides)!r}: {err}") from err
     return config
@@ -94,7 +95,7 @@ def plan(config) -> list[tuple[str, list[str]]]:
     runs = []
     for overrides in expand_grid(section.grid):
         workdir = str(Path(section.workdir_root) / run_name(overrides))
-        resolve_run(section.base_config, overrides, workdir)
+        resolve_run(section.base_config, overrides, workdir, section.get("num_devices") or None)
         runs.append((run_name(overrides), command(section.base_config, overrides, workdir)))
     return runs
 

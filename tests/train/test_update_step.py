@@ -79,3 +79,18 @@ def test_state_counters_advance(single_device):
     learner, _ = single_device
     assert int(learner.state.step) == 3
     assert int(learner.state.updates) + int(learner.state.skipped_updates) == 6
+
+
+def test_non_finite_loss_skips_the_update_and_counts_it(single_device):
+    """Runs last on the shared learner: a NaN reward in group 0 poisons mini-batch 1 only."""
+    learner, _ = single_device
+    skipped = int(learner.state.skipped_updates)
+    arrays = synthetic_rollout(seed=9)
+    rewards = arrays["rewards"].copy()
+    rewards[0] = np.nan
+    metrics, _ = learner.update(arrays, rewards, arrays["group_ids"])
+    assert metrics["update/skipped"] == 1.0, metrics["update/skipped"]  # only the NaN row's mini-batch
+    assert int(learner.state.skipped_updates) == skipped + 1
+    after = jax.tree.map(np.asarray, jax.device_get(learner.state.params))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(after))
+    assert learner.compile_counts()["update"] == 1, "a NaN batch must not recompile"

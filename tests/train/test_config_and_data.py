@@ -1,0 +1,146 @@
+"""Configs, batch arithmetic, sweep expansion, the resumable prompt iterator, metrics files, the LR
+schedule, the bundled data and the synthetic warm-up trajectories (no compilation in this file)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llds_jax.data.prompts import BUNDLED_DIR, PromptIterator, load_questions
+from llds_jax.train.config import TrainConfigError, base_config, batch_arithmetic, validate
+from llds_jax.train.metrics import MetricsWriter, read_metrics
+from llds_jax.train.state import learning_rate
+from llds_jax.train.sweep import expand_grid, plan
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_config(name: str):
+    spec = importlib.util.spec_from_file_location(f"cfg_{name}", REPO / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def test_qwen3b_config_resolves_validates_and_prints_the_paper_arithmetic():
+    config = validate(load_config("qwen3b"), num_devices=64)
+    table = batch_arithmetic(config, num_devices=64)
+    assert "512 prompts × 5 samples = 2560" in table
+    assert "2560 / 256 = 10 sequential optimizer updates" in table
+    assert "warmup 286 steps" in table
+    assert config.rl.llds_coef == 0.1 and config.rl.llds_gate == "action"
+    assert config.rollout.max_turns == 3 and config.rollout.topk == 3 and config.optim.lr == 1e-6
+
+
+@pytest.mark.parametrize("name, devices", [("cpu_smoke", 1), ("cpu_smoke", 2), ("qwen0p5b", 64), ("qwen3b", 64),
+                                           ("qwen7b", 64)])
+def test_every_config_file_validates_for_its_target(name, devices):
+    validate(load_config(name), num_devices=devices)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("mini_batch_size", 300, "train.mini_batch_size=300 does not divide train.prompts_per_step×rollout.n_samples"),
+    ("micro_batch_size", 48, "train.micro_batch_size=48 does not divide train.mini_batch_size=256"),
+    ("micro_batch_size", 4, "train.micro_batch_size=4 is not a multiple of the data-parallel size 64"),
+    ("prompts_per_step", 0, "train.prompts_per_step=0 must be a positive integer"),
+])
+def test_sizes_that_do_not_fit_fail_naming_the_fields(field, value, message):
+    config = load_config("qwen3b")
+    config.train[field] = value
+    with pytest.raises(TrainConfigError, match=message.replace("×", ".").replace("(", r"\(")):
+        validate(config, num_devices=64)
+
+
+def test_mesh_that_does_not_divide_the_devices_fails_naming_it():
+    config = load_config("qwen7b")
+    with pytest.raises(TrainConfigError, match=r"mesh.shape=\(1, -1, 4\) does not divide the 6 devices"):
+        validate(config, num_devices=6)
+
+
+def test_sweep_expands_the_grid_in_order_and_validates_every_run(tmp_path):
+    grid = (("rl.llds_coef", (0.0, 0.1)), ("rl.llds_gate", ("action", "response")))
+    assert expand_grid(grid) == [
+        {"rl.llds_coef": 0.0, "rl.llds_gate": "action"}, {"rl.llds_coef": 0.0, "rl.llds_gate": "response"},
+        {"rl.llds_coef": 0.1, "rl.llds_gate": "action"}, {"rl.llds_coef": 0.1, "rl.llds_gate": "response"}]
+    config = load_config("sweep_llds")
+    config.sweep.base_config = str(REPO / "configs" / "cpu_smoke.py")
+    config.sweep.workdir_root = str(tmp_path)
+    config.sweep.num_devices = 1
+    runs = plan(config)
+    assert len(runs) == 6
+    assert "--config.rl.llds_coef=0.01" in runs[2][1] and "--config.rl.llds_gate=action" in runs[2][1]
+    config.sweep.grid = (("train.mini_batch_size", (3,)),)
+    with pytest.raises(TrainConfigError, match="sweep run 'mini_batch_size=3'.*train.mini_batch_size=3"):
+        plan(config)
+
+
+def test_first_step_lr_zero_is_a_flag():
+    optim = base_config().optim
+    optim.warmup_ratio, optim.lr = 0.5, 1.0
+    assert [float(learning_rate(s, optim, 10)) for s in (0, 1, 5, 9)] == pytest.approx([0.0, 0.2, 1.0, 1.0])
+    optim.lr_first_step_zero = False
+    assert [float(learning_rate(s, optim, 10)) for s in (0, 4, 5)] == pytest.approx([0.2, 1.0, 1.0])
+
+
+def test_prompt_iterator_resumes_exactly_from_its_saved_state():
+    records = load_questions(["bundled:nq_train", "bundled:hotpotqa_train"])
+    first = PromptIterator(records, batch_size=64, seed=3)
+    for _ in range(12):  # crosses an epoch boundary (744 // 64 = 11 batches per epoch)
+        next(first)
+    saved = json.loads(json.dumps(first.state_dict()))
+    expected = [next(first).uids for _ in range(3)]
+    resumed = PromptIterator(records, batch_size=64, seed=3)
+    resumed.load_state_dict(saved)
+    assert saved["epoch"] == 1
+    for want in expected:
+        np.testing.assert_array_equal(next(resumed).uids, want)
+    with pytest.raises(ValueError, match="saved for 744 questions"):
+        PromptIterator(records[:10], batch_size=2).load_state_dict(saved)
+
+
+def test_bundled_data_is_small_and_loads_with_the_shared_loader():
+    size = sum(p.stat().st_size for p in BUNDLED_DIR.glob("*.json*"))
+    assert size <= 5_000_000, size
+    nq = load_questions(["bundled:nq_train"])
+    assert len(nq) == 674 and nq[0].data_source == "nq" and nq[0].golden_answers
+    assert len(load_questions(["bundled:hotpotqa_train"])) == 70
+    with pytest.raises(FileNotFoundError, match="no bundled question file 'nope'"):
+        load_questions(["bundled:nope"])
+
+
+def test_metrics_writer_writes_flat_strict_json_and_tensorboard(tmp_path):
+    lines = []
+    with MetricsWriter(tmp_path, tensorboard=True, console=lines.append) as writer:
+        writer.write(0, {"reward": {"mean": np.float32(0.25)}, "llds/value": float("nan")})
+    rows = read_metrics(tmp_path)
+    assert rows[0]["reward/mean"] == 0.25 and rows[0]["llds/value"] is None and rows[0]["phase"] == "rl"
+    assert "reward=0.250" in lines[0]
+    assert list((tmp_path / "tensorboard").glob("events.*"))
+
+
+def test_synthetic_warmup_trajectories_mask_feedback_exactly_like_rollouts(qwen_tokenizer):
+    from llds_jax.retrieval.config import default_retrieval_config
+    from llds_jax.retrieval.factory import build_retriever
+    from llds_jax.rollout.config import default_config
+    from llds_jax.train.sft import collate_sft, synthetic_trajectories
+    from llds_jax.train.short_docs import ShortDocsRetriever
+
+    records = load_questions(["bundled:nq_train"])[:3]
+    retriever = ShortDocsRetriever(build_retriever(default_retrieval_config()), qwen_tokenizer, 20)
+    examples = synthetic_trajectories(records, qwen_tokenizer, retriever, default_config())
+    for record, ex in zip(records, examples):
+        text = qwen_tokenizer.decode(ex.input_ids[ex.action_mask])
+        feedback = qwen_tokenizer.decode(ex.input_ids[ex.feedback_mask])
+        assert "<search>" in text and f"<answer> {record.golden_answers[0]} </answer>" in text
+        assert "<information>" not in text and "Doc 1(Title:" not in text
+        assert feedback.startswith("\n\n<information>Doc 1(Title:") and feedback.endswith("</information>\n\n")
+        assert not (ex.action_mask & ex.feedback_mask).any()
+    arrays = collate_sft(examples, 400, pad_id=0)
+    assert arrays["input_ids"].shape == (3, 400)
+    assert (arrays["action_mask"] <= arrays["attention_mask"]).all()
+    with pytest.raises(ValueError, match="sft.max_seq_len=10"):
+        collate_sft(examples, 10, pad_id=0)
