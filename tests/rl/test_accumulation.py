@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from batches import rollout_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import BATCH, rollouts
+from rl_batches import rollout_batch
+from rl_strategies import BATCH, rollouts
 
 from llds_jax import rl
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from rl_strategies import rollouts
 from rl_torch_reference import action_runs
-from strategies import rollouts
 
 from llds_jax import rl
 from llds_jax.rl.aggregation import aggregate

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from batches import rollout_batch
+from rl_batches import rollout_batch
 
 from llds_jax import rl
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from batches import rollout_batch
+from rl_batches import rollout_batch
 from rl_torch_reference import reference_loss
 
 from llds_jax import rl

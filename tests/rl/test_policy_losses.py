@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from batches import rollout_batch
+from rl_batches import rollout_batch
 
 from llds_jax import rl
 
