@@ -9,6 +9,10 @@ call (JAX compiles there).
 
     .venv/bin/python benchmarks/bench_sampler.py --models tiny,smollm2 --batch 8,32 \
         --prompt-len 64 --new-tokens 64
+
+``--slots 128,1024,4096`` instead measures one decode step (ours only) against the KV
+cache's slot count, on a random 8-layer Llama (d 256, vocab 8192), batch 8: the reason
+the rollout's session grows its cache instead of allocating ``max_context`` slots.
 """
 
 from __future__ import annotations
@@ -93,6 +97,36 @@ def run_case(hf_model, model, batch, prompt_len, new_tokens, sampled: bool, repe
     return tokens / t_ours, tokens / t_theirs
 
 
+def decode_ms_per_step_vs_slots(slots: list[int], batch: int = 8, steps: int = 32):
+    from flax import nnx
+
+    from llds_jax.models.testing import tiny_model
+    from llds_jax.sampling import SamplingParams, decode_loop
+    from llds_jax.sampling.generate import resolve_stop_table
+
+    model = tiny_model("llama", vocab_size=8192, hidden_size=256, num_layers=8, num_heads=4, num_kv_heads=2,
+                       head_dim=64, intermediate_size=512)
+    graphdef, params = nnx.split(model)
+    sampling = SamplingParams.create(temperature=0.0, top_k=0, top_p=1.0, stop_token_ids=[],
+                                     stop_table=resolve_stop_table((), None, model.config.vocab_size))
+    prompt = jax.numpy.ones((batch, 16), jax.numpy.int32)
+    print(f"decode step vs cache slots: random 8-layer Llama d256 vocab 8192, batch {batch}, {steps} steps")
+    for count in slots:
+        def run(count=count):
+            cache = decode_loop.new_cache(model.config, batch, count)
+            logits, cache = decode_loop.extend(graphdef, params, prompt, jax.numpy.ones_like(prompt, bool), cache)
+            jax.block_until_ready(logits)
+            start = time.perf_counter()
+            state = decode_loop.decode(graphdef, params, logits, cache, jax.numpy.zeros((batch,), bool),
+                                       jax.numpy.full((batch,), steps), jax.random.key(0), sampling, width=steps)
+            jax.block_until_ready(state.tokens)
+            return time.perf_counter() - start
+
+        run()
+        best = min(run() for _ in range(2))
+        print(f"  {count:5d} slots: {1000 * best / steps:7.1f} ms/step", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="tiny,smollm2")
@@ -101,7 +135,11 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sampled", action="store_true", help="also run T=1 / top-p 0.95 sampling")
+    parser.add_argument("--slots", default="", help="e.g. 128,1024,4096: decode step time vs cache slots only")
     args = parser.parse_args()
+    if args.slots:
+        decode_ms_per_step_vs_slots([int(s) for s in args.slots.split(",")])
+        return
     print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
           f"threads={torch.get_num_threads()}, cpus={os.cpu_count()}, load avg {os.getloadavg()[0]:.1f}")
     print(f"prompt ≤ {args.prompt_len} (left-padded), {args.new_tokens} new tokens, fp32 both sides")

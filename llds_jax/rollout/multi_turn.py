@@ -61,6 +61,13 @@ def make_policy(model, tokenizer, config, *, key: jax.Array) -> DecodeSession:
                          pad_id=pad_token_id(tokenizer))
 
 
+def _vocab_size(policy) -> int | None:
+    """The model's logit count when the policy has one: sampled ids may reach past the tokenizer
+    (padded vocabulary rows), and every id, sampled or tokenised, needs an entry in the byte table."""
+    config = getattr(policy, "config", None)
+    return getattr(config, "vocab_size", None)
+
+
 def pad_token_id(tokenizer) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return int(pad or 0)
@@ -82,8 +89,7 @@ def run_rollouts(policy, tokenizer, questions: Sequence[str], retriever, config,
     group_ids = list(range(len(questions))) if group_ids is None else list(group_ids)
     if len(group_ids) != len(questions):
         raise ValueError(f"{len(group_ids)} group ids for {len(questions)} questions")
-    vocab_size = getattr(getattr(policy, "config", None), "vocab_size", None)
-    vocab = vocab_bytes(tokenizer, vocab_size)
+    vocab = vocab_bytes(tokenizer, max(len(tokenizer), _vocab_size(policy) or 0))
     timings = dict(prefill_s=0.0, decode_s=0.0, append_s=0.0, retrieval_s=0.0, host_s=0.0)
     started = time.perf_counter()
 

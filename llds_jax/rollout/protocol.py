@@ -15,6 +15,8 @@ import re
 from collections.abc import Sequence
 from typing import Literal
 
+from llds_jax.retrieval import format_docs
+
 INSTRUCTION = (
     "Answer the given question. "
     "You must conduct reasoning inside <think> and </think> first every time you get new information. "
@@ -110,8 +112,6 @@ def batch_search_feedback(retriever, queries: Sequence[str], topk: int) -> list[
     """One batched retriever call for all of a turn's queries → one feedback string per query."""
     if not queries:
         return []
-    from llds_jax.retrieval import format_docs
-
     results = retriever.search(list(queries), topk)
     if len(results) != len(queries):
         raise ValueError(f"retriever returned {len(results)} result lists for {len(queries)} queries")

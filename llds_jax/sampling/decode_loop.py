@@ -72,6 +72,7 @@ class DecodeState:
     key: jax.Array
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Traced sampling knobs plus the stop ids / stop-string tables, all as arrays."""
@@ -94,10 +95,6 @@ class SamplingParams:
             stop_ids=jnp.asarray(ids + [-1] * (MAX_STOP_IDS - len(ids)), jnp.int32),
             stop_table=jnp.asarray(stop_table, jnp.int8),
         )
-
-
-jax.tree_util.register_dataclass(
-    SamplingParams, data_fields=["temperature", "top_k", "top_p", "stop_ids", "stop_table"], meta_fields=[])
 
 
 @functools.partial(jax.jit, static_argnames=("config", "batch", "max_len"))
