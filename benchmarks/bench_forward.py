@@ -1,10 +1,11 @@
 """Forward and log-prob throughput: llds_jax (jit, fp32) vs transformers PyTorch (eager, fp32).
 
 Both run on this CPU in the same process, on identical weights (ours are written with
-``save_pretrained`` and loaded by transformers), same batch, same dtype (fp32). The
-log-prob row is what training needs: per-token log π of the given ids plus entropy;
-ours via ``hidden_states`` + chunked ``token_logprobs``, torch via full logits +
-``log_softmax`` (transformers' usual path).
+``save_pretrained`` and loaded by transformers), same batch, same dtype (fp32). torch is
+timed at each ``--torch-threads`` count and its best is reported (its OpenMP pool
+degrades badly on an oversubscribed machine). The log-prob row is what training needs:
+per-token log π of the given ids plus entropy; ours via ``hidden_states`` + chunked
+``token_logprobs``, torch via full logits + ``log_softmax`` (transformers' usual path).
 
     .venv/bin/python benchmarks/bench_forward.py --models tiny,smollm2 --batch 4 --length 256
 """
@@ -12,6 +13,7 @@ ours via ``hidden_states`` + chunked ``token_logprobs``, torch via full logits +
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -66,7 +68,16 @@ def _torch_fns(model, ids, mask):
     return forward, logprobs
 
 
-def bench(name: str, model, batch: int, length: int, repeats: int) -> list[tuple]:
+def _time_with_threads(fn, repeats: int, threads: int) -> float:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _time(fn, repeats)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def bench(name: str, model, batch: int, length: int, repeats: int, torch_threads: list[int]) -> list[tuple]:
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.config.vocab_size, (batch, length)).astype(np.int32)
     mask = np.ones((batch, length), np.int32)
@@ -76,9 +87,12 @@ def bench(name: str, model, batch: int, length: int, repeats: int) -> list[tuple
     rows = []
     for what, ours_fn, torch_fn in zip(("forward", "log-probs+entropy"), _ours_fns(model, ids, mask),
                                        _torch_fns(torch_model, ids, mask)):
-        t_ours, t_torch = _time(ours_fn, repeats), _time(torch_fn, repeats)
+        t_ours = _time(ours_fn, repeats)
+        # torch's OpenMP pool degrades badly on an oversubscribed box: report its best thread count
+        t_torch, threads = min((_time_with_threads(torch_fn, repeats, n), n) for n in torch_threads)
         tokens = batch * length
-        rows.append((name, what, f"{batch}x{length}", tokens / t_ours, tokens / t_torch, t_torch / t_ours))
+        rows.append((name, what, f"{batch}x{length}", tokens / t_ours, tokens / t_torch, threads,
+                     t_torch / t_ours))
     return rows
 
 
@@ -88,10 +102,10 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--torch-threads", type=int, default=None, help="default: torch's own default")
+    parser.add_argument("--torch-threads", default=f"1,{os.cpu_count()}",
+                        help="torch thread counts to try; the fastest is reported")
     args = parser.parse_args()
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
+    torch_threads = sorted({int(n) for n in args.torch_threads.split(",")})
     rows = []
     for name in args.models.split(","):
         if name == "tiny":
@@ -101,14 +115,15 @@ def main():
             model = from_pretrained(smollm2_gguf_path())
         else:
             raise SystemExit(f"--models: unknown model {name!r} (tiny, smollm2)")
-        rows += bench(name, model, args.batch, args.length, args.repeats)
-    print(f"\njax {jax.__version__} ({jax.devices()[0].platform}, {len(jax.devices())} device(s)); "
-          f"torch {torch.__version__} ({torch.get_num_threads()} threads); fp32 both; median of {args.repeats}")
-    header = ("model", "measure", "batch", "llds_jax tok/s", "torch tok/s", "speed-up")
+        rows += bench(name, model, args.batch, args.length, args.repeats, torch_threads)
+    print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
+          f"jax {jax.__version__} ({jax.devices()[0].platform}, {len(jax.devices())} device(s)); "
+          f"torch {torch.__version__} (best of {torch_threads} threads); fp32 both; median of {args.repeats}")
+    header = ("model", "measure", "batch", "llds_jax tok/s", "torch tok/s", "torch threads", "speed-up")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for name, what, shape, ours, theirs, ratio in rows:
-        print(f"| {name} | {what} | {shape} | {ours:,.0f} | {theirs:,.0f} | {ratio:.2f}x |")
+    for name, what, shape, ours, theirs, threads, ratio in rows:
+        print(f"| {name} | {what} | {shape} | {ours:,.0f} | {theirs:,.0f} | {threads} | {ratio:.2f}x |")
 
 
 if __name__ == "__main__":

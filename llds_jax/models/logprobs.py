@@ -28,13 +28,17 @@ def _chunk_stats(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, temp
     logits = constrain(logits, ("batch", "seq", "act_vocab"))
     if temperature != 1.0:
         logits = logits / temperature
-    log_norm = jax.nn.logsumexp(logits, axis=-1)
+    # One exp pass serves both the normaliser and the entropy; the shift is gradient-free
+    # because log Z does not depend on it.
+    shift = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    unnormalised = jnp.exp(logits - shift)
+    total = jnp.sum(unnormalised, axis=-1)
+    log_norm = shift[..., 0] + jnp.log(total)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     logp = target_logit - log_norm
     if not with_entropy:
         return logp, jnp.zeros_like(logp)
-    probs = jnp.exp(logits - log_norm[..., None])
-    entropy = log_norm - jnp.sum(probs * logits, axis=-1)
+    entropy = log_norm - jnp.sum(unnormalised * logits, axis=-1) / total
     return logp, entropy
 
 
