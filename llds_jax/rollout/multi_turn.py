@@ -114,34 +114,15 @@ def run_rollouts(policy, tokenizer, questions: Sequence[str], retriever, config,
         sampled = policy.act(active, budgets)
         timings["decode_s"] += time.perf_counter() - clock
 
-        searches: list[tuple[int, str]] = []
-        chunks: list[list[int]] = [[] for _ in trajectories]
-        for row, (traj, action) in enumerate(zip(trajectories, sampled)):
-            if action is None:
-                continue
-            record = traj.add_action(action.ids, action.logprobs, action.finish, vocab)
-            traj.truncated |= record.finish == FinishReason.CAP
-            parsed = protocol.parse_action(record.text)
-            traj.valid_actions += int(parsed.is_valid)
-            if parsed.kind == "answer":
-                traj.done = traj.finished = True
-            elif not search_allowed:
-                traj.done = True
-            elif parsed.kind == "search":
-                searches.append((row, parsed.content))
-            else:
-                chunks[row] = _cut_feedback(tokenizer, protocol.INVALID_ACTION_FEEDBACK, traj, config)
-                traj.add_feedback(chunks[row], "invalid")
-
+        searches, chunks = _record_actions(trajectories, sampled, vocab, tokenizer, config, search_allowed)
         if searches:
             clock = time.perf_counter()
             feedback = protocol.batch_search_feedback(retriever, [q for _, q in searches], config.topk)
             timings["retrieval_s"] += time.perf_counter() - clock
             for (row, _), text in zip(searches, feedback):
-                traj = trajectories[row]
-                chunks[row] = _cut_feedback(tokenizer, text, traj, config)
-                traj.add_feedback(chunks[row], "search")
-                traj.searches += 1
+                chunks[row] = _cut_feedback(tokenizer, text, trajectories[row], config)
+                trajectories[row].add_feedback(chunks[row], "search")
+                trajectories[row].searches += 1
         clock = time.perf_counter()
         if search_allowed:
             policy.observe(chunks)
@@ -154,6 +135,34 @@ def run_rollouts(policy, tokenizer, questions: Sequence[str], retriever, config,
     timings["host_s"] = total - sum(v for k, v in timings.items() if k != "host_s")
     timings["total_s"] = total
     return batch.with_timings(timings)
+
+
+def _record_actions(trajectories: list[Trajectory], sampled: list[SampledAction | None], vocab, tokenizer, config,
+                    search_allowed: bool) -> tuple[list[tuple[int, str]], list[list[int]]]:
+    """Record this turn's actions and apply the protocol to each.
+
+    Returns the turn's search requests ``(row, query)`` and the feedback chunks so far
+    (the invalid-action message where due; search results are filled in by the caller).
+    """
+    searches: list[tuple[int, str]] = []
+    chunks: list[list[int]] = [[] for _ in trajectories]
+    for row, (traj, action) in enumerate(zip(trajectories, sampled)):
+        if action is None:
+            continue
+        record = traj.add_action(action.ids, action.logprobs, action.finish, vocab)
+        traj.truncated |= record.finish == FinishReason.CAP
+        parsed = protocol.parse_action(record.text)
+        traj.valid_actions += int(parsed.is_valid)
+        if parsed.kind == "answer":
+            traj.done = traj.finished = True
+        elif not search_allowed:
+            traj.done = True  # the last turn: a search is not executed, the trajectory ends
+        elif parsed.kind == "search":
+            searches.append((row, parsed.content))
+        else:
+            chunks[row] = _cut_feedback(tokenizer, protocol.INVALID_ACTION_FEEDBACK, traj, config)
+            traj.add_feedback(chunks[row], "invalid")
+    return searches, chunks
 
 
 def _cut_feedback(tokenizer, text: str, traj: Trajectory, config) -> list[int]:
