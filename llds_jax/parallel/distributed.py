@@ -219,13 +219,18 @@ def host_batch_rows(sharding: jax.sharding.Sharding, global_batch: int) -> slice
     return slice(start, stop)
 
 
-def global_batch_from_host_rows(host_rows: Any, sharding: jax.sharding.Sharding, global_batch: int) -> Any:
-    """Assemble global arrays from each host's rows (a pytree of numpy ``[rows, ...]`` arrays)."""
-    def assemble(local):
+def global_batch_from_host_rows(host_rows: Any, sharding: Any, global_batch: int) -> Any:
+    """Assemble global arrays from each host's rows (a pytree of numpy ``[rows, ...]`` arrays).
+
+    ``sharding`` is one sharding for every leaf or a pytree of shardings shaped like ``host_rows``.
+    """
+    def assemble(local, leaf_sharding):
         local = np.asarray(local)
         shape = (global_batch, *local.shape[1:])
-        return jax.make_array_from_process_local_data(sharding, local, shape)
-    return jax.tree.map(assemble, host_rows)
+        return jax.make_array_from_process_local_data(leaf_sharding, local, shape)
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda local: assemble(local, sharding), host_rows)
+    return jax.tree.map(assemble, host_rows, sharding)
 
 
 # ----------------------------------------------------------------- metrics
