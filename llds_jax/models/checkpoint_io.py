@@ -44,15 +44,17 @@ class _WeightSpec:
 
 
 def _weight_specs(cfg: DecoderConfig) -> list[_WeightSpec]:
+    """The mapping, with layout changes written as ``.T``/``.reshape`` only, so they apply to
+    numpy memmaps and to abstract arrays alike (shapes are checked without allocating)."""
     d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     same = lambda a: a
-    transpose = lambda a: np.asarray(a).T
+    transpose = lambda a: a.T
 
-    def heads_in(heads):  # HF [heads*hd, d] -> ours [d, heads, hd]
-        return (lambda a: np.asarray(a).T.reshape(d, heads, hd), lambda a: np.asarray(a).reshape(d, heads * hd).T)
+    def heads_in(heads):  # HF [heads*hd, d] <-> ours [d, heads, hd]
+        return (lambda a: a.T.reshape(d, heads, hd), lambda a: a.reshape(d, heads * hd).T)
 
     def bias(heads):
-        return (lambda a: np.asarray(a).reshape(heads, hd), lambda a: np.asarray(a).reshape(heads * hd))
+        return (lambda a: a.reshape(heads, hd), lambda a: a.reshape(heads * hd))
 
     attn = "model.layers.{i}.self_attn"
     mlp = "model.layers.{i}.mlp"
@@ -65,7 +67,7 @@ def _weight_specs(cfg: DecoderConfig) -> list[_WeightSpec]:
         _WeightSpec("layers.k_proj", f"{attn}.k_proj.weight", True, *heads_in(kvh)),
         _WeightSpec("layers.v_proj", f"{attn}.v_proj.weight", True, *heads_in(kvh)),
         _WeightSpec("layers.o_proj", f"{attn}.o_proj.weight", True,
-                    lambda a: np.asarray(a).T.reshape(h, hd, d), lambda a: np.asarray(a).reshape(h * hd, d).T),
+                    lambda a: a.T.reshape(h, hd, d), lambda a: a.reshape(h * hd, d).T),
         _WeightSpec("layers.gate_proj", f"{mlp}.gate_proj.weight", True, transpose, transpose),
         _WeightSpec("layers.up_proj", f"{mlp}.up_proj.weight", True, transpose, transpose),
         _WeightSpec("layers.down_proj", f"{mlp}.down_proj.weight", True, transpose, transpose),
@@ -103,8 +105,7 @@ def _check_tensors(source: str, cfg: DecoderConfig, specs, tensors: dict, abstra
                               (" ..." if len(unexpected) > 8 else ""))
     for spec in specs:
         want_shape = abstract[spec.ours].shape[1:] if spec.per_layer else abstract[spec.ours].shape
-        # the HF shape is what to_hf would produce from our per-layer shape
-        hf_shape = spec.to_hf(np.zeros(want_shape, np.float32)).shape
+        hf_shape = jax.eval_shape(spec.to_hf, jax.ShapeDtypeStruct(want_shape, jnp.float32)).shape
         for name in _hf_names(spec, cfg.num_layers):
             if tuple(tensors[name].shape) != hf_shape:
                 raise CheckpointError(
@@ -113,16 +114,16 @@ def _check_tensors(source: str, cfg: DecoderConfig, specs, tensors: dict, abstra
 
 def _load_param(spec: _WeightSpec, tensors: dict, cfg: DecoderConfig, shape, dtype, sharding):
     def layer(i):
-        return spec.to_ours(tensors[spec.hf.format(i=i)]).astype(dtype)
+        return np.asarray(spec.to_ours(tensors[spec.hf.format(i=i)]), dtype)
 
     if sharding is None:
         if spec.per_layer:
             return jnp.asarray(np.stack([layer(i) for i in range(cfg.num_layers)]))
-        return jnp.asarray(spec.to_ours(tensors[spec.hf]).astype(dtype))
+        return jnp.asarray(np.asarray(spec.to_ours(tensors[spec.hf]), dtype))
 
     def shard(index):
         if not spec.per_layer:
-            return np.ascontiguousarray(spec.to_ours(tensors[spec.hf])[index].astype(dtype))
+            return np.ascontiguousarray(spec.to_ours(tensors[spec.hf])[index], dtype)
         layer_ids = range(cfg.num_layers)[index[0]]
         return np.stack([layer(i)[index[1:]] for i in layer_ids])
 
@@ -178,9 +179,9 @@ def save_pretrained(model: Decoder, path: str | Path) -> Path:
         value = np.asarray(jax.device_get(params[spec.ours].get_value()))
         if spec.per_layer:
             for i in range(cfg.num_layers):
-                tensors[spec.hf.format(i=i)] = spec.to_hf(value[i])
+                tensors[spec.hf.format(i=i)] = np.ascontiguousarray(spec.to_hf(value[i]))
         else:
-            tensors[spec.hf] = spec.to_hf(value)
+            tensors[spec.hf] = np.ascontiguousarray(spec.to_hf(value))
     write_safetensors(path / "model.safetensors", tensors)
     (path / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2) + "\n")
     return path
