@@ -202,8 +202,9 @@ class Checkpointer:
                    EXTRA_ITEM: ocp.args.JsonRestore()}))
         except Exception as err:  # Orbax/tensorstore errors do not say which checkpoint
             raise CheckpointCorruptError(
-                f"restoring {self.step_dir(step)} failed ({type(err).__name__}: {err}); the "
-                f"abstract state must match the saved tree (same leaves, shapes, dtypes)") from err
+                f"restoring {self.step_dir(step)} failed ({type(err).__name__}: {err}): either the "
+                f"checkpoint is damaged or the abstract state does not match the saved tree "
+                f"(same leaves, shapes, dtypes)") from err
         return Restored(step=step, state=out[STATE_ITEM], extra=dict(out[EXTRA_ITEM] or {}))
 
     def restore_latest(self, abstract_state: Any) -> Restored | None:
@@ -234,7 +235,8 @@ class Checkpointer:
 
         Uses ``llds_jax.models.save_pretrained(model, directory, **kwargs)`` (injectable for
         tests). Written to a temporary name and renamed, so a half-written export never looks
-        complete. Arrays are gathered to every host; only process 0 writes.
+        complete. Only process 0 writes, so on several hosts pass a model whose arrays process 0
+        can read (e.g. params gathered with ``distributed.fetch_to_host``).
         """
         if save_pretrained is None:
             from llds_jax.models import save_pretrained  # noqa: PLC0415 (models is optional here)
