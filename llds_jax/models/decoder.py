@@ -158,17 +158,18 @@ def _remat(config: DecoderConfig, fn):
     return jax.checkpoint(fn, policy=policy)
 
 
-def _run_layers(config: DecoderConfig, stacked: dict, x: jax.Array, per_layer_xs, layer_fn):
-    """Apply ``layer_fn(weights, x, xs) -> (x, ys)`` over layers: one scanned block or an unrolled loop."""
+def _run_layers(config: DecoderConfig, stacked: dict, carry, layer_fn):
+    """Apply ``layer_fn(weights, carry, layer_index) -> carry`` over layers: one scanned
+    block, or an unrolled loop. State that every layer updates in place (the KV cache)
+    travels in the carry, so XLA updates its buffer rather than stacking a copy."""
     layer_fn = _remat(config, layer_fn)
     if config.scan_layers:
-        return jax.lax.scan(lambda carry, xs: layer_fn(xs[0], carry, xs[1]), x, (stacked, per_layer_xs))
-    outputs = []
+        layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+        carry, _ = jax.lax.scan(lambda c, xs: (layer_fn(xs[0], c, xs[1]), None), carry, (stacked, layer_ids))
+        return carry
     for i in range(config.num_layers):
-        layer = jax.tree.map(lambda a, i=i: a[i], (stacked, per_layer_xs))
-        x, ys = layer_fn(layer[0], x, layer[1])
-        outputs.append(ys)
-    return x, jax.tree.map(lambda *ys: jnp.stack(ys), *outputs)
+        carry = layer_fn(jax.tree.map(lambda a, i=i: a[i], stacked), carry, i)
+    return carry
 
 
 class Decoder(nnx.Module):
@@ -221,9 +222,9 @@ class Decoder(nnx.Module):
         cos, sin = self._rope(positions)
 
         def layer_fn(weights, x, _):
-            return _block(self.config, weights, x, cos, sin, visible, lambda k, v: (k, v, None))
+            return _block(self.config, weights, x, cos, sin, visible, lambda k, v: (k, v, None))[0]
 
-        x, _ = _run_layers(self.config, self.layers.stacked(), self.embed_tokens(input_ids), None, layer_fn)
+        x = _run_layers(self.config, self.layers.stacked(), self.embed_tokens(input_ids), layer_fn)
         return L.rms_norm(x, self.final_norm[...], self.config.rms_eps)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
@@ -260,19 +261,19 @@ class Decoder(nnx.Module):
         visible = valid[:, None, :] & (slot_ids[None, None, :] <= slots[:, :, None])
         cos, sin = self._rope(positions)
 
-        def layer_fn(weights, x, layer_cache):
-            k_cache, v_cache = layer_cache
+        def layer_fn(weights, carry, layer):
+            x, k_cache, v_cache = carry
 
             def write_kv(k, v):
-                k_all = k_cache.at[rows, slots].set(k.astype(k_cache.dtype), mode="drop")
-                v_all = v_cache.at[rows, slots].set(v.astype(v_cache.dtype), mode="drop")
-                return k_all.astype(k.dtype), v_all.astype(v.dtype), (k_all, v_all)
+                k_all = k_cache.at[layer, rows, slots].set(k.astype(k_cache.dtype), mode="drop")
+                v_all = v_cache.at[layer, rows, slots].set(v.astype(v_cache.dtype), mode="drop")
+                return k_all[layer].astype(k.dtype), v_all[layer].astype(v.dtype), (k_all, v_all)
 
-            return _block(self.config, weights, x, cos, sin, visible, write_kv)
+            x, (k_cache, v_cache) = _block(self.config, weights, x, cos, sin, visible, write_kv)
+            return x, constrain(k_cache, KV_AXES), constrain(v_cache, KV_AXES)
 
-        x, (new_k, new_v) = _run_layers(
-            self.config, self.layers.stacked(), self.embed_tokens(tokens), (cache.k, cache.v), layer_fn)
-        new_k, new_v = constrain(new_k, KV_AXES), constrain(new_v, KV_AXES)
+        x, new_k, new_v = _run_layers(
+            self.config, self.layers.stacked(), (self.embed_tokens(tokens), cache.k, cache.v), layer_fn)
         hidden = L.rms_norm(x, self.final_norm[...], self.config.rms_eps)
         last_real = jnp.max(jnp.where(token_mask, jnp.arange(length)[None, :] + 1, 0), axis=-1)
         new_cache = KVCache(k=new_k, v=new_v, valid=valid, end=cache.end + last_real.astype(jnp.int32))
