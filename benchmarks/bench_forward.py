@@ -5,7 +5,9 @@ Both run on this CPU in the same process, on identical weights (ours are written
 timed at each ``--torch-threads`` count and its best is reported (its OpenMP pool
 degrades badly on an oversubscribed machine). The log-prob row is what training needs:
 per-token log π of the given ids plus entropy; ours via ``hidden_states`` + chunked
-``token_logprobs``, torch via full logits + ``log_softmax`` (transformers' usual path).
+``token_logprobs``, torch via full logits + ``log_softmax`` (transformers' usual path). The decode row prefills half the length and
+decodes 32 tokens one at a time (ours: ``forward_cached`` + ``KVCache``; torch:
+``past_key_values``), counting prefill and decoded tokens.
 
     .venv/bin/python benchmarks/bench_forward.py --models tiny,smollm2 --batch 4 --length 256
 """
@@ -25,7 +27,7 @@ import torch
 import transformers
 from flax import nnx
 
-from llds_jax.models import from_pretrained, save_pretrained
+from llds_jax.models import from_pretrained, init_cache, save_pretrained
 from llds_jax.models.logprobs import sequence_logprobs
 from llds_jax.models.testing import tiny_model
 from llds_jax.utils.assets import smollm2_gguf_path
@@ -77,7 +79,34 @@ def _time_with_threads(fn, repeats: int, threads: int) -> float:
         torch.set_num_threads(previous)
 
 
-def bench(name: str, model, batch: int, length: int, repeats: int, torch_threads: list[int]) -> list[tuple]:
+def _decode_fns(model, torch_model, batch: int, prompt: int, steps: int):
+    """Prefill ``prompt`` tokens, then ``steps`` one-token decode steps (greedy input fixed)."""
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, model.config.vocab_size, (batch, prompt)).astype(np.int32)
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda s, t, c: nnx.merge(graphdef, s).forward_cached(t, c), donate_argnums=2)
+    token = jnp.ones((batch, 1), jnp.int32)
+
+    def ours():
+        logits, cache = step(state, jnp.asarray(ids), init_cache(model.config, batch, prompt + steps))
+        for _ in range(steps):
+            logits, cache = step(state, token, cache)
+        return jax.block_until_ready(logits)
+
+    @torch.no_grad()
+    def theirs():
+        out = torch_model(input_ids=torch.as_tensor(ids, dtype=torch.long), use_cache=True)
+        cache, tok = out.past_key_values, torch.ones((batch, 1), dtype=torch.long)
+        for _ in range(steps):
+            out = torch_model(input_ids=tok, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+        return out.logits
+
+    return ours, theirs
+
+
+def bench(name: str, model, batch: int, length: int, repeats: int, torch_threads: list[int],
+          decode_steps: int = 32) -> list[tuple]:
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.config.vocab_size, (batch, length)).astype(np.int32)
     mask = np.ones((batch, length), np.int32)
@@ -85,13 +114,16 @@ def bench(name: str, model, batch: int, length: int, repeats: int, torch_threads
         save_pretrained(model, tmp)
         torch_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     rows = []
-    for what, ours_fn, torch_fn in zip(("forward", "log-probs+entropy"), _ours_fns(model, ids, mask),
-                                       _torch_fns(torch_model, ids, mask)):
+    cases = list(zip(("forward", "log-probs+entropy"), _ours_fns(model, ids, mask), _torch_fns(torch_model, ids, mask)))
+    cases.append((f"prefill {length // 2} + {decode_steps} decode", *_decode_fns(model, torch_model, batch,
+                                                                                 length // 2, decode_steps)))
+    for what, ours_fn, torch_fn in cases:
         t_ours = _time(ours_fn, repeats)
         # torch's OpenMP pool degrades badly on an oversubscribed box: report its best thread count
         t_torch, threads = min((_time_with_threads(torch_fn, repeats, n), n) for n in torch_threads)
-        tokens = batch * length
-        rows.append((name, what, f"{batch}x{length}", tokens / t_ours, tokens / t_torch, threads,
+        per_row = length // 2 + decode_steps if what.startswith("prefill") else length
+        tokens = batch * per_row
+        rows.append((name, what, f"{batch}x{per_row}", tokens / t_ours, tokens / t_torch, threads,
                      t_torch / t_ours))
     return rows
 
