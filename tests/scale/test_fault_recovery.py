@@ -88,6 +88,9 @@ def test_kill_9_mid_step_then_same_command_resumes_and_matches_uninterrupted_run
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
     reference = start(train_command(reference_dir, shared_dir), tmp_path / "reference.log")
     finish(reference, tmp_path / "reference.log")
+    # A loop of several steps compiles each jitted step function exactly once.
+    compile_counts = json.loads((reference_dir / "summary.json").read_text())["compile_counts"]
+    assert compile_counts and set(compile_counts.values()) == {1}, compile_counts
 
     # Kill -9 as soon as step 0's checkpoint has committed: the process is then inside step 1.
     cmd = train_command(killed_dir, shared_dir)
