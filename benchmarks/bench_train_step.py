@@ -166,7 +166,8 @@ def main() -> None:
             save_pretrained(model, hf_dir)
             from llds_jax.rl.advantages import compute_advantages
 
-            adv = np.asarray(compute_advantages(arrays["rewards"], arrays["group_ids"], np.ones(N, bool)))
+            adv = np.asarray(compute_advantages(arrays["rewards"], arrays["group_ids"].astype(np.int32),
+                                                np.ones(N, bool)))
             ours = bench_jax(model, arrays, args.steps)
             theirs = bench_torch(hf_dir, arrays, adv.astype(np.float32), args.steps)
         row = {"params": params, "tokens_per_step": tokens, "jax_update_s": ours["update_s"],

@@ -1,7 +1,8 @@
 """The training config: one ``ml_collections.ConfigDict`` with a section per subsystem.
 
 Sections: ``model``, ``mesh``, ``data``, ``retrieval``, ``rollout`` (``llds_jax.rollout``'s
-defaults), ``rl`` (``llds_jax.rl``'s defaults), ``optim``, ``train``, ``sft``, ``eval``.
+defaults), ``rl`` (``llds_jax.rl``'s defaults), ``optim``, ``train``, ``sft``, ``eval``,
+``monitor`` (death-spiral monitor), ``plan`` (``--mode=plan``).
 ``configs/*.py`` start from :func:`base_config` and override; ``--config.a.b=v`` overrides
 from the command line. :func:`validate` runs before any weights are touched and fails naming
 the field and its value; :func:`batch_arithmetic` is the table printed at start-up.
@@ -10,7 +11,10 @@ Batch vocabulary (all counted in *trajectories* except ``prompts_per_step``):
 ``prompts_per_step × rollout.n_samples`` trajectories per rollout step, split **in order** into
 ``mini_batch_size`` chunks (one optimizer update each — the reference's 2560 / 256 = 10, the
 split that makes π_θ ≠ π_old so LLDS can act), each accumulated over ``micro_batch_size``
-chunks; ``logprob_batch_size`` is the chunk for the no-grad π_old / π_ref forwards.
+chunks; ``logprob_batch_size`` is the chunk for the no-grad π_old / π_ref forwards. With
+``logprob_batch_size == micro_batch_size`` π_old comes from a forward of the loss's own shape,
+so in mini-batch 1 π_θ equals π_old bit for bit and LLDS is exactly 0; other sizes differ by
+fp rounding (≈1e-7 nats), which is also what the reference's separate π_old pass does.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ def base_config() -> ml_collections.ConfigDict:
     from llds_jax.retrieval.config import default_retrieval_config
     from llds_jax.rl.config import default_config as rl_defaults
     from llds_jax.rollout.config import default_config as rollout_defaults
+    from llds_jax.train.plan import default_plan_config
 
     c = ml_collections.ConfigDict()
     c.workdir = "runs/default"
@@ -65,10 +70,12 @@ def base_config() -> ml_collections.ConfigDict:
         save_every=100,
         tensorboard=True,
         delta_diagnostics=True,    # one extra no-grad forward after the updates: Δ = logπ_new − logπ_old (LLD rate)
+        samples_per_step=4,        # trajectories' text/answer/reward appended to <workdir>/samples.jsonl
         export_hf=True,            # write <workdir>/hf/step_<N> (transformers-loadable) at the end
         max_doc_tokens=0,          # >0: every retrieved doc cut to this many tokens (warm-up, RL and eval alike)
     ))
     c.monitor = ml_collections.ConfigDict(dict(enabled=True))  # + llds_jax.diagnostics.MonitorConfig fields
+    c.plan = default_plan_config()  # --mode=plan (llds_jax.train.plan): AOT memory plan before booking a pod
     c.resume = "auto"  # "auto" | "never" | a step number (llds_jax.train.checkpoint)
     c.sft = ml_collections.ConfigDict(dict(
         steps=20, batch_size=4, lr=1e-4, warmup_steps=0, max_seq_len=512,

@@ -161,7 +161,7 @@ class Learner:
     def advantages(self, rewards: np.ndarray, group_ids: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
         rl = self.config.rl
         valid = np.ones(len(rewards), bool) if valid is None else valid
-        return np.asarray(compute_advantages(jnp.asarray(rewards, jnp.float32), jnp.asarray(group_ids),
+        return np.asarray(compute_advantages(jnp.asarray(rewards, jnp.float32), jnp.asarray(group_ids, jnp.int32),
                                              jnp.asarray(valid), estimator=rl.advantage_estimator,
                                              eps=rl.advantage_eps, unbiased_std=rl.unbiased_std))
 

@@ -67,6 +67,23 @@ def rollout_metrics(rollout, rewards: np.ndarray) -> dict[str, float]:
     }
 
 
+def write_samples(workdir, step: int, records, rollout, rewards: np.ndarray, count: int) -> None:
+    """Append the first ``count`` trajectories' text, answer and reward to ``<workdir>/samples.jsonl``.
+
+    Metrics say *that* reward is 0; these lines say *why* (no tag, wrong span, copied question).
+    """
+    if count <= 0:
+        return
+    import json
+
+    with open(workdir / "samples.jsonl", "a") as handle:
+        for row in range(min(count, len(rewards))):
+            record = records[int(rollout.group_ids[row])]
+            handle.write(json.dumps({"step": step, "question": record.question,
+                                     "golden_answers": list(record.golden_answers), "answer": rollout.answers[row],
+                                     "reward": float(rewards[row]), "response": rollout.response_texts[row]}) + "\n")
+
+
 def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, writer: MetricsWriter, config, *,
             start_step: int = 0, on_step_end: Callable[[int, dict], Any] | None = None,
             monitor: DeathSpiralMonitor | None = None) -> list[dict[str, float]]:
@@ -112,6 +129,7 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
             if report.action is Action.STOP:
                 tqdm.write(f"death-spiral monitor: STOP at step {step} ({report})")
         writer.write(step, metrics, phase="rl")
+        write_samples(writer.workdir, step, batch.records, rollout, rewards, config.train.samples_per_step)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", llds=f"{metrics['llds/value']:.2e}",
                         search=f"{metrics['rollout/searches_mean']:.2f}")
         history.append(metrics)

@@ -94,9 +94,6 @@ class StepSizes:
                    t.logprob_batch_size, t.total_steps)
 
 
-BATCH_AXES = ("batch",)
-
-
 def batch_sharding(mesh, rules: ShardingRules, ndim: int, shape=None) -> NamedSharding:
     """Rows over the data-parallel axes, everything else replicated."""
     logical = ("batch",) + (None,) * (ndim - 1)

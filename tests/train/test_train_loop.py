@@ -22,7 +22,7 @@ def loop_config(tmp_path_factory, shared_dir):
     c.model.tokenizer = str(shared_dir / "assets" / "qwen2_tokenizer")
     c.mesh.shape = (2, 1, 1)  # data-parallel: the sampler reads params laid out for the update
     c.rollout.update(dict(n_samples=2, max_turns=1, max_action_tokens=8, max_obs_tokens=32, max_prompt_tokens=224,
-                          max_context=256, pad_to_multiple=128))
+                          max_context=256, pad_to_multiple=128, top_p=1.0))  # top-p renormalises sampler logp
     t = c.train
     t.prompts_per_step, t.mini_batch_size, t.micro_batch_size, t.logprob_batch_size = 4, 4, 2, 8
     t.total_steps, t.warmup_sft_steps, t.save_every = 2, 2, 0
@@ -48,14 +48,15 @@ def test_metrics_jsonl_has_warmup_rl_and_eval_rows_with_contract_keys(first_run,
                 "throughput/update_tokens_per_s", "grad/norm_preclip", "kl/mean", "ratio/max",
                 "logprob_gap/abs_mean", "diag/ll_correct/all", "diag/entropy", "monitor/phase"):
         assert key in rl[0], f"metrics.jsonl row lacks {key!r}; has {sorted(rl[0])}"
-    assert all(r["llds/value_first_minibatch"] == 0.0 for r in rl)
+    assert all(r["llds/value_first_minibatch"] <= 1e-6 for r in rl)  # fp noise only (see test_update_step)
     assert (loop_config.workdir and (first_run["compile_counts"] == {
         "policy_logprobs": 1, "update": 1, "reference_logprobs": 1})), first_run["compile_counts"]
 
 
 def test_sampler_and_trainer_agree_on_old_logprobs(first_run, loop_config):
     rl = [r for r in read_metrics(loop_config.workdir) if r["phase"] == "rl"]
-    # Same params, same fp32 forward: only the cached-vs-full forward's rounding differs.
+    # Same params, fp32, no top-p truncation (the sampler reports log-probs of the truncated,
+    # renormalised distribution: with top_p=0.95 a near-uniform tiny model is off by log(1/0.95)).
     assert rl[0]["logprob_gap/abs_mean"] < 1e-3, rl[0]["logprob_gap/abs_mean"]
 
 
