@@ -13,8 +13,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-
-import bm25s
+from typing import TYPE_CHECKING
 
 from llds_jax.retrieval.corpus import Corpus
 from llds_jax.retrieval.hit import Hit, RetrievalError, check_search_args
@@ -23,9 +22,20 @@ META_FILE = "llds_bm25.json"
 FORMAT_VERSION = 1
 STOPWORDS = "en"
 
+if TYPE_CHECKING:
+    import bm25s
+
+
+def _bm25s():
+    """``bm25s`` is imported on first use: importing it runs a JAX op, which would start the
+    JAX backend before ``jax.distributed.initialize`` and fix the device count too early."""
+    import bm25s
+
+    return bm25s
+
 
 def _tokenize(texts: list[str], show_progress: bool):
-    return bm25s.tokenize(texts, stopwords=STOPWORDS, return_ids=False, show_progress=show_progress)
+    return _bm25s().tokenize(texts, stopwords=STOPWORDS, return_ids=False, show_progress=show_progress)
 
 
 class BM25Retriever:
@@ -38,8 +48,8 @@ class BM25Retriever:
     @classmethod
     def build(cls, corpus: Corpus, show_progress: bool = False) -> BM25Retriever:
         texts = list(corpus.iter_contents())
-        tokens = bm25s.tokenize(texts, stopwords=STOPWORDS, show_progress=show_progress)
-        model = bm25s.BM25()
+        tokens = _bm25s().tokenize(texts, stopwords=STOPWORDS, show_progress=show_progress)
+        model = _bm25s().BM25()
         model.index(tokens, show_progress=show_progress)
         return cls(model, corpus)
 
@@ -76,7 +86,7 @@ class BM25Retriever:
                 f"{meta_path}: index covers {meta['num_docs']} rows (built from {meta['corpus_path']}) "
                 f"but corpus {corpus.path} has {len(corpus)}; rebuild the index"
             )
-        model = bm25s.BM25.load(str(index_dir), mmap=True, show_progress=False)
+        model = _bm25s().BM25.load(str(index_dir), mmap=True, show_progress=False)
         return cls(model, corpus)
 
     def search(self, queries: Sequence[str], topk: int) -> list[list[Hit]]:
