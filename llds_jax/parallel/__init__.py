@@ -1,12 +1,12 @@
 """Mesh and sharding: one rules table from logical axis names to mesh axes.
 
     from llds_jax.parallel import (make_mesh, MESH_AXES, ShardingRules, DEFAULT_RULES,
-                                   logical_to_sharding, constrain, param_specs,
-                                   param_shardings, shard_model)
+                                   logical_to_sharding, constrain, use_rules, current_rules,
+                                   param_specs, param_shardings, shard_model)
 
     mesh = make_mesh((data, fsdp, tensor))      # axes ("data", "fsdp", "tensor"), AxisType.Auto
     rules = ShardingRules.from_mapping(None, mlp=None)   # default table with overrides
-    rules.spec(("batch", "seq"), shape, mesh) -> PartitionSpec   # drops non-dividing axes
+    rules.spec(("batch", "seq"), shape, mesh) -> PartitionSpec   # drops size-1 / non-dividing axes
     logical_to_sharding(("batch", "seq"), mesh, rules=None, shape=None) -> NamedSharding
     constrain(x, ("batch", "seq", "act_embed"))  # identity without jax.set_mesh(mesh)
     with use_rules(rules): ...                    # table for constraints traced in the block
