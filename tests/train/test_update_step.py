@@ -75,15 +75,15 @@ def test_llds_is_zero_in_first_mini_batch_and_nonzero_later(single_device):
     """π_old is computed once, before the updates: mini-batch 1 sees π_θ = π_old, later ones do not.
 
     "Zero" is up to fp rounding: π_old's forward and the loss's forward are different XLA programs
-    (no-grad vs value_and_grad), and XLA:CPU's threaded reductions may round them differently
-    (measured: 0 in most runs, ≤ 5e-9 in others, vs ≈ 1e-3 once the params moved).
+    (no-grad vs value_and_grad) that XLA may round differently (measured here: exactly 0 at steps 0
+    and 1, 4.6e-9 at step 2, vs ≈ 3e-4 in mini-batch 2 once the params moved).
     """
     _, history = single_device
     for step, (_metrics, extra) in enumerate(history):
         penalties = extra["per_mini_batch"]["llds/penalty"]
         assert len(penalties) == 2
         assert penalties[1] > 1e-5, f"step {step}: LLDS in mini-batch 2 is {penalties[1]}; params did not move?"
-        assert penalties[0] <= 1e-5 * penalties[1], (
+        assert penalties[0] <= 1e-4 * penalties[1], (
             f"step {step}: LLDS in mini-batch 1 is {penalties[0]} (mini-batch 2: {penalties[1]}); π_θ must equal π_old")
 
 
