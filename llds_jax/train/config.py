@@ -29,6 +29,7 @@ class TrainConfigError(ValueError):
 
 
 def base_config() -> ml_collections.ConfigDict:
+    from llds_jax.parallel.distributed import default_distributed_config
     from llds_jax.retrieval.config import default_retrieval_config
     from llds_jax.rl.config import default_config as rl_defaults
     from llds_jax.rollout.config import default_config as rollout_defaults
@@ -75,6 +76,7 @@ def base_config() -> ml_collections.ConfigDict:
         max_doc_tokens=0,          # >0: every retrieved doc cut to this many tokens (warm-up, RL and eval alike)
     ))
     c.monitor = ml_collections.ConfigDict(dict(enabled=True))  # + llds_jax.diagnostics.MonitorConfig fields
+    c.distributed = default_distributed_config()  # multi-host join (llds_jax.parallel.distributed); unset = env/auto
     c.plan = default_plan_config()  # --mode=plan (llds_jax.train.plan): AOT memory plan before booking a pod
     c.resume = "auto"  # "auto" | "never" | a step number (llds_jax.train.checkpoint)
     c.sft = ml_collections.ConfigDict(dict(

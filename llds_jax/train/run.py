@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from llds_jax.parallel import distributed
 from llds_jax.train.config import batch_arithmetic, validate
 
 
@@ -128,6 +129,7 @@ def train(config) -> dict:
     from llds_jax.train.sft import run_sft
 
     started = time.perf_counter()
+    distributed.initialize(config)  # before anything touches devices: JAX fixes the device set at first use
     workdir, mesh, model, tokenizer, retriever, writer = _setup(config)
     records = load_questions(config.data.train, config.data.limit_per_source or None)
     prompts = PromptIterator(records, config.train.prompts_per_step, seed=config.seed, shuffle=config.data.shuffle)
