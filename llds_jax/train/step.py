@@ -12,6 +12,16 @@ A training step, after the rollout, is exactly the reference's:
    denominators, ``llds_jax.rl.objective``), clipping the global norm, and skipping the
    update (counted) when the loss or the gradient norm is non-finite.
 
+Mini-batch 1 of a step runs at θ = θ_old exactly, so its loss uses its own forward,
+gradient-stopped, as log π_old (verl does the same for on-policy updates). The separately
+computed π_old equals that forward only up to rounding — the two are different XLA programs
+and on a tensor-parallel mesh they partition differently (measured: 4.6e-9 LLDS, 1e-6 log-prob
+gaps) — and the LLDS hinge max(0, log π_old − log π_θ) turns noise-sized gaps into
+λ·∇log π gradients on about half the tokens (8e-4 relative grad-norm drift on a (2, 2, 2)
+mesh). The precomputed π_old still serves every later mini-batch. Each mini-batch reports
+max |log π_θ − precomputed log π_old| on action tokens (``delta_logp/abs_max``); in mini-batch 1
+that is the recompute gap, so a code-path mismatch (dtype, temperature) stays visible.
+
 All three are ``jax.jit`` with ``in_shardings``/``out_shardings`` computed before the first
 call, and ``update`` donates the train state. Batch arrays are sharded over the batch axes
 of the rules table (``("data", "fsdp")``); every micro-batch is re-constrained to that
@@ -181,33 +191,40 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         out = jax.lax.map(one, (ids, mask))
         return jax.lax.stop_gradient(out.reshape((sizes.trajectories,) + out.shape[2:]))
 
-    def micro_loss(params, mb: TrainBatch, constants):
+    def micro_loss(params, mb: TrainBatch, constants, on_policy):
         logp, entropy = forward_logprobs(graphdef, params, mb.input_ids, mb.attention_mask, temperature=temperature,
                                          chunk_size=chunk, with_entropy=with_entropy)
-        policy_batch = PolicyBatch(logp=logp, old_logp=mb.old_logp, ref_logp=mb.ref_logp,
-                                                entropy=entropy, advantages=mb.advantages, masks=_loss_masks(mb))
-        return micro_batch_loss(policy_batch, rl_cfg, constants, sizes.num_micro_batches)
+        own = jax.lax.stop_gradient(logp)
+        masks = _loss_masks(mb)
+        gap = jnp.max(jnp.where(masks.action_mask > 0, jnp.abs(own - mb.old_logp), 0.0))
+        old_logp = jnp.where(on_policy, own, mb.old_logp)
+        policy_batch = PolicyBatch(logp=logp, old_logp=old_logp, ref_logp=mb.ref_logp,
+                                   entropy=entropy, advantages=mb.advantages, masks=masks)
+        loss, terms = micro_batch_loss(policy_batch, rl_cfg, constants, sizes.num_micro_batches)
+        return loss, (terms, gap)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def one_update(state: TrainState, mini: TrainBatch, lr):
+    def one_update(state: TrainState, mini: TrainBatch, lr, on_policy):
         constants = batch_constants(mini.advantages, _loss_masks(mini), rl_cfg)
         micros = _split_rows(mini, sizes.num_micro_batches)
         zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
 
         def accumulate(carry, mb):
-            grads, loss, terms = carry
+            grads, loss, terms, gap = carry
             mb = _constrain_rows(mb, rules)
-            (mb_loss, mb_terms), mb_grads = grad_fn(state.params, mb, constants)
+            (mb_loss, (mb_terms, mb_gap)), mb_grads = grad_fn(state.params, mb, constants, on_policy)
             grads = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), grads, mb_grads)
             terms = accumulate_terms(terms, mb_terms)
-            return (grads, loss + mb_loss, terms), None
+            return (grads, loss + mb_loss, terms, jnp.maximum(gap, mb_gap)), None
 
         first = jax.tree.map(lambda x: x[0], micros)
-        terms_shape = jax.eval_shape(grad_fn, state.params, first, constants)[0][1]
-        (grads, loss, terms), _ = jax.lax.scan(
-            accumulate, (zero_grads, jnp.zeros((), jnp.float32), _empty_terms(terms_shape)), micros)
+        terms_shape = jax.eval_shape(grad_fn, state.params, first, constants, on_policy)[0][1][0]
+        zero = jnp.zeros((), jnp.float32)
+        (grads, loss, terms, gap), _ = jax.lax.scan(
+            accumulate, (zero_grads, zero, _empty_terms(terms_shape), zero), micros)
         _, metrics = finalize(terms, rl_cfg)
+        metrics["delta_logp/abs_max"] = gap  # mini-batch 1: the recompute gap
 
         grad_norm = _global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -229,7 +246,8 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
     def update(state: TrainState, batch: TrainBatch):
         lr = learning_rate(state.step, optim_cfg, sizes.total_steps)
         minis = _split_rows(batch, sizes.num_mini_batches)
-        state, metrics = jax.lax.scan(lambda s, mini: one_update(s, mini, lr), state, minis)
+        on_policy = jnp.arange(sizes.num_mini_batches) == 0  # θ = θ_old only before the first update
+        state, metrics = jax.lax.scan(lambda s, xs: one_update(s, xs[0], lr, xs[1]), state, (minis, on_policy))
         metrics["optim/lr"] = jnp.broadcast_to(lr, (sizes.num_mini_batches,))
         state = state.replace(step=state.step + 1)
         return state, metrics

@@ -43,14 +43,7 @@ def _assert_close(name, got, want, rtol=1e-5, floor=0.0):
     assert err <= rtol, f"{name}: max relative difference {err:.3e} > {rtol} (got {got}, want {want})"
 
 
-TENSOR_PARALLEL_DRIFT = pytest.mark.xfail(
-    strict=False,
-    reason="with tensor=2 the mini-batch-1 gradient norm differs from one device by 8e-4 relative "
-           "(passed at 1e-5 with the models code of 10:49; regressed with the 11:47-12:06 logprobs/decoder "
-           "changes) — reported to the models owner, not hidden by a looser tolerance")
-
-
-@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 4, 1), pytest.param((2, 2, 2), marks=TENSOR_PARALLEL_DRIFT)])
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
 def test_one_step_on_mesh_equals_single_device(mesh_shape, single_device):
     _, history = run_steps(mesh_shape, steps=1)
     _, reference_history = single_device
@@ -60,31 +53,53 @@ def test_one_step_on_mesh_equals_single_device(mesh_shape, single_device):
     mb1, ref_mb1 = extra["per_mini_batch"], ref_extra["per_mini_batch"]
     for key in ("loss", "pg_loss"):  # differences of O(1) per-token terms (|A| ~ 1): scale 1
         _assert_close(f"mini-batch 1 {key}", mb1[key][0], ref_mb1[key][0], floor=1.0)
-    for key in ("kl_ref", "entropy", "grad/norm", "ratio_max", "clip_frac", "llds/penalty"):
+    for key in ("kl_ref", "entropy", "grad/norm", "ratio_max", "clip_frac", "llds/penalty", "delta_logp/abs_max"):
         _assert_close(f"mini-batch 1 {key}", mb1[key][0], ref_mb1[key][0], floor=0.1)
     # Mini-batch 2 runs after one Adam update, which maps fp-noise-sized gradient entries to ±lr
-    # steps (m/√v ≈ ±1): its LLDS (a function of that update) agrees to ~1%, the params to 1e-5.
+    # steps (m/√v ≈ ±1): its LLDS (a function of that update) agrees to ~1%.
     _assert_close("step llds/value", metrics["llds/value"], ref_metrics["llds/value"], rtol=2e-2)
+    _assert_close("mini-batch 2 grad/norm", extra["per_mini_batch"]["grad/norm"][1],
+                  ref_extra["per_mini_batch"]["grad/norm"][1])
     _assert_close("old_logp", extra["old_logp"], ref_extra["old_logp"])
+    lr = tiny_train_config().optim.lr
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(extra["params"]),
                                  jax.tree.leaves(ref_extra["params"])):
-        _assert_close(f"param {jax.tree_util.keystr(path)}", got, want)
+        _assert_params_close(f"param {jax.tree_util.keystr(path)}", got, want, lr)
+
+
+def _assert_params_close(name, got, want, lr, rtol=1e-5, outlier_frac=1e-3, outlier_lr_frac=0.05):
+    """Updated params: ≤ rtol relative, except where Adam divides a gradient entry of size ≈ eps.
+
+    A mesh changes the order of the gradient's reductions (rounding ~1e-7 of the gradient
+    scale); for the rare entry whose gradient is itself ~1e-8, Adam's g/(|g| + eps) turns that
+    rounding into a visible fraction of one lr step (measured on (2, 2, 2): 1 of 8192 o_proj
+    entries off by 0.017 lr, everything else ≤ 1e-5). Those outliers must stay rare and small.
+    """
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    diff = np.abs(got - want)
+    outliers = diff > rtol * max(np.max(np.abs(want)), 1e-30)
+    assert outliers.mean() <= outlier_frac, (
+        f"{name}: {outliers.sum()} of {diff.size} entries differ by more than {rtol} relative")
+    assert diff.max() <= outlier_lr_frac * lr, (
+        f"{name}: an entry differs by {diff.max():.3e} = {diff.max() / lr:.3f} lr steps (limit {outlier_lr_frac})")
 
 
 def test_llds_is_zero_in_first_mini_batch_and_nonzero_later(single_device):
     """π_old is computed once, before the updates: mini-batch 1 sees π_θ = π_old, later ones do not.
 
-    "Zero" is up to fp rounding: π_old's forward and the loss's forward are different XLA programs
-    (no-grad vs value_and_grad) that XLA may round differently (measured here: exactly 0 at steps 0
-    and 1, 4.6e-9 at step 2, vs ≈ 3e-4 in mini-batch 2 once the params moved).
+    Mini-batch 1 uses its own forward as π_old (θ = θ_old there), so its LLDS is exactly 0; the
+    separately computed π_old must agree with that forward to fp rounding (``delta_logp/abs_max``
+    in mini-batch 1), and later mini-batches, which read the precomputed π_old, see the updates.
     """
     _, history = single_device
     for step, (_metrics, extra) in enumerate(history):
-        penalties = extra["per_mini_batch"]["llds/penalty"]
+        per_mini = extra["per_mini_batch"]
+        penalties, gaps = per_mini["llds/penalty"], per_mini["delta_logp/abs_max"]
         assert len(penalties) == 2
+        assert penalties[0] == 0.0, f"step {step}: LLDS in mini-batch 1 is {penalties[0]}; π_θ must equal π_old"
         assert penalties[1] > 1e-5, f"step {step}: LLDS in mini-batch 2 is {penalties[1]}; params did not move?"
-        assert penalties[0] <= 1e-4 * penalties[1], (
-            f"step {step}: LLDS in mini-batch 1 is {penalties[0]} (mini-batch 2: {penalties[1]}); π_θ must equal π_old")
+        assert gaps[0] <= 1e-5, f"step {step}: π_old and the loss forward differ by {gaps[0]} before any update"
+        assert gaps[1] > 100 * max(gaps[0], 1e-7), f"step {step}: mini-batch 2 log-probs did not move ({gaps})"
 
 
 def test_each_jitted_function_compiles_once_over_three_steps(single_device):
