@@ -61,7 +61,10 @@ def _check_or_write_meta(index_dir: Path, meta: dict) -> None:
     if path.exists():
         old = json.loads(path.read_text())
         if old != meta:
-            raise RetrievalError(f"{path}: existing shards were built with {old}, not {meta}; use another index_path")
+            changed = ", ".join(f"{key}: {old.get(key)!r} → {meta.get(key)!r}"
+                                for key in sorted(set(old) | set(meta)) if old.get(key) != meta.get(key))
+            raise RetrievalError(f"{path}: existing shards were built with other settings ({changed}); "
+                                 f"use another index_path")
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(meta, indent=2) + "\n")
@@ -164,7 +167,7 @@ def build_dense_index(corpus: Corpus, embedder: TextEmbedder, index_dir: str | o
     index_dir = Path(index_dir)
     options = dataclasses.asdict(embedder.options)
     options.pop("batch_size")  # throughput only: vectors do not depend on it
-    meta = {"corpus_path": str(corpus.path), "num_docs": len(corpus), "dim": embedder.dim,
+    meta = {"corpus_path": str(Path(corpus.path).resolve()), "num_docs": len(corpus), "dim": embedder.dim,
             "encoder": encoder_name, "options": options, "shard_size": shard_size}
     _check_or_write_meta(index_dir, meta)
     shard_paths = embed_corpus_shards(corpus, embedder, index_dir, shard_size, show_progress)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,9 +76,20 @@ def test_an_interrupted_build_resumes_by_encoding_only_missing_shards(dense_inde
 def test_resuming_with_other_encoder_options_is_refused(dense_index_dir, dense_corpus, make_embedder):
     index_dir, _ = dense_index_dir
     prefixed = make_embedder(batch_size=32, passage_prefix="passage: ")
-    with pytest.raises(RetrievalError, match="existing shards were built with"):
+    with pytest.raises(RetrievalError, match="existing shards were built with other settings") as err:
         build_dense_index(dense_corpus, prefixed, index_dir, "Flat", SHARD_SIZE, "minilm", show_progress=False)
+    assert "options:" in str(err.value) and "passage: " in str(err.value), "the message names what changed"
+    assert "corpus_path" not in str(err.value), "only the differing settings are listed"
     assert json.loads((index_dir / "meta.json").read_text())["options"]["passage_prefix"] == ""
+
+
+def test_resuming_through_a_relative_corpus_path_is_the_same_index(dense_index_dir, dense_corpus, monkeypatch):
+    """The same corpus named relative to the working directory must not look like another corpus."""
+    index_dir, embedder = dense_index_dir
+    monkeypatch.chdir(dense_corpus.path.parent.parent)
+    relative = Corpus(Path(dense_corpus.path.parent.name) / dense_corpus.path.name)
+    build_dense_index(relative, embedder, index_dir, "Flat", SHARD_SIZE, "minilm", show_progress=False)
+    assert json.loads((index_dir / "meta.json").read_text())["corpus_path"] == str(dense_corpus.path.resolve())
 
 
 def test_index_over_another_corpus_size_is_refused(dense_index_dir, small_corpus):
