@@ -16,31 +16,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from _timing import median_seconds  # benchmarks/ is on sys.path when run as a script
 from flax import nnx
 
 from llds_jax.models import from_pretrained, init_cache, save_pretrained
 from llds_jax.models.logprobs import sequence_logprobs
 from llds_jax.models.testing import tiny_model
 from llds_jax.utils.assets import smollm2_gguf_path
-
-
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up / compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _ours_fns(model, ids, mask):
@@ -74,7 +63,7 @@ def _time_with_threads(fn, repeats: int, threads: int) -> float:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _time(fn, repeats)
+        return median_seconds(fn, repeats)
     finally:
         torch.set_num_threads(previous)
 
@@ -118,7 +107,7 @@ def bench(name: str, model, batch: int, length: int, repeats: int, torch_threads
     cases.append((f"prefill {length // 2} + {decode_steps} decode", *_decode_fns(model, torch_model, batch,
                                                                                  length // 2, decode_steps)))
     for what, ours_fn, torch_fn in cases:
-        t_ours = _time(ours_fn, repeats)
+        t_ours = median_seconds(ours_fn, repeats)
         # torch's OpenMP pool degrades badly on an oversubscribed box: report its best thread count
         t_torch, threads = min((_time_with_threads(torch_fn, repeats, n), n) for n in torch_threads)
         per_row = length // 2 + decode_steps if what.startswith("prefill") else length

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 
@@ -27,6 +26,7 @@ import jax
 import numpy as np
 import torch
 import transformers
+from _timing import median_seconds  # benchmarks/ is on sys.path when run as a script
 
 from llds_jax.models import from_pretrained
 from llds_jax.sampling import generate
@@ -60,16 +60,6 @@ def left_padded_batch(batch: int, prompt_len: int, vocab: int, seed: int = 0):
         ids[row, prompt_len - n:] = rng.integers(1, vocab, n)
         mask[row, prompt_len - n:] = 1
     return ids, mask
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def run_case(hf_model, model, batch, prompt_len, new_tokens, sampled: bool, repeats: int):
