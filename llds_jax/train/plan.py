@@ -1,6 +1,8 @@
 """``--mode=plan``: will this config fit the hardware? Answered before a pod is booked.
 
     python -m llds_jax.main --mode=plan --config=configs/qwen3b.py --config.plan.devices=64
+    python -m llds_jax.main --mode=plan --config=configs/qwen3b.py --config.plan.topology=v5e:8x8
+    python -m llds_jax.main --mode=plan --config=configs/qwen3b.py --config.plan.gpu=h100 --config.plan.devices=8
 
 No weights are read or allocated. The model's shapes come from ``config.model.source`` (an
 HF ``config.json``, or a known Qwen2.5 name such as ``.../Qwen2.5-3B``); every array is a
@@ -18,12 +20,15 @@ the KV cache (exact, from the shardings) and XLA's own ``memory_analysis`` of ea
 (arguments, outputs, donated aliases, temporaries = activations + gradient accumulator +
 workspace), then the peak against H100 80 GB / H200 141 GB / TPU v5e 16 GB / v5p 95 GB.
 
-Which compiler: with ``plan.topology`` (e.g. ``"v5e:8x8"``) and TPU support installed (any TPU
-VM), the programs are compiled for that TPU topology. Elsewhere — this CPU-only jaxlib has no
-TPU or GPU compile-only targets — they are compiled by XLA:CPU's SPMD partitioner for the same
-number of simulated devices: argument/KV/batch sizes are then exact for any backend, while
-temporaries are XLA:CPU's buffer assignment of the same partitioned program (GPU/TPU fuse
-differently, and GPU attention kernels may need less). The table says which compiler ran.
+Which compiler (``llds_jax.train.plan_targets``): ``plan.topology="v5e:8x8"`` compiles with
+XLA:TPU for that slice and ``plan.gpu="h100"`` with XLA:GPU for ``plan.devices`` H100s — both
+compile-only, on any host, once ``pip install '.[plan-tpu]'`` / ``'.[plan-gpu]'`` is done. XLA:TPU
+refuses programs that overflow the chip's HBM; the plan then records the compiler's message and
+recompiles with ``xla_tpu_no_crash_on_oom`` to get the numbers. With neither (or without the
+package, which is said in the table) the programs are compiled by XLA:CPU's SPMD partitioner
+for the same number of simulated devices: argument/KV/batch sizes are then exact for any
+backend, while temporaries are XLA:CPU's buffer assignment of the same partitioned program.
+The table names the compiler that produced the numbers.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
+
+from llds_jax.train.plan_targets import NeedsFreshProcess, PlanError, Target, resolve_target
 
 GB = 1e9
 # Usable fraction of HBM: XLA keeps some for itself; on GPU also set
@@ -71,15 +78,13 @@ for _name, _fields in KNOWN_MODELS.items():
                    max_position_embeddings=32768)
 
 
-class PlanError(ValueError):
-    """A plan that cannot be made as configured; the message names the field and value."""
-
-
 def default_plan_config() -> ml_collections.ConfigDict:
     """The ``plan`` config section (the trainer's base config embeds it)."""
     return ml_collections.ConfigDict(dict(
-        devices=8,            # devices of the planned mesh (CPU: simulated); 0 = those this process sees
-        topology="",          # TPU topology to compile for, e.g. "v5e:8x8" (needs TPU support)
+        devices=8,            # devices of the planned mesh (CPU: simulated; GPU: plan.gpu's); 0 = this process's
+        topology="",          # TPU slice to compile for with XLA:TPU, e.g. "v5e:8x8" (pip install '.[plan-tpu]')
+        gpu="",               # GPU to compile for with XLA:GPU: "h100", "h200" or a target .txtpb ('.[plan-gpu]')
+        gpus_per_host=8,      # with plan.gpu: GPUs per host (plan.devices / this = hosts)
         rollout_batch=0,      # rows decoded together; 0 = every trajectory of a step at once
         hardware=("H100", "H200", "v5e", "v5p"),
         phases=("update", "logprobs", "prefill", "decode"),
@@ -108,22 +113,17 @@ def decoder_config_for(config):
                     f"({', '.join(KNOWN_MODELS)}); point it at an HF directory")
 
 
-def plan_devices(section) -> list:
-    """The devices to compile for: a TPU topology's, or this process's (CPU: simulated).
+def plan_devices(section) -> Target:
+    """The target to compile for: a TPU slice's or GPUs' compile-only devices, or this process's
+    (CPU: simulated) devices.
 
-    Raises ``_NeedsFreshProcess`` when this process's JAX already started with another
-    device count (anything that runs a JAX op fixes it: importing bm25s does).
+    Raises ``NeedsFreshProcess`` when this process's JAX already started with another device
+    count (anything that runs a JAX op fixes it: importing bm25s does) or without the CUDA plugin.
     """
-    if section.topology:
-        from jax.experimental import topologies  # noqa: PLC0415
-
-        try:
-            return list(topologies.get_topology_desc(section.topology, "tpu").devices)
-        except (RuntimeError, NotImplementedError) as err:
-            raise PlanError(f"plan.topology={section.topology!r}: cannot build a TPU compile target here "
-                            f"({err}); drop plan.topology to plan with XLA:CPU for plan.devices "
-                            f"simulated devices") from err
-    wanted = int(section.devices)
+    target = resolve_target(section)
+    if target.devices is not None:
+        return target
+    wanted = target.count
     if wanted:
         try:  # only possible before the backend starts; afterwards the device count is fixed
             jax.config.update("jax_num_cpu_devices", wanted)
@@ -133,17 +133,17 @@ def plan_devices(section) -> list:
     if wanted and len(devices) < wanted:
         if devices[0].platform != "cpu":
             raise PlanError(f"plan.devices={wanted}: this host has {len(devices)} {devices[0].platform} devices; "
-                            f"plan on a CPU host (simulated devices) or set plan.topology")
-        raise _NeedsFreshProcess(wanted)
-    return devices[:wanted] if wanted else devices
-
-
-class _NeedsFreshProcess(Exception):
-    """JAX's CPU device count is fixed at first use; the plan reruns in a child process."""
+                            f"plan on a CPU host (simulated devices) or set plan.topology / plan.gpu")
+        raise NeedsFreshProcess(wanted)
+    devices = devices[:wanted] if wanted else devices
+    if target.note:
+        return dataclasses.replace(target, devices=tuple(devices), count=len(devices))
+    return Target(devices[0].platform, tuple(devices), len(devices),
+                  f"XLA:{devices[0].platform.upper()} SPMD, {len(devices)} devices")
 
 
 def _plan_in_child(config, devices: int) -> None:
-    """Run the plan in ``python -m llds_jax.train.plan`` with ``devices`` simulated CPU devices."""
+    """Run the plan in ``python -m llds_jax.train.plan`` (JAX_PLATFORMS=cpu, ``devices`` CPU devices)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.pkl"
         path.write_bytes(pickle.dumps(config))
@@ -151,7 +151,7 @@ def _plan_in_child(config, devices: int) -> None:
                    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}")
         result = subprocess.run([sys.executable, "-m", "llds_jax.train.plan", str(path)], env=env, check=False)
     if result.returncode:
-        raise PlanError(f"the plan for {devices} simulated devices failed in its child process "
+        raise PlanError(f"the plan for {devices} devices failed in its child process "
                         f"(exit {result.returncode}; its error is printed above)")
 
 
@@ -176,6 +176,7 @@ class CompiledProgram:
     temp_bytes: int
     code_bytes: int
     compile_seconds: float
+    refused: str = ""   # XLA:TPU's out-of-memory error, when it refused the program for this chip
 
     @property
     def peak_bytes(self) -> int:
@@ -183,16 +184,25 @@ class CompiledProgram:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
 
 
-def compile_program(name: str, jitted, *abstract_args) -> CompiledProgram:
+def compile_program(name: str, jitted, *abstract_args, platform: str = "cpu") -> CompiledProgram:
+    """AOT-compile; XLA:TPU's refusal for lack of HBM is kept and the numbers compiled anyway."""
     start = time.perf_counter()
-    compiled = jitted.lower(*abstract_args).compile()
+    lowered = jitted.lower(*abstract_args)
+    refused = ""
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:
+        if platform != "tpu" or "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        refused = " ".join(str(err).split())[:240]
+        compiled = lowered.compile(compiler_options={"xla_tpu_no_crash_on_oom": True})
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     if stats is None:
         raise PlanError(f"{name}: this backend reports no memory analysis")
     return CompiledProgram(name, stats.argument_size_in_bytes, stats.output_size_in_bytes,
                            stats.alias_size_in_bytes, stats.temp_size_in_bytes,
-                           stats.generated_code_size_in_bytes, seconds)
+                           stats.generated_code_size_in_bytes, seconds, refused)
 
 
 @dataclasses.dataclass
@@ -206,6 +216,7 @@ class Plan:
     programs: dict[str, CompiledProgram]
     notes: list[str]
     attention_scores: dict[str, int] = dataclasses.field(default_factory=dict)  # one layer, per device
+    target: str = ""                    # the HARDWARE row the compiler targeted ("" = none: a proxy)
 
     def phase_peak(self, phase: str) -> int:
         """Peak bytes per device of a phase: XLA's live set of the program plus what it does not see."""
@@ -273,22 +284,29 @@ def _abstract_cache(decoder_cfg, batch: int, max_len: int, mesh, rules):
                            for name, axes in logical.items()})
 
 
-def make_plan(config, devices=None) -> Plan:
-    """Compile the configured phases for the planned mesh and account per-device memory."""
+def make_plan(config, target: Target | None = None) -> Plan:
+    """Compile the configured phases for the planned mesh and account per-device memory.
+
+    ``target`` defaults to ``plan_devices(config.plan)``; a list of devices is also accepted.
+    """
     from llds_jax.parallel.mesh import make_mesh  # noqa: PLC0415
     from llds_jax.parallel.rules import DEFAULT  # noqa: PLC0415
     from llds_jax.train.config import mesh_shape, validate  # noqa: PLC0415
     from llds_jax.train.step import build_update_fns, train_batch_shardings  # noqa: PLC0415
 
     section = config.get("plan") or default_plan_config()
-    devices = plan_devices(section) if devices is None else devices
+    if target is None:
+        target = plan_devices(section)
+    elif not isinstance(target, Target):
+        devices = tuple(target)
+        target = Target(devices[0].platform, devices, len(devices),
+                        f"XLA:{devices[0].platform.upper()} SPMD, {len(devices)} devices")
+    devices = list(target.devices)
     validate(config, len(devices))
     shape = mesh_shape(config, len(devices))
     mesh = make_mesh(shape, devices)
     rules = DEFAULT
     decoder_cfg = decoder_config_for(config)
-    compiler = (f"XLA:TPU for topology {section.topology}" if section.topology
-                else f"XLA:{devices[0].platform.upper()} SPMD, {len(devices)} devices")
 
     trajectories = config.train.prompts_per_step * config.rollout.n_samples
     multiple = max(1, int(config.rollout.pad_to_multiple))
@@ -318,17 +336,20 @@ def make_plan(config, devices=None) -> Plan:
             fns = build_update_fns(graphdef, state_shardings, train_batch_shardings(batch, mesh, rules), mesh,
                                    config, rules)
             if "update" in phases:
-                programs["update"] = compile_program("update", fns.update, state, batch)
+                programs["update"] = compile_program("update", fns.update, state, batch,
+                                                     platform=target.platform)
             if "logprobs" in phases:
                 programs["logprobs"] = compile_program("logprobs", fns.policy_logprobs, state.params,
-                                                       batch.input_ids, batch.attention_mask)
+                                                       batch.input_ids, batch.attention_mask,
+                                                       platform=target.platform)
         sampler_tokens = {"prefill": int(config.rollout.max_prompt_tokens), "decode": 1}
         for phase in ("prefill", "decode"):
             if phase in phases:
                 programs[phase] = compile_program(
                     phase, _cached_forward(graphdef, mesh, rules), state.params,
                     _row_array((rollout_rows, sampler_tokens[phase]), jnp.int32, mesh, rules),
-                    cache, _row_array((rollout_rows, sampler_tokens[phase]), jnp.bool_, mesh, rules))
+                    cache, _row_array((rollout_rows, sampler_tokens[phase]), jnp.bool_, mesh, rules),
+                    platform=target.platform)
     dp, tensor = shape[0] * shape[1], shape[2]
     heads = decoder_cfg.num_heads // tensor if decoder_cfg.num_heads % tensor == 0 else decoder_cfg.num_heads
     context, prompt = int(config.rollout.max_context), int(config.rollout.max_prompt_tokens)
@@ -338,14 +359,14 @@ def make_plan(config, devices=None) -> Plan:
         "prefill": -(-rollout_rows // dp) * heads * prompt * context * 4,
         "decode": -(-rollout_rows // dp) * heads * 1 * context * 4,
     }
-    notes = []
+    notes = [target.note] if target.note else []
     if rollout_rows == trajectories:
         notes.append(f"the rollout decodes all {trajectories} trajectories of a step together "
                      f"(KV cache {rollout_rows} rows x {config.rollout.max_context} slots); "
                      f"--config.plan.rollout_batch=N plans a chunked rollout")
     return Plan(f"{Path(str(config.model.source)).name} ({decoder_cfg.num_layers} layers, d={decoder_cfg.hidden_size})",
-                parameters, shape, compiler, resident, phase_extra, programs, notes,
-                {k: v for k, v in attention.items() if k in programs})
+                parameters, shape, target.compiler, resident, phase_extra, programs, notes,
+                {k: v for k, v in attention.items() if k in programs}, target.hardware)
 
 
 def _row_array(shape, dtype, mesh, rules):
@@ -386,12 +407,19 @@ def format_plan(plan: Plan, hardware=tuple(HARDWARE)) -> str:
         lines.append(f"  {name:<10}{_gb(p.argument_bytes)}{_gb(p.output_bytes)}{_gb(p.alias_bytes)}"
                      f"{_gb(p.temp_bytes)}{_gb(outside)}{_gb(plan.phase_peak(name))}"
                      f"{plan.attention_scores.get(name, 0) / GB:>11.2f}{p.compile_seconds:>11.1f}   {extra}")
+    refused = {name: p.refused for name, p in plan.programs.items() if p.refused}
+    lines += [f"  ! {plan.compiler.split(' ')[0]} refused {name} for this chip: {msg}" for name, msg in refused.items()]
     lines += ["", f"fits? peak {plan.peak_bytes / GB:.2f} GB per device vs {USABLE_FRACTION:.0%} of HBM"]
     for key in hardware:
         label, capacity = HARDWARE[key]
         usable = capacity * USABLE_FRACTION
         verdict = "fits" if plan.peak_bytes <= usable else f"DOES NOT FIT (needs {plan.peak_bytes / usable:.1f}x)"
+        if key == plan.target:
+            verdict = (f"DOES NOT FIT (the compiler refused {', '.join(refused)})" if refused else verdict)
+            verdict += "   <- compiled for this chip"
         lines.append(f"  {label:<28}{verdict}")
+    lines.append("  (rows other than the compiled chip reuse these numbers: a proxy)" if plan.target else
+                 "  (no row's own compiler ran: the temporaries are a proxy for every row)")
     lines += ["", "temps = activations (remat), gradient accumulator, log-prob chunks, attention scores;",
               "+other = resident buffers the program does not take as arguments (e.g. Adam state while decoding);",
               "attn/layer = one layer's fp32 attention scores per device (rows x heads x queries x keys x 4 B):",
@@ -400,20 +428,20 @@ def format_plan(plan: Plan, hardware=tuple(HARDWARE)) -> str:
     return "\n".join(lines)
 
 
-def plan_main(config) -> Plan | None:
-    """Entry point of ``--mode=plan``: print the per-device memory table (and return the plan).
+def plan_main(config) -> None:
+    """Entry point of ``--mode=plan``: print the per-device memory table (``make_plan`` returns it).
 
-    When this process's JAX already runs with fewer CPU devices than ``plan.devices``, the
-    plan is made in a child process instead, which prints the table (returns None).
+    When this process's JAX cannot build the target (CPU device count already fixed, or the
+    CUDA plugin skipped at start-up), the plan is made and printed by a child process.
+    Returns None: absl's ``app.run`` turns a returned value into exit status 1.
     """
     section = config.get("plan") or default_plan_config()
     try:
         plan = make_plan(config)
-    except _NeedsFreshProcess as need:
+    except NeedsFreshProcess as need:
         _plan_in_child(config, need.args[0])
-        return None
+        return
     print(format_plan(plan, tuple(section.hardware)), flush=True)
-    return plan
 
 
 if __name__ == "__main__":  # the child process of _plan_in_child

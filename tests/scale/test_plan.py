@@ -1,10 +1,16 @@
-"""--mode=plan: shapes from known names, per-device accounting from shardings, AOT-compiled table."""
+"""--mode=plan: shapes from known names, per-device accounting from shardings, AOT-compiled table.
+
+The compile-only TPU / GPU targets need ``pip install '.[plan-tpu]'`` / ``'.[plan-gpu]'``; their
+tests skip (with the reason) when the package is absent, as in the default ``.[test]`` install.
+"""
 
 from __future__ import annotations
 
 import math
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -12,15 +18,22 @@ from llds_jax.models import Decoder
 from llds_jax.train.config import base_config
 from llds_jax.train.plan import (
     HARDWARE,
+    CompiledProgram,
+    Plan,
     PlanError,
     bytes_per_device,
+    compile_program,
     decoder_config_for,
     default_plan_config,
     format_plan,
     make_plan,
     plan_devices,
 )
+from llds_jax.train.plan_targets import resolve_target, target_installed
 from tests.scale import toy_train
+
+needs_tpu = pytest.mark.skipif(bool(target_installed("tpu")), reason=target_installed("tpu") or "installed")
+needs_gpu = pytest.mark.skipif(bool(target_installed("gpu")), reason=target_installed("gpu") or "installed")
 
 
 def _tiny_config():
@@ -33,6 +46,12 @@ def _tiny_config():
     return c
 
 
+def _section(**fields):
+    section = default_plan_config()
+    section.update(fields)
+    return section
+
+
 @pytest.mark.parametrize("name, billions", [("Qwen2.5-3B", 3.086), ("Qwen2.5-7B", 7.616)])
 def test_known_model_names_give_the_real_parameter_count(name, billions):
     c = base_config()
@@ -43,16 +62,41 @@ def test_known_model_names_give_the_real_parameter_count(name, billions):
     assert count / 1e9 == pytest.approx(billions, abs=0.001)
 
 
-def test_unknown_model_source_and_missing_tpu_support_are_named():
+def test_unknown_model_source_and_bad_targets_are_named():
     c = base_config()
     c.model.source = "/nowhere/Mystery-9B"
     with pytest.raises(PlanError, match="model.source='/nowhere/Mystery-9B'"):
         decoder_config_for(c)
-    section = default_plan_config()
-    section.topology = "v5e:2x2"
-    if jax.devices()[0].platform == "cpu":
-        with pytest.raises(PlanError, match="plan.topology='v5e:2x2'"):
-            plan_devices(section)
+    for topology in ("v5e", "v5e:8", "v5e:2x2x2x2", "8x8"):
+        with pytest.raises(PlanError, match=f"plan.topology='{topology}': expected CHIP:AxB"):
+            resolve_target(_section(topology=topology))
+    with pytest.raises(PlanError, match="plan.gpu='a999': expected one of"):
+        resolve_target(_section(gpu="a999"))
+    with pytest.raises(PlanError, match="plan.devices=12 is not a multiple of plan.gpus_per_host=8"):
+        resolve_target(_section(gpu="h100", devices=12))
+    with pytest.raises(PlanError, match="plan.topology='v5e:2x2' and plan.gpu='h100': set one"):
+        resolve_target(_section(topology="v5e:2x2", gpu="h100"))
+
+
+def test_without_libtpu_a_topology_falls_back_to_xla_cpu_and_says_so(monkeypatch):
+    from jax.experimental import topologies
+
+    def missing(*args, **kwargs):
+        raise RuntimeError("JAX TPU support not installed; cannot generate TPU topology.")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", missing)
+    target = plan_devices(_section(topology="v5e:2x4"))
+    assert target.platform == "cpu" and target.count == 8 and len(target.devices) == 8
+    assert "proxy for v5e:2x4" in target.compiler and "libtpu) is not installed" in target.note
+    assert "pip install '.[plan-tpu]'" in target.note and target.hardware == ""
+
+
+@needs_tpu
+def test_libtpu_rejections_name_the_field():
+    with pytest.raises(PlanError, match=r"plan.topology='v5e:3x3': libtpu rejected it: .*not divisible"):
+        resolve_target(_section(topology="v5e:3x3"))
+    with pytest.raises(PlanError, match=r"plan.topology='v9:2x2': libtpu rejected it"):
+        resolve_target(_section(topology="v9:2x2"))
 
 
 def test_bytes_per_device_counts_shards_and_replicas():
@@ -64,17 +108,70 @@ def test_bytes_per_device_counts_shards_and_replicas():
     assert bytes_per_device(abstract["params"]) == (16 * 4 + 4) * 4
 
 
-@pytest.mark.slow
-def test_plan_compiles_every_phase_and_prints_the_fit_table():
-    plan = make_plan(_tiny_config())
-    assert plan.mesh_shape == (1, 8, 1) and "XLA:CPU SPMD, 8 devices" in plan.compiler
+def test_the_table_names_the_compiled_chip_and_a_refusal():
+    program = CompiledProgram("update", int(9e9), int(1e9), int(1e9), int(8e9), 0, 1.0,
+                              refused="RESOURCE_EXHAUSTED: Ran out of memory on HBM")
+    plan = Plan("m", 10, (1, 4, 1), "XLA:TPU (libtpu x), topology v5e:2x2: 4 x TPU v5 lite, 1 host(s)",
+                {"params": int(1e9)}, {}, {"update": program}, [], target="v5e")
+    table = format_plan(plan)
+    assert "! XLA:TPU refused update for this chip: RESOURCE_EXHAUSTED" in table
+    assert f"{HARDWARE['v5e'][0]:<28}DOES NOT FIT (the compiler refused update)   <- compiled for this chip" in table
+    assert f"{HARDWARE['H100'][0]:<28}fits\n" in table and "reuse these numbers: a proxy" in table
+
+
+def _check_tiny_plan(plan, devices: int):
     assert set(plan.programs) == {"update", "logprobs", "prefill", "decode"}
     # The update program receives params, Adam moments, reference and counters as arguments.
     update = plan.programs["update"]
     assert update.argument_bytes >= sum(plan.resident.values())
     assert update.alias_bytes > 0  # the train state is donated
-    assert plan.peak_bytes == max(plan.phase_peak(p) for p in plan.programs)
+    assert 0 < update.temp_bytes < 1e9 and not update.refused
+    assert plan.mesh_shape == (1, devices, 1)
+    assert plan.peak_bytes == max(plan.phase_peak(p) for p in plan.programs) < 1e9
+
+
+@pytest.mark.slow
+def test_plan_compiles_every_phase_and_prints_the_fit_table():
+    plan = make_plan(_tiny_config())
+    assert "XLA:CPU SPMD, 8 devices" in plan.compiler and plan.target == ""
+    _check_tiny_plan(plan, 8)
     table = format_plan(plan)
     for label, _ in HARDWARE.values():
         assert f"{label:<28}fits" in table
-    assert "decodes all 32 trajectories" in table
+    assert "decodes all 32 trajectories" in table and "no row's own compiler ran" in table
+
+
+@needs_tpu
+def test_plan_compiles_with_xla_tpu_for_a_topology_from_a_cpu_host():
+    c = _tiny_config()
+    c.plan.topology = "v5e:2x4"
+    plan = make_plan(c)
+    assert plan.compiler.startswith("XLA:TPU (libtpu ") and "v5e:2x4: 8 x TPU v5 lite, 2 host(s)" in plan.compiler
+    assert plan.target == "v5e"
+    _check_tiny_plan(plan, 8)
+    assert f"{HARDWARE['v5e'][0]:<28}fits   <- compiled for this chip" in format_plan(plan)
+
+
+@needs_tpu
+def test_xla_tpu_refuses_a_program_beyond_hbm_and_the_plan_still_gets_its_numbers():
+    from jax.experimental import topologies
+
+    devices = np.array(topologies.get_topology_desc("v5e:2x2", "tpu").devices)
+    mesh = jax.sharding.Mesh(devices, ("x",))
+    # 8.6 GB per chip in, 8.6 GB out: more than a v5e's 16 GiB.
+    big = jax.ShapeDtypeStruct((4 * 32768, 65536), jnp.float32, sharding=jax.NamedSharding(mesh, jax.P("x")))
+    program = compile_program("big", jax.jit(lambda x: (jnp.exp(x) * 2 + x, x.sum())), big, platform="tpu")
+    assert "RESOURCE_EXHAUSTED" in program.refused
+    assert program.argument_bytes == 32768 * 65536 * 4 and program.peak_bytes > 16 * 2**30
+
+
+@pytest.mark.slow  # XLA:GPU compiles the four tiny programs in 15-55 s here
+@needs_gpu
+def test_plan_compiles_with_xla_gpu_for_h100s_from_a_cpu_host():
+    c = _tiny_config()
+    c.plan.update(gpu="h100", devices=8, gpus_per_host=4)
+    plan = make_plan(c)
+    assert plan.compiler.startswith("XLA:GPU (jax-cuda12-pjrt ") and "8 x NVIDIA H100 80GB HBM3" in plan.compiler
+    assert "2 host(s) x 4" in plan.compiler and plan.target == "H100"
+    _check_tiny_plan(plan, 8)
+    assert f"{HARDWARE['H100'][0]:<28}fits   <- compiled for this chip" in format_plan(plan)
