@@ -22,15 +22,18 @@ runs the same program. This module is what makes that program host-aware:
   these rows; ``global_batch_from_host_rows`` then assembles the global array without any
   host ever holding the whole batch.
 * ``fetch_to_host``: device metrics/params as numpy on every host (replicated ones for free).
-* ``sum_over_hosts`` / ``gather_over_hosts``: host-side metrics (rollout counts, retriever
-  latency) summed or stacked across processes. Means are computed by the caller from summed
-  numerators and counts, so they stay exact when hosts hold different numbers of rows.
+* ``sum_over_hosts`` / ``gather_over_hosts`` / ``reduce_over_hosts``: host-side metrics (rollout
+  counts, retriever latency) summed, stacked or combined per key across processes. Exact means
+  come from summed numerators and counts when hosts hold different numbers of rows.
+* ``gather_host_rows`` / ``local_rows``: a small per-row host array made global on every host
+  (rewards for advantage statistics), and this host's rows of a row-sharded device array.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -233,6 +236,54 @@ def global_batch_from_host_rows(host_rows: Any, sharding: Any, global_batch: int
     return jax.tree.map(assemble, host_rows, sharding)
 
 
+def gather_host_rows(local: Any, rows: slice, global_batch: int) -> np.ndarray:
+    """Every host's ``[rows, ...]`` block of a small host array, as the global ``[global_batch, ...]`` array.
+
+    For per-trajectory scalars (rewards, group ids) that a host-local computation needs globally
+    (advantage statistics). A collective: every host calls it with blocks of the same shape.
+    Blocks are placed by each host's ``rows.start``, not by process index.
+    """
+    local = np.asarray(local)
+    if local.shape[0] != rows.stop - rows.start:
+        raise DistributedSetupError(f"host block has {local.shape[0]} rows, its slice {rows} needs "
+                                    f"{rows.stop - rows.start}")
+    if jax.process_count() == 1:
+        if (rows.start, rows.stop) != (0, global_batch):
+            raise DistributedSetupError(f"one process must hold all {global_batch} rows, got {rows}")
+        return local
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    blocks = np.asarray(multihost_utils.process_allgather(local))
+    starts = np.asarray(multihost_utils.process_allgather(np.array([rows.start], np.int32)))[:, 0]
+    out = np.empty((global_batch, *local.shape[1:]), local.dtype)
+    for start, block in zip(starts, blocks):
+        out[start:start + block.shape[0]] = block
+    return out
+
+
+def local_rows(array: jax.Array, rows: slice) -> np.ndarray:
+    """This host's ``rows`` of a row-sharded global array, from its addressable shards (no communication).
+
+    The rows must be the ones ``host_batch_rows`` gave for the array's sharding.
+    """
+    if array.is_fully_addressable:
+        return np.asarray(array)[rows]
+    out = np.empty((rows.stop - rows.start, *array.shape[1:]), array.dtype)
+    filled = np.zeros(rows.stop - rows.start, bool)
+    for shard in array.addressable_shards:
+        index = shard.index
+        start = index[0].start or 0
+        stop = array.shape[0] if index[0].stop is None else index[0].stop
+        if start < rows.start or stop > rows.stop:
+            raise DistributedSetupError(f"process {jax.process_index()} holds rows {start}:{stop} of an array, "
+                                        f"outside its batch rows {rows}")
+        out[(slice(start - rows.start, stop - rows.start), *index[1:])] = np.asarray(shard.data)
+        filled[start - rows.start:stop - rows.start] = True
+    if not filled.all():
+        raise DistributedSetupError(f"process {jax.process_index()} lacks some of its rows {rows}")
+    return out
+
+
 # ----------------------------------------------------------------- metrics
 def gather_over_hosts(values: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Every host's value of each scalar metric, as float64 ``[num_processes]`` arrays.
@@ -273,3 +324,37 @@ def fetch_to_host(tree: Any) -> Any:
 def sum_over_hosts(values: Mapping[str, Any]) -> dict[str, float]:
     """Scalar host metrics summed over processes (numerators and counts, not means)."""
     return {k: float(v.sum()) for k, v in gather_over_hosts(values).items()}
+
+
+_REDUCERS = {"mean": np.mean, "sum": np.sum, "max": np.max, "min": np.min}
+
+
+def allgather_json(value: Any) -> list[Any]:
+    """Every process's JSON-able ``value``, in process order (a collective; any sizes)."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32)))[:, 0]
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    blocks = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(block[:size]).decode()) for block, size in zip(blocks, sizes)]
+
+
+def reduce_over_hosts(values: Mapping[str, Any], how: Callable[[str], str]) -> dict[str, float]:
+    """Scalar metrics combined over processes; ``how(key)`` is ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``.
+
+    A collective. Hosts may report different keys (a diagnostic with no rows on one host): each
+    key is combined over the hosts that have it. A non-finite value on any host stays
+    non-finite. Means are of per-host values: exact for per-row means when hosts hold equal row
+    counts. Single process: the values unchanged (as floats).
+    """
+    if jax.process_count() == 1:
+        return {k: float(v) for k, v in values.items()}
+    # JSON has no NaN/inf in the strict sense, but Python's json round-trips them.
+    per_host = allgather_json({k: float(v) for k, v in values.items()})
+    keys = sorted(set().union(*per_host))
+    return {k: float(_REDUCERS[how(k)](np.array([h[k] for h in per_host if k in h], np.float64)))
+            for k in keys}

@@ -428,6 +428,14 @@ class PreemptionGuard:
         return self._signalled.is_set()
 
 
+class NonFiniteStop(SystemExit):
+    """The run stopped on a streak of non-finite updates; ``str(err)`` is the streak's message.
+
+    A ``SystemExit``, so ``python -m llds_jax.main`` ends with exit status 1 and prints the
+    message on stderr, while in-process callers can catch it by name.
+    """
+
+
 class NonFiniteStreak:
     """Stop the run after ``limit`` non-finite (skipped) optimizer updates in a row.
 
@@ -438,7 +446,7 @@ class NonFiniteStreak:
 
         streak = NonFiniteStreak(limit=config.train.max_nonfinite_updates)
         if streak.record(per_mini["update/skipped"]):
-            ckpt.save(step, state, extra); ckpt.close(); raise SystemExit(streak.message)
+            ckpt.save(step, state, extra); ckpt.close(); raise NonFiniteStop(streak.message)
     """
 
     def __init__(self, limit: int):

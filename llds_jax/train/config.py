@@ -74,6 +74,7 @@ def base_config() -> ml_collections.ConfigDict:
         samples_per_step=4,        # trajectories' text/answer/reward appended to <workdir>/samples.jsonl
         export_hf=True,            # write <workdir>/hf/step_<N> (transformers-loadable) at the end
         max_doc_tokens=0,          # >0: every retrieved doc cut to this many tokens (warm-up, RL and eval alike)
+        max_nonfinite_updates=5,   # stop (with a checkpoint) after this many skipped non-finite updates in a row; 0 = never
     ))
     c.monitor = ml_collections.ConfigDict(dict(enabled=True))  # + llds_jax.diagnostics.MonitorConfig fields
     c.distributed = default_distributed_config()  # multi-host join (llds_jax.parallel.distributed); unset = env/auto
@@ -152,6 +153,9 @@ def validate(config, num_devices: int | None = None) -> ml_collections.ConfigDic
                 f"(mesh.shape={tuple(config.mesh.shape)}: data×fsdp)")
     if t.warmup_sft_steps < 0:
         raise TrainConfigError(f"train.warmup_sft_steps={t.warmup_sft_steps} must be ≥ 0")
+    limit = t.get("max_nonfinite_updates", 0)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise TrainConfigError(f"train.max_nonfinite_updates={limit!r} must be an integer ≥ 0 (0 = never stop)")
     if not 0.0 <= config.optim.warmup_ratio <= 1.0:
         raise TrainConfigError(f"optim.warmup_ratio={config.optim.warmup_ratio} must be in [0, 1]")
     if config.optim.lr < 0:

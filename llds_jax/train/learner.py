@@ -9,6 +9,17 @@ the trainer disagree about π_old, e.g. a dtype or temperature mismatch).
 Host ↔ device: rollout arrays arrive as numpy [N, L] (L varies per batch); they are padded
 to one fixed length (``rollout.max_context`` rounded up to ``rollout.pad_to_multiple``) so
 every jitted function compiles once per run, then placed with the batch sharding.
+
+Several hosts (``jax.process_count() > 1``): every host passes only *its* rows — the block
+``host_rows()`` (``distributed.host_batch_rows`` of the batch sharding; rows are
+prompt-major, so host ``p`` holds whole GRPO groups when its share of the prompts is whole,
+which ``rl_loop`` arranges) — and the global batch is assembled from the blocks
+(``distributed.global_batch_from_host_rows``) without any host holding all of it. Group ids
+must be global (unique across hosts). Advantages are computed over the *global* batch from
+all-gathered rewards and group ids (N scalars), so any estimator — per group or batch-wide —
+gives the same numbers as on one host. Results come back as this host's rows
+(``distributed.local_rows``: no communication) and the replicated per-mini-batch metrics
+(``distributed.fetch_to_host``); token counts for throughput are summed over hosts.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from llds_jax.parallel import distributed
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
 from llds_jax.rl.advantages import compute_advantages
@@ -139,12 +151,36 @@ class Learner:
         """``(graphdef, params)`` of the current policy — the same arrays the update reads."""
         return self.graphdef, self.state.params
 
+    def sampler_policy(self) -> tuple[Any, Any]:
+        """The policy this host samples with: :meth:`policy` on one host.
+
+        On several hosts the params span other hosts' devices, and a jitted sampler fed
+        host-specific prompts cannot read them (that would be one SPMD program with different
+        inputs per host). So every host all-gathers the current params (a collective: call on
+        every host together) and samples from a copy on its first local device — one extra
+        params-sized transfer and copy per step, fine up to a few B params per host.
+        """
+        if jax.process_count() == 1:
+            return self.policy()
+        local = jax.device_put(distributed.fetch_to_host(self.state.params), jax.local_devices()[0])
+        return self.graphdef, local
+
     # -- one training step's update phase ---------------------------------------------------
+    def host_rows(self) -> slice:
+        """The rows of the step's global batch this host feeds (all of them on one host)."""
+        return distributed.host_batch_rows(self.batch_shardings.input_ids,
+                                           StepSizes.from_config(self.config).trajectories)
+
     def device_batch(self, arrays: dict[str, np.ndarray], advantages: np.ndarray) -> TrainBatch:
+        """This host's rows (``host_rows()``) of the rollout batch → the global, sharded TrainBatch."""
         n, length = StepSizes.from_config(self.config).trajectories, self.seq_len
-        if arrays["input_ids"].shape[0] != n:
+        rows = self.host_rows()
+        local = rows.stop - rows.start
+        if arrays["input_ids"].shape[0] != local:
             raise ValueError(f"rollout has {arrays['input_ids'].shape[0]} trajectories, the step expects "
-                             f"train.prompts_per_step×rollout.n_samples = {n}")
+                             f"train.prompts_per_step×rollout.n_samples = {n}"
+                             + (f", of which this host (process {jax.process_index()}) feeds rows "
+                                f"{rows.start}:{rows.stop}" if jax.process_count() > 1 else ""))
         host = TrainBatch(
             input_ids=pad_columns(arrays["input_ids"].astype(np.int32), length, 0),
             attention_mask=pad_columns(arrays["attention_mask"].astype(bool), length, False),
@@ -152,26 +188,38 @@ class Learner:
             answer_mask=pad_columns(arrays["answer_mask"].astype(np.float32), length, 0.0),
             action_index=pad_columns(arrays["action_index"].astype(np.int32), length, -1),
             num_searches=np.asarray(arrays["num_searches"], np.float32),
-            row_weight=np.asarray(arrays.get("row_weight", np.ones(n)), np.float32),
+            row_weight=np.asarray(arrays.get("row_weight", np.ones(local)), np.float32),
             advantages=np.asarray(advantages, np.float32),
         )
         shardings = self.batch_shardings._replace(old_logp=None, ref_logp=None)
-        return jax.device_put(host, shardings)
+        if jax.process_count() == 1:
+            return jax.device_put(host, shardings)
+        return distributed.global_batch_from_host_rows(host, shardings, n)
 
     def advantages(self, rewards: np.ndarray, group_ids: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+        """Advantages of this host's rows, from the statistics of the global batch (see module docstring)."""
         rl = self.config.rl
-        valid = np.ones(len(rewards), bool) if valid is None else valid
-        return np.asarray(compute_advantages(jnp.asarray(rewards, jnp.float32), jnp.asarray(group_ids, jnp.int32),
-                                             jnp.asarray(valid), estimator=rl.advantage_estimator,
-                                             eps=rl.advantage_eps, unbiased_std=rl.unbiased_std))
+        valid = np.ones(len(rewards), bool) if valid is None else np.asarray(valid, bool)
+        rows = slice(0, len(rewards))
+        if jax.process_count() > 1:
+            rows, n = self.host_rows(), StepSizes.from_config(self.config).trajectories
+            rewards, group_ids, valid = (distributed.gather_host_rows(np.asarray(x), rows, n)
+                                         for x in (rewards, group_ids, valid))
+        out = np.asarray(compute_advantages(jnp.asarray(rewards, jnp.float32), jnp.asarray(group_ids, jnp.int32),
+                                            jnp.asarray(valid), estimator=rl.advantage_estimator,
+                                            eps=rl.advantage_eps, unbiased_std=rl.unbiased_std))
+        return out[rows]
 
     def update(self, arrays: dict[str, np.ndarray], rewards: np.ndarray, group_ids: np.ndarray,
                ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
         """π_old, π_ref, then the sequential mini-batch updates. Returns (step metrics, host arrays).
 
-        The host arrays (advantages, old_logp, per-mini-batch metrics) feed the diagnostics.
+        ``arrays``/``rewards``/``group_ids`` are this host's rows (``host_rows()``; all rows on
+        one host). The host arrays (advantages, old_logp of this host's rows, per-mini-batch
+        metrics of the whole step) feed the diagnostics. Every host must call this together.
         """
         advantages = self.advantages(rewards, group_ids)
+        rows = self.host_rows()
         with jax.set_mesh(self.mesh):
             batch = self.device_batch(arrays, advantages)
             clock = time.perf_counter()
@@ -184,16 +232,16 @@ class Learner:
             batch = batch._replace(old_logp=old_logp, ref_logp=ref_logp)
             clock = time.perf_counter()
             self.state, per_mini = self.fns.update(self.state, batch)
-            per_mini = jax.device_get(per_mini)
+            per_mini = distributed.fetch_to_host(per_mini)  # replicated: read from a local shard
             update_s = time.perf_counter() - clock
-        old_host = np.asarray(jax.device_get(old_logp))
+        old_host = distributed.local_rows(old_logp, rows)
         metrics = summarize_update(per_mini, self.config.rl.llds_coef)
-        trained_tokens = float(np.sum(arrays["action_mask"]))
-        all_tokens = float(np.sum(arrays["attention_mask"]))
+        tokens = distributed.sum_over_hosts({"action": float(np.sum(arrays["action_mask"])),
+                                             "all": float(np.sum(arrays["attention_mask"]))})
         metrics.update({
             "time/logprobs_s": logprob_s, "time/update_s": update_s,
-            "throughput/update_tokens_per_s": all_tokens / max(update_s, 1e-9),
-            "throughput/action_tokens_per_s": trained_tokens / max(update_s, 1e-9),
+            "throughput/update_tokens_per_s": tokens["all"] / max(update_s, 1e-9),
+            "throughput/action_tokens_per_s": tokens["action"] / max(update_s, 1e-9),
             "advantage/abs_mean": float(np.abs(advantages).mean()),
             "advantage/nonzero_frac": float(np.mean(advantages != 0)),
         })
@@ -202,12 +250,12 @@ class Learner:
         return metrics, {"advantages": advantages, "old_logp": old_host, "per_mini_batch": per_mini}
 
     def logprobs_now(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
-        """log π_θ of the batch's tokens under the *current* params (for Δ after the step's updates)."""
+        """log π_θ of this host's rows under the *current* params (for Δ after the step's updates)."""
         n = arrays["input_ids"].shape[0]
-        batch = self.device_batch(arrays, np.zeros(n, np.float32))
         with jax.set_mesh(self.mesh):
-            return np.asarray(jax.device_get(
-                self.fns.policy_logprobs(self.state.params, batch.input_ids, batch.attention_mask)))
+            batch = self.device_batch(arrays, np.zeros(n, np.float32))
+            logp = self.fns.policy_logprobs(self.state.params, batch.input_ids, batch.attention_mask)
+        return distributed.local_rows(logp, self.host_rows())
 
     def compile_counts(self) -> dict[str, int]:
         """Jit cache sizes (one entry per compiled signature): must stay 1 for a whole run."""

@@ -6,6 +6,14 @@ same rules table, no resharding), score EM on the last ``<answer>``, group by pr
 the :class:`~llds_jax.train.learner.Learner` run π_old / π_ref / the sequential mini-batch
 updates. Everything measured is written through :class:`~llds_jax.train.metrics.MetricsWriter`
 with the keys the diagnostics contract names (``llds_jax/diagnostics/__init__.py``).
+
+Several hosts (``jax.process_count() > 1``): every host draws the same prompt batch (same
+iterator, same seed) and rolls out only its share — the prompts whose trajectory rows are the
+learner's ``host_rows()``, so each GRPO group lives on one host and group ids stay global —
+with its own sampling key and a host-local copy of the policy (``Learner.sampler_policy``).
+The update then assembles the global batch. Logged metrics are combined over hosts
+(:func:`combine_over_hosts`: means, extrema, summed rollout throughput) so every host sees the
+same numbers (the monitor decides alike everywhere); only process 0 writes them.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from llds_jax.data.prompts import PromptIterator
 from llds_jax.diagnostics import DeathSpiralMonitor, MonitorConfig, step_diagnostics
 from llds_jax.diagnostics.from_rollout import response_batch_from_rollout
 from llds_jax.diagnostics.monitor import Action
+from llds_jax.parallel import distributed
 from llds_jax.rollout.multi_turn import run_rollouts
 from llds_jax.rollout.reward import exact_match
 from llds_jax.train.learner import Learner
@@ -84,25 +93,66 @@ def write_samples(workdir, step: int, records, rollout, rewards: np.ndarray, cou
                                      "reward": float(rewards[row]), "response": rollout.response_texts[row]}) + "\n")
 
 
+def host_prompt_share(learner: Learner, num_prompts: int, n_samples: int) -> slice:
+    """The prompts of a step whose ``n_samples`` trajectories each are this host's batch rows."""
+    rows = learner.host_rows()
+    if rows.start % n_samples or rows.stop % n_samples:
+        raise ValueError(f"process {jax.process_index()} feeds trajectory rows {rows.start}:{rows.stop}, which "
+                         f"split a group of rollout.n_samples={n_samples}: make train.prompts_per_step="
+                         f"{num_prompts} a multiple of the number of processes ({jax.process_count()})")
+    return slice(rows.start // n_samples, rows.stop // n_samples)
+
+
+def _combine_how(key: str) -> str:
+    if key.endswith(("max", "/max_preclip")):
+        return "max"
+    if key.endswith("min"):
+        return "min"
+    if key == "throughput/rollout_tokens_per_s":
+        return "sum"
+    if key.startswith("time/"):
+        return "max"  # a step waits for its slowest host
+    return "mean"
+
+
+def combine_over_hosts(metrics: dict[str, float]) -> dict[str, float]:
+    """One step's host metrics combined over processes (identity on one host; a collective otherwise).
+
+    Per-row means (reward, rollout stats, diagnostics) are averaged over hosts — exact, since
+    hosts hold equal row counts; ``*max``/``*min`` take the extremum, ``time/*`` the slowest host,
+    rollout throughput the sum. Device metrics of the update are already global (equal everywhere).
+    """
+    if jax.process_count() == 1:
+        return metrics
+    return distributed.reduce_over_hosts(metrics, _combine_how)
+
+
 def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, writer: MetricsWriter, config, *,
-            start_step: int = 0, on_step_end: Callable[[int, dict], Any] | None = None,
+            start_step: int = 0, on_step_end: Callable[[int, dict, dict], Any] | None = None,
             monitor: DeathSpiralMonitor | None = None) -> list[dict[str, float]]:
     """Run RL steps ``start_step .. train.total_steps - 1``; returns the per-step metric dicts.
 
-    ``on_step_end(step, metrics)`` runs after a step is logged (checkpointing); returning
-    ``"stop"`` ends the loop early (preemption, monitor STOP).
+    ``on_step_end(step, metrics, per_mini_batch)`` runs after a step is logged (checkpointing,
+    the non-finite streak); ``per_mini_batch`` holds the update's per-mini-batch numpy arrays
+    (``update/skipped``: 1.0 where that mini-batch's update was non-finite and skipped), in
+    update order. Returning ``"stop"`` ends the loop early (preemption, non-finite streak).
     """
     history = []
     base_key = jax.random.key(config.seed)
     slots = int(config.rollout.max_turns) + 1
+    multi_host = jax.process_count() > 1
     bar = tqdm(range(start_step, config.train.total_steps), desc="rl", unit="step", dynamic_ncols=True,
-               initial=start_step, total=config.train.total_steps)
+               initial=start_step, total=config.train.total_steps, disable=not distributed.is_main_process())
     for step in bar:
         started = time.perf_counter()
         batch = next(prompts)
-        rollout = run_rollouts(learner.policy(), tokenizer, [r.question for r in batch.records], retriever,
-                               config.rollout, key=jax.random.fold_in(base_key, step),
-                               group_ids=list(range(len(batch.records))))
+        share = host_prompt_share(learner, len(batch.records), config.rollout.n_samples)
+        key = jax.random.fold_in(base_key, step)
+        if multi_host:  # hosts sample different prompts: independent noise per host
+            key = jax.random.fold_in(key, jax.process_index())
+        rollout = run_rollouts(learner.sampler_policy(), tokenizer,
+                               [r.question for r in batch.records[share]], retriever, config.rollout, key=key,
+                               group_ids=list(range(share.start, share.stop)))
         golden = [batch.records[g].golden_answers for g in rollout.group_ids]
         rewards = em_rewards(rollout.answers, golden)
         arrays = rollout_arrays(rollout)
@@ -123,17 +173,19 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
             metrics["diag/entropy"] = float(extra["per_mini_batch"]["entropy"][0])
         metrics["time/step_s"] = time.perf_counter() - started
         metrics["data/epoch"] = float(batch.epoch)
+        metrics = combine_over_hosts(metrics)
         if monitor is not None:
             report = monitor.update(step, metrics)
             metrics.update(report.as_metrics())
             if report.action is Action.STOP:
                 tqdm.write(f"death-spiral monitor: STOP at step {step} ({report})")
         writer.write(step, metrics, phase="rl")
-        write_samples(writer.workdir, step, batch.records, rollout, rewards, config.train.samples_per_step)
+        if distributed.is_main_process():
+            write_samples(writer.workdir, step, batch.records, rollout, rewards, config.train.samples_per_step)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", llds=f"{metrics['llds/value']:.2e}",
                         search=f"{metrics['rollout/searches_mean']:.2f}")
         history.append(metrics)
-        stop = on_step_end(step, metrics) if on_step_end is not None else None
+        stop = on_step_end(step, metrics, extra["per_mini_batch"]) if on_step_end is not None else None
         if stop == "stop" or (monitor is not None and report.action is Action.STOP):
             break
     bar.close()

@@ -5,6 +5,9 @@ line, flat ``/``-separated keys (``reward/mean``, ``llds/value``, ``time/rollout
 ``step`` and ``phase`` (``sft``/``rl``/``eval``). Values are plain floats; NaN/inf are written
 as ``null`` so the file stays strict JSON (a non-finite loss is itself reported by the
 ``update/skipped`` counter). The file is appended to, so a resumed run continues it.
+
+On several hosts only process 0 writes (the metrics it is given are already combined over
+hosts, ``llds_jax.train.loop.combine_over_hosts``); the others' writers are silent.
 """
 
 from __future__ import annotations
@@ -62,14 +65,20 @@ def console_line(step: int, phase: str, metrics: Mapping[str, float | None]) -> 
 class MetricsWriter:
     """Writes every step to JSONL (always), TensorBoard (if enabled) and a console callback."""
 
-    def __init__(self, workdir: str | Path, tensorboard: bool = True, console=print):
+    def __init__(self, workdir: str | Path, tensorboard: bool = True, console=print, enabled: bool | None = None):
+        """``enabled=None``: write only on process 0 of a multi-host run (always on one host)."""
+        if enabled is None:
+            import jax
+
+            enabled = jax.process_index() == 0
+        self.enabled = enabled
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.path = self.workdir / "metrics.jsonl"
-        self._file = open(self.path, "a", buffering=1)
-        self._console = console
+        self._file = open(self.path, "a", buffering=1) if enabled else None
+        self._console = console if enabled else None
         self._tb = None
-        if tensorboard:
+        if tensorboard and enabled:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
@@ -77,6 +86,8 @@ class MetricsWriter:
     def write(self, step: int, metrics: Mapping[str, Any], phase: str = "rl") -> dict[str, float | None]:
         flat = {k: to_float(v) for k, v in flatten(metrics).items()}
         record = {"step": int(step), "phase": phase, "wall_time": time.time(), **flat}
+        if self._file is None:
+            return flat
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for key, value in flat.items():
@@ -87,7 +98,8 @@ class MetricsWriter:
         return flat
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
 

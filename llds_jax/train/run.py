@@ -6,11 +6,18 @@ there is one (which skips the warm-up: the checkpoint already holds the warmed-u
 its reference); otherwise ``train.warmup_sft_steps`` of format warm-up; the RL loop with
 checkpoints every ``train.save_every`` steps and on SIGTERM; a final checkpoint, an HF export,
 a short evaluation, and a summary.
+
+After ``train.max_nonfinite_updates`` skipped (non-finite) optimizer updates in a row the run
+stops: it checkpoints the state (the last finite one — a skipped update changes nothing but
+the counters) with the message under ``extra["stopped"]``, writes the message into
+``summary.json`` (``"stopped"``), skips export and eval, and raises ``NonFiniteStop`` — a
+``SystemExit``, so the command exits with status 1 and prints the message.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -19,6 +26,8 @@ import numpy as np
 
 from llds_jax.parallel import distributed
 from llds_jax.train.config import batch_arithmetic, validate
+
+log = logging.getLogger(__name__)
 
 
 def load_model_and_tokenizer(model_cfg, mesh):
@@ -78,7 +87,8 @@ def _setup(config):
     print(batch_arithmetic(config), flush=True)
     workdir = Path(config.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=1) + "\n")
+    if distributed.is_main_process():
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=1) + "\n")
     mesh = make_mesh(tuple(config.mesh.shape))
     clock = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(config.model, mesh)
@@ -123,7 +133,14 @@ def run_sft_only(config) -> Path:
 def train(config) -> dict:
     """(resume | warm-up) → GRPO + LLDS → checkpoint → export → eval; returns the run summary."""
     from llds_jax.data.prompts import PromptIterator, load_questions
-    from llds_jax.train.checkpoint import Checkpointer, PreemptionGuard, abstract_like, resume
+    from llds_jax.train.checkpoint import (
+        Checkpointer,
+        NonFiniteStop,
+        NonFiniteStreak,
+        PreemptionGuard,
+        abstract_like,
+        resume,
+    )
     from llds_jax.train.learner import Learner
     from llds_jax.train.loop import make_monitor, rl_loop
     from llds_jax.train.sft import run_sft
@@ -160,12 +177,21 @@ def train(config) -> dict:
     del model
 
     guard = PreemptionGuard().install()
+    limit = int(config.train.get("max_nonfinite_updates", 0))
+    streak = NonFiniteStreak(limit) if limit else None
+    stopped = []  # the non-finite streak's message, once it trips
 
-    def on_step_end(step, metrics):
-        stop = guard.should_stop(step)
+    def on_step_end(step, metrics, per_mini_batch):
+        # The skip flags are replicated device outputs, equal on every host: every host trips together.
+        if streak is not None and streak.record(per_mini_batch["update/skipped"]):
+            stopped.append(streak.message)
+        stop = guard.should_stop(step) or bool(stopped)  # should_stop is a collective on several hosts: always ask
         last = step == config.train.total_steps - 1
         if stop or last or (config.train.save_every and (step + 1) % config.train.save_every == 0):
-            ckpt.save(step, learner.state, {"data": prompts.state_dict(), "config": config.to_dict()})
+            extra = {"data": prompts.state_dict(), "config": config.to_dict()}
+            if stopped:
+                extra["stopped"] = stopped[0]
+            ckpt.save(step, learner.state, extra)
         return "stop" if stop else None
 
     clock = time.perf_counter()
@@ -177,39 +203,58 @@ def train(config) -> dict:
     timings["rl_s"] = time.perf_counter() - clock
     ckpt.wait()
     compile_counts = learner.compile_counts()
+    if stopped:
+        ckpt.close()
+        writer.close()
+        timings["total_s"] = time.perf_counter() - started
+        summary = _summary(history, None, timings, compile_counts, workdir)
+        summary["stopped"] = stopped[0]
+        _write_summary(workdir, summary)
+        log.error("%s", stopped[0])
+        print(f"{_summary_text(summary)}\n{stopped[0]}", flush=True)
+        raise NonFiniteStop(stopped[0])
     if history and any(n != 1 for n in compile_counts.values()):
         raise RuntimeError(f"a jitted step function compiled more than once: {compile_counts}")
     final_step = start_step + len(history) - 1
     if config.train.export_hf and history:
         export = ckpt.export_hf(final_step, _policy_model(learner))
-        tokenizer.save_pretrained(str(export))
+        if distributed.is_main_process():
+            tokenizer.save_pretrained(str(export))
     ckpt.close()
 
     eval_summary = None
-    if config.eval.data:
+    # Every host all-gathers the params (a collective); process 0 alone evaluates and writes.
+    policy = learner.sampler_policy() if config.eval.data else None
+    if config.eval.data and distributed.is_main_process():
         clock = time.perf_counter()
-        eval_summary = _evaluate(learner, tokenizer, retriever, config, workdir)
+        eval_summary = _evaluate(policy, tokenizer, retriever, config, workdir)
         timings["eval_s"] = time.perf_counter() - clock
         writer.write(final_step, {f"eval/{k}": v for k, v in eval_summary.items()}, phase="eval")
     writer.close()
     timings["total_s"] = time.perf_counter() - started
     summary = _summary(history, eval_summary, timings, compile_counts, workdir)
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    _write_summary(workdir, summary)
     print(_summary_text(summary), flush=True)
     return summary
 
 
+def _write_summary(workdir: Path, summary: dict) -> None:
+    if distributed.is_main_process():
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+
 def _policy_model(learner):
+    """The policy as a Decoder whose arrays this process can read (all-gathered on several hosts)."""
     from flax import nnx
 
-    return nnx.merge(learner.graphdef, learner.state.params)
+    return nnx.merge(*learner.sampler_policy())
 
 
-def _evaluate(learner, tokenizer, retriever, config, workdir: Path) -> dict[str, float]:
+def _evaluate(policy, tokenizer, retriever, config, workdir: Path) -> dict[str, float]:
     from llds_jax.eval.run import evaluate, load_eval_datasets, write_results
 
     datasets = load_eval_datasets(config.eval.data, config.eval.limit)
-    result = evaluate(learner.policy(), tokenizer, datasets, retriever, config.rollout, greedy=config.eval.greedy,
+    result = evaluate(policy, tokenizer, datasets, retriever, config.rollout, greedy=config.eval.greedy,
                       key=jax.random.key(config.seed + 7), batch_size=config.eval.batch_size)
     write_results(result, workdir / "eval", title=f"{config.model.source} after RL",
                   extra={"model": config.model.source, "limit_per_source": config.eval.limit})

@@ -26,15 +26,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_processes(module: str, out_dir: Path, timeout: float = 300) -> None:
-    """Start process 0 and 1 of ``python -m module out_dir``; fail with both logs if either fails."""
+def run_two_processes(module: str, out_dir: Path, timeout: float = 300, args: list[str] | None = None) -> None:
+    """Start process 0 and 1 of ``python -m module out_dir`` (or ``module *args``); fail with both logs if either fails."""
+    args = [str(out_dir)] if args is None else args
     port = free_port()
     procs = []
     for pid in range(2):
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid))
         log = open(out_dir / f"process_{pid}.log", "w")  # noqa: SIM115 (closed below)
-        procs.append((subprocess.Popen([sys.executable, "-m", module, str(out_dir)], cwd=REPO, env=env,
+        procs.append((subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))
     try:
         codes = [p.wait(timeout=timeout) for p, _ in procs]
@@ -85,21 +86,30 @@ def test_two_processes_match_single_process_8_devices(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_update_step_in_two_processes_equals_one_process(tmp_path):
-    """Acceptance: the trainer's real step, two jax.distributed processes vs one with 8 devices."""
-    from tests.scale.test_resume_trainer_state import learner_on
-    from tests.scale.trainer_step_worker import MESH, host_batch, run_update
+    """Acceptance: ``Learner.update`` with each host's own rows, two jax.distributed processes vs one with 8 devices."""
+    from tests.scale.test_resume_trainer_state import learner_on, rollout
+    from tests.scale.trainer_step_worker import MESH
 
     run_two_processes("tests.scale.trainer_step_worker", tmp_path)
     multi_metrics = dict(np.load(tmp_path / "metrics.npz"))
     multi_params = np.load(tmp_path / "params.npz")
     assert (tmp_path / "rows.txt").read_text() == "0 8"  # process 0 fed half of the 16 trajectories
+    hosts = [dict(np.load(tmp_path / f"host_{pid}.npz")) for pid in range(2)]
+    assert [tuple(h["rows"]) for h in hosts] == [(0, 8), (8, 16)]
 
     learner = learner_on(MESH)
     initial = jax.tree.leaves(jax.tree.map(np.asarray, jax.device_get(learner.state.params)))
-    full = host_batch(learner)
-    batch = jax.device_put(full, learner.batch_shardings._replace(old_logp=None, ref_logp=None))
-    metrics, params = run_update(learner, batch)
-    for name, value in metrics.items():
+    arrays = rollout(seed=0)
+    _, extra = learner.update(arrays, arrays["rewards"], arrays["group_ids"])
+    logp_now = learner.logprobs_now(arrays)
+    params = jax.tree.leaves(jax.tree.map(np.asarray, jax.device_get(learner.state.params)))
+
+    # Advantages come from the same all-gathered rewards: identical. Each host got its own rows back.
+    np.testing.assert_array_equal(np.concatenate([h["advantages"] for h in hosts]), extra["advantages"])
+    for key, want in (("old_logp", extra["old_logp"]), ("logp_now", logp_now)):
+        np.testing.assert_allclose(np.concatenate([h[key] for h in hosts]), want, rtol=1e-5, atol=1e-5,
+                                   err_msg=f"{key}: hosts' rows vs one process")
+    for name, value in extra["per_mini_batch"].items():
         np.testing.assert_allclose(multi_metrics[name], value, rtol=1e-5, atol=1e-7, err_msg=f"metric {name}")
     # Metrics agree to fp32 rounding. Params: Adam's m/sqrt(v) turns the all-reduce order noise of a
     # near-zero gradient element into a visible part of an lr-sized (1e-3) step, so compare each
