@@ -19,8 +19,12 @@ HF_FAMILIES = {
 }
 
 
-def build_hf_model(family: str, seed: int = 0, **overrides):
-    """A randomly initialised HF model whose every weight (norms, biases too) is non-trivial."""
+def build_hf_model(family: str, seed: int = 0, weight_scale: float = 0.08, **overrides):
+    """A randomly initialised HF model whose every weight (norms, biases too) is non-trivial.
+
+    Larger ``weight_scale`` makes next-token distributions peakier (the sampler's greedy parity
+    tests use 0.1 so that greedy choices are not near-ties).
+    """
     config_cls, model_cls, extra = HF_FAMILIES[family]
     torch.manual_seed(seed)
     config = config_cls(**{**TINY_HF, **extra, **overrides})
@@ -30,7 +34,7 @@ def build_hf_model(family: str, seed: int = 0, **overrides):
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             else:
-                param.copy_(0.08 * torch.randn_like(param))
+                param.copy_(weight_scale * torch.randn_like(param))
     return model
 
 
