@@ -37,8 +37,7 @@ def get_config():
     c.rollout.n_samples = 4
     c.train.mini_batch_size = 4
     c.train.micro_batch_size = 2
-    # = micro_batch_size: π_old then comes from the same-shaped forward as the loss, so mini-batch 1
-    # sees π_θ = π_old bit for bit and its LLDS is exactly 0 (with 8 it was 1.5e-7: fp noise).
+    # The π_old / π_ref / Δ forwards in chunks of 2 rows: the same activation memory as the loss.
     c.train.logprob_batch_size = 2
     c.rollout.max_context = 512  # prompt ≈156 + search ≈30 + feedback ≈250 + answer ≈30
     # Format is learned by ≈8 steps, but answers need more: with 10 steps the sampled (T=1) GRPO
