@@ -37,6 +37,7 @@ import dataclasses
 import math
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tempfile
@@ -177,6 +178,7 @@ class CompiledProgram:
     code_bytes: int
     compile_seconds: float
     refused: str = ""   # XLA:TPU's out-of-memory error, when it refused the program for this chip
+    lower_bound: bool = False  # not compilable even without the HBM check: temps are the error's lower bound
 
     @property
     def peak_bytes(self) -> int:
@@ -195,7 +197,14 @@ def compile_program(name: str, jitted, *abstract_args, platform: str = "cpu") ->
         if platform != "tpu" or "RESOURCE_EXHAUSTED" not in str(err):
             raise
         refused = " ".join(str(err).split())[:240]
-        compiled = lowered.compile(compiler_options={"xla_tpu_no_crash_on_oom": True})
+        try:
+            compiled = lowered.compile(compiler_options={"xla_tpu_no_crash_on_oom": True})
+        except jax.errors.JaxRuntimeError as again:  # one buffer alone is larger than the HBM
+            if "RESOURCE_EXHAUSTED" not in str(again):
+                raise
+            refused += " | " + " ".join(str(again).split())[:240]
+            return CompiledProgram(name, bytes_per_device(abstract_args), 0, 0, _bytes_named(f"{err} {again}"), 0,
+                                   time.perf_counter() - start, refused, lower_bound=True)
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     if stats is None:
@@ -203,6 +212,13 @@ def compile_program(name: str, jitted, *abstract_args, platform: str = "cpu") ->
     return CompiledProgram(name, stats.argument_size_in_bytes, stats.output_size_in_bytes,
                            stats.alias_size_in_bytes, stats.temp_size_in_bytes,
                            stats.generated_code_size_in_bytes, seconds, refused)
+
+
+def _bytes_named(message: str) -> int:
+    """The largest size an XLA:TPU out-of-memory message names ("(31.93G)" in GiB, "size=N" in bytes)."""
+    sizes = [float(g) * 2**30 for g in re.findall(r"required for HLO temporaries \(([\d.]+)G\)", message)]
+    sizes += [int(n) for n in re.findall(r"Allocation \(size=(\d+)\)", message)]
+    return int(max(sizes, default=0))
 
 
 @dataclasses.dataclass
@@ -406,14 +422,19 @@ def format_plan(plan: Plan, hardware=tuple(HARDWARE)) -> str:
         extra = ", ".join(f"{k} {v / GB:.2f}" for k, v in plan.phase_extra.get(name, {}).items())
         lines.append(f"  {name:<10}{_gb(p.argument_bytes)}{_gb(p.output_bytes)}{_gb(p.alias_bytes)}"
                      f"{_gb(p.temp_bytes)}{_gb(outside)}{_gb(plan.phase_peak(name))}"
-                     f"{plan.attention_scores.get(name, 0) / GB:>11.2f}{p.compile_seconds:>11.1f}   {extra}")
+                     f"{plan.attention_scores.get(name, 0) / GB:>11.2f}{p.compile_seconds:>11.1f}   {extra}"
+                     + ("   LOWER BOUND: not compilable for this chip" if p.lower_bound else ""))
     refused = {name: p.refused for name, p in plan.programs.items() if p.refused}
     lines += [f"  ! {plan.compiler.split(' ')[0]} refused {name} for this chip: {msg}" for name, msg in refused.items()]
-    lines += ["", f"fits? peak {plan.peak_bytes / GB:.2f} GB per device vs {USABLE_FRACTION:.0%} of HBM"]
+    unknown = [name for name, p in plan.programs.items() if p.lower_bound]
+    at_least = "at least " if unknown else ""
+    lines += ["", f"fits? peak {at_least}{plan.peak_bytes / GB:.2f} GB per device vs {USABLE_FRACTION:.0%} of HBM"]
     for key in hardware:
         label, capacity = HARDWARE[key]
         usable = capacity * USABLE_FRACTION
-        verdict = "fits" if plan.peak_bytes <= usable else f"DOES NOT FIT (needs {plan.peak_bytes / usable:.1f}x)"
+        verdict = "fits" if plan.peak_bytes <= usable else f"DOES NOT FIT (needs {at_least}{plan.peak_bytes / usable:.1f}x)"
+        if unknown and plan.peak_bytes <= usable:
+            verdict = f"unknown ({', '.join(unknown)} could not be compiled for the target chip)"
         if key == plan.target:
             verdict = (f"DOES NOT FIT (the compiler refused {', '.join(refused)})" if refused else verdict)
             verdict += "   <- compiled for this chip"

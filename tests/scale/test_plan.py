@@ -117,6 +117,25 @@ def test_the_table_names_the_compiled_chip_and_a_refusal():
     assert "! XLA:TPU refused update for this chip: RESOURCE_EXHAUSTED" in table
     assert f"{HARDWARE['v5e'][0]:<28}DOES NOT FIT (the compiler refused update)   <- compiled for this chip" in table
     assert f"{HARDWARE['H100'][0]:<28}fits\n" in table and "reuse these numbers: a proxy" in table
+    # A program that does not compile at all for the chip (one buffer > HBM) gives a lower bound.
+    plan.programs["prefill"] = CompiledProgram("prefill", int(2e9), 0, 0, int(28e9), 0, 1.0, refused="...",
+                                               lower_bound=True)
+    table = format_plan(plan)
+    assert "LOWER BOUND: not compilable for this chip" in table and "fits? peak at least 30.00 GB" in table
+    assert f"{HARDWARE['H100'][0]:<28}unknown (prefill could not be compiled for the target chip)" in table
+    assert f"{HARDWARE['v5e'][0]:<28}DOES NOT FIT (the compiler refused update, prefill)" in table
+
+
+def test_sizes_are_read_from_xla_tpu_out_of_memory_messages():
+    from llds_jax.train.plan import _bytes_named
+
+    first = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+             "(31.93G) exceeds available HBM (15.75G).")
+    second = ("RESOURCE_EXHAUSTED: Allocation (size=21474836480) would exceed memory (size=17179869184) :: "
+              "%s3 = inlined_call_operand.hbm [shape: f32[40,2,8,2048,4096]]")
+    assert _bytes_named(second) == 21474836480
+    assert _bytes_named(f"{first} {second}") == int(31.93 * 2**30)
+    assert _bytes_named("INTERNAL: something else") == 0
 
 
 def _check_tiny_plan(plan, devices: int):
