@@ -2,7 +2,8 @@
 
 The trainer runs as ``python -m llds_jax.main`` (a random tiny Qwen2 decoder with the real Qwen2.5
 tokenizer, BM25 retriever, one device) exactly as a user would start it; a restarted run uses
-the same command line.
+the same command line. One uninterrupted reference run (module fixture) is what both kill -9
+runs must reproduce.
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ def train_command(workdir: Path, shared_dir: Path) -> list[str]:
             *(f"--config.{k}={v}" for k, v in overrides.items())]
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    # One persistent compilation cache per test: the 2nd and 3rd launch load the programs the
+def start(cmd: list[str], log: Path, cache: Path | None = None) -> subprocess.Popen:
+    # One persistent compilation cache (the reference run's): later launches load the programs the
     # first compiled (the same executables, so results stay bit-identical) instead of recompiling.
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               JAX_COMPILATION_CACHE_DIR=str(log.parent / "jax_cache"),
+               JAX_COMPILATION_CACHE_DIR=str(cache or log.parent / "jax_cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -58,7 +59,7 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
         pytest.fail(f"{' '.join(proc.args[:4])} exited {code}:\n{log.read_text()[-4000:]}")
 
 
-def wait_for(predicate, proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
+def wait_for(predicate, proc: subprocess.Popen, log: Path, timeout: float = 600, poll: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if proc.poll() is not None:
@@ -66,7 +67,7 @@ def wait_for(predicate, proc: subprocess.Popen, log: Path, timeout: float = 600)
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             pytest.fail(f"timed out waiting; log:\n{log.read_text()[-4000:]}")
-        time.sleep(0.05)
+        time.sleep(poll)
 
 
 def rl_records(workdir: Path) -> dict[int, dict]:
@@ -83,34 +84,95 @@ def comparable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(NONDETERMINISTIC_PREFIXES)}
 
 
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, shared_dir) -> tuple[Path, Path]:
+    """The uninterrupted run: (its workdir, the compilation cache later launches share)."""
+    root = tmp_path_factory.mktemp("reference")
+    reference = start(train_command(root / "workdir", shared_dir), root / "reference.log")
+    finish(reference, root / "reference.log")
+    return root / "workdir", root / "jax_cache"
+
+
+def assert_step_matches_reference(reference_dir: Path, resumed_dir: Path, step: int) -> dict:
+    want, got = rl_records(reference_dir), rl_records(resumed_dir)
+    assert sorted(got) == sorted(want) == list(range(STEPS))
+    expected, actual = comparable(want[step]), comparable(got[step])
+    differing = {k: (actual.get(k), expected[k]) for k in expected if actual.get(k) != expected[k]}
+    assert not differing, f"step {step} after kill -9 + resume differs from the uninterrupted run: {differing}"
+    return actual
+
+
 @pytest.mark.slow
-def test_kill_9_mid_step_then_same_command_resumes_and_matches_uninterrupted_run(tmp_path, shared_dir):
-    reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
-    reference = start(train_command(reference_dir, shared_dir), tmp_path / "reference.log")
-    finish(reference, tmp_path / "reference.log")
+def test_kill_9_mid_step_then_same_command_resumes_and_matches_uninterrupted_run(tmp_path, shared_dir,
+                                                                                  reference_run):
+    reference_dir, cache = reference_run
+    killed_dir = tmp_path / "killed"
     # A loop of several steps compiles each jitted step function exactly once.
     compile_counts = json.loads((reference_dir / "summary.json").read_text())["compile_counts"]
     assert compile_counts and set(compile_counts.values()) == {1}, compile_counts
 
     # Kill -9 as soon as step 0's checkpoint has committed: the process is then inside step 1.
     cmd = train_command(killed_dir, shared_dir)
-    victim = start(cmd, tmp_path / "killed.log")
+    victim = start(cmd, tmp_path / "killed.log", cache)
     wait_for(lambda: (killed_dir / "checkpoints" / "0").is_dir(), victim, tmp_path / "killed.log")
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
     assert victim.returncode == -signal.SIGKILL
     assert not (killed_dir / "checkpoints" / "1").exists(), "step 1 must not have completed before the kill"
 
-    resumed = start(cmd, tmp_path / "resumed.log")
+    resumed = start(cmd, tmp_path / "resumed.log", cache)
     finish(resumed, tmp_path / "resumed.log")
     assert "resumed from step 0" in (tmp_path / "resumed.log").read_text()
 
-    want, got = rl_records(reference_dir), rl_records(killed_dir)
-    assert sorted(got) == sorted(want) == list(range(STEPS))
-    expected, actual = comparable(want[1]), comparable(got[1])
-    differing = {k: (actual.get(k), expected[k]) for k in expected if actual.get(k) != expected[k]}
-    assert not differing, f"step 1 after kill -9 + resume differs from the uninterrupted run: {differing}"
+    actual = assert_step_matches_reference(reference_dir, killed_dir, step=1)
     assert actual["loss/total"] is not None and actual["llds/value"] is not None
+
+
+def save_in_progress(checkpoints: Path, step: int) -> bool:
+    """Orbax writes step ``step`` under ``<step>.orbax-checkpoint-tmp-*`` until it commits (renames)."""
+    try:
+        return any(name.startswith(f"{step}.orbax-checkpoint-tmp") for name in os.listdir(checkpoints))
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_kill_9_mid_save_of_trainer_then_same_command_resumes_from_last_complete_checkpoint(
+        tmp_path, shared_dir, reference_run):
+    """Issue 9 acceptance: kill -9 the real trainer while it writes step 1's checkpoint.
+
+    Step 0's checkpoint is complete, step 1's is a temporary directory: the restarted command
+    must ignore the leftover, resume from step 0, redo step 1 exactly as the uninterrupted run
+    did, and commit step 1 over the leftover.
+    """
+    from llds_jax.train.checkpoint import Checkpointer
+
+    reference_dir, cache = reference_run
+    killed_dir = tmp_path / "killed"
+    checkpoints = killed_dir / "checkpoints"
+    cmd = train_command(killed_dir, shared_dir)
+    victim = start(cmd, tmp_path / "killed.log", cache)
+    wait_for(lambda: (checkpoints / "0").is_dir() and save_in_progress(checkpoints, 1), victim,
+             tmp_path / "killed.log", poll=0.002)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert victim.returncode == -signal.SIGKILL
+    leftovers = [p.name for p in checkpoints.iterdir()]
+    assert not (checkpoints / "1").exists(), f"step 1's save committed before the kill: {leftovers}"
+    assert any(name.startswith("1.orbax-checkpoint-tmp") for name in leftovers), leftovers
+    assert Checkpointer(killed_dir.resolve()).all_steps() == [0]
+    # The killed run had logged step 1 (metrics are written before the checkpoint): it must be redone.
+    assert sorted(rl_records(killed_dir)) == [0, 1]
+
+    resumed = start(cmd, tmp_path / "resumed.log", cache)
+    finish(resumed, tmp_path / "resumed.log")
+    assert "resumed from step 0" in (tmp_path / "resumed.log").read_text()
+    assert [r["step"] for r in map(json.loads, (killed_dir / "metrics.jsonl").read_text().splitlines())
+            if r.get("phase") == "rl"] == [0, 1, 1], "the resumed run must redo step 1 once"
+    actual = assert_step_matches_reference(reference_dir, killed_dir, step=1)
+    assert actual["loss/total"] is not None and actual["llds/value"] is not None
+    assert Checkpointer(killed_dir.resolve()).all_steps() == [0, 1]
+    assert not any(save_in_progress(checkpoints, step) for step in (0, 1)), list(checkpoints.iterdir())
 
 
 MID_SAVE_WRITER = """
