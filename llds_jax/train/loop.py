@@ -108,7 +108,7 @@ def _combine_how(key: str) -> str:
         return "max"
     if key.endswith("min"):
         return "min"
-    if key == "throughput/rollout_tokens_per_s":
+    if key == "throughput/rollout_tokens_per_s" or "/num_" in key:  # rates and counts add up over hosts
         return "sum"
     if key.startswith("time/"):
         return "max"  # a step waits for its slowest host
@@ -120,7 +120,9 @@ def combine_over_hosts(metrics: dict[str, float]) -> dict[str, float]:
 
     Per-row means (reward, rollout stats, diagnostics) are averaged over hosts — exact, since
     hosts hold equal row counts; ``*max``/``*min`` take the extremum, ``time/*`` the slowest host,
-    rollout throughput the sum. Device metrics of the update are already global (equal everywhere).
+    counts (``*/num_*``) and rollout throughput the sum. Device metrics of the update are already
+    global (equal everywhere). Means of host-local ratios whose denominators differ per host
+    (e.g. ``diag/ll_correct/all``: over each host's correct responses) are approximate.
     """
     if jax.process_count() == 1:
         return metrics
