@@ -1,0 +1,54 @@
+"""The whole ``--mode=train`` run in two localhost processes joined by ``jax.distributed``.
+
+Format warm-up (every host builds the same SFT batch), then RL: each process has 4 simulated
+CPU devices of the global 8-device mesh, rolls out its own half of the step's prompts with a
+host-local copy of the policy, and feeds only its trajectory rows to ``Learner.update``; the
+logged metrics are combined over both hosts and written once, by process 0. Export and eval
+use params all-gathered to each host; process 0 writes them. Rollouts draw per-host sampling
+keys, so the run is not expected to equal a one-process run trajectory for trajectory
+(``test_multihost.py`` pins the update step itself).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.scale.test_multihost import run_two_processes
+
+STEPS = 2
+
+
+@pytest.mark.slow
+def test_train_in_two_processes_warms_up_trains_logs_once_checkpoints_exports_and_evaluates(tmp_path, shared_dir):
+    workdir = tmp_path / "run"
+    overrides = {
+        "model.source": "tiny:qwen2", "model.tokenizer": str(shared_dir / "assets" / "qwen2_tokenizer"),
+        "workdir": str(workdir), "train.total_steps": STEPS, "train.save_every": 1,
+        "train.warmup_sft_steps": 1, "sft.batch_size": 8, "sft.max_seq_len": 384,
+        "eval.data": "bundled:nq_dev", "eval.limit": 2, "eval.batch_size": 2,
+        "train.export_hf": True, "train.tensorboard": False,
+        "train.prompts_per_step": 4, "rollout.n_samples": 4, "train.mini_batch_size": 8,
+        "train.micro_batch_size": 8, "train.logprob_batch_size": 8, "train.samples_per_step": 16,
+        "rollout.max_turns": 1, "rollout.max_action_tokens": 8, "rollout.max_obs_tokens": 32,
+        "rollout.max_prompt_tokens": 256, "rollout.max_context": 384,
+    }
+    args = ["--config=configs/cpu_smoke.py", *(f"--config.{k}={v}" for k, v in overrides.items())]
+    run_two_processes("llds_jax.main", tmp_path, timeout=900, args=args)
+
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in records] == ["sft"] + ["rl"] * STEPS + ["eval"], [r["phase"] for r in records]
+    rl = [r for r in records if r["phase"] == "rl"]
+    assert [r["step"] for r in rl] == list(range(STEPS)), "each step must be logged once (by process 0 only)"
+    for r in rl:
+        assert r["update/mini_batches"] == 2 and r["update/skipped"] == 0
+        assert r["loss/total"] is not None and r["llds/value_first_minibatch"] is not None
+        assert 0.0 <= r["reward/mean"] <= 1.0 and r["rollout/searches_mean"] is not None
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["rl_steps"] == STEPS and set(summary["compile_counts"].values()) == {1}
+    assert summary["eval"] and (workdir / "hf" / f"step_{STEPS - 1}" / "config.json").exists()
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["0", "1"]
+    # Process 0 logs its own trajectories' samples, whose groups are the first half of the prompts.
+    samples = [json.loads(line) for line in (workdir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == STEPS * 8, len(samples)
