@@ -26,8 +26,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_processes(module: str, out_dir: Path, timeout: float = 300, args: list[str] | None = None) -> None:
-    """Start process 0 and 1 of ``python -m module out_dir`` (or ``module *args``); fail with both logs if either fails."""
+def run_two_processes(module: str, out_dir: Path, timeout: float = 300, args: list[str] | None = None,
+                      expect_codes: tuple[int, int] = (0, 0)) -> None:
+    """Start process 0 and 1 of ``python -m module out_dir`` (or ``module *args``).
+
+    Fails with both logs unless the exit statuses are ``expect_codes``.
+    """
     args = [str(out_dir)] if args is None else args
     port = free_port()
     procs = []
@@ -45,10 +49,10 @@ def run_two_processes(module: str, out_dir: Path, timeout: float = 300, args: li
                 p.kill()
                 p.wait()
             log.close()
-    if any(codes):
+    if tuple(codes) != tuple(expect_codes):
         logs = "\n".join(f"--- process {i} (exit {c}) ---\n{(out_dir / f'process_{i}.log').read_text()[-3000:]}"
                          for i, c in enumerate(codes))
-        pytest.fail(f"multi-process run failed:\n{logs}")
+        pytest.fail(f"multi-process run ended with {codes}, expected {list(expect_codes)}:\n{logs}")
 
 
 @pytest.mark.slow

@@ -20,22 +20,32 @@ from tests.scale.test_multihost import run_two_processes
 STEPS = 2
 
 
+def tiny_run_overrides(workdir, shared_dir) -> dict:
+    """16 trajectories a step (4 prompts × 4 samples), 2 mini-batches of 8, one per data shard of 8."""
+    return {
+        "model.source": "tiny:qwen2", "model.tokenizer": str(shared_dir / "assets" / "qwen2_tokenizer"),
+        "workdir": str(workdir), "train.tensorboard": False,
+        "train.prompts_per_step": 4, "rollout.n_samples": 4, "train.mini_batch_size": 8,
+        "train.micro_batch_size": 8, "train.logprob_batch_size": 8,
+        "rollout.max_turns": 1, "rollout.max_action_tokens": 8, "rollout.max_obs_tokens": 32,
+        "rollout.max_prompt_tokens": 256, "rollout.max_context": 384,
+    }
+
+
+def flags(overrides: dict) -> list[str]:
+    return ["--config=configs/cpu_smoke.py", *(f"--config.{k}={v}" for k, v in overrides.items())]
+
+
 @pytest.mark.slow
 def test_train_in_two_processes_warms_up_trains_logs_once_checkpoints_exports_and_evaluates(tmp_path, shared_dir):
     workdir = tmp_path / "run"
     overrides = {
-        "model.source": "tiny:qwen2", "model.tokenizer": str(shared_dir / "assets" / "qwen2_tokenizer"),
-        "workdir": str(workdir), "train.total_steps": STEPS, "train.save_every": 1,
+        **tiny_run_overrides(workdir, shared_dir), "train.total_steps": STEPS, "train.save_every": 1,
         "train.warmup_sft_steps": 1, "sft.batch_size": 8, "sft.max_seq_len": 384,
         "eval.data": "bundled:nq_dev", "eval.limit": 2, "eval.batch_size": 2,
-        "train.export_hf": True, "train.tensorboard": False,
-        "train.prompts_per_step": 4, "rollout.n_samples": 4, "train.mini_batch_size": 8,
-        "train.micro_batch_size": 8, "train.logprob_batch_size": 8, "train.samples_per_step": 16,
-        "rollout.max_turns": 1, "rollout.max_action_tokens": 8, "rollout.max_obs_tokens": 32,
-        "rollout.max_prompt_tokens": 256, "rollout.max_context": 384,
+        "train.export_hf": True, "train.samples_per_step": 16,
     }
-    args = ["--config=configs/cpu_smoke.py", *(f"--config.{k}={v}" for k, v in overrides.items())]
-    run_two_processes("llds_jax.main", tmp_path, timeout=900, args=args)
+    run_two_processes("llds_jax.main", tmp_path, timeout=900, args=flags(overrides))
 
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in records] == ["sft"] + ["rl"] * STEPS + ["eval"], [r["phase"] for r in records]
@@ -52,3 +62,29 @@ def test_train_in_two_processes_warms_up_trains_logs_once_checkpoints_exports_an
     # Process 0 logs its own trajectories' samples, whose groups are the first half of the prompts.
     samples = [json.loads(line) for line in (workdir / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == STEPS * 8, len(samples)
+
+
+@pytest.mark.slow
+def test_nonfinite_streak_stops_both_processes_at_the_same_step_with_one_checkpoint(tmp_path, shared_dir):
+    """NaN rewards from step 1 on (``nan_reward_train``): 2 skipped updates a step, limit 4.
+
+    Both hosts see the same replicated skip flags, so both trip after step 2, save step 2 together
+    and exit with status 1 and the message.
+    """
+    workdir = tmp_path / "run"
+    overrides = {**tiny_run_overrides(workdir, shared_dir), "train.total_steps": 5, "train.save_every": 0,
+                 "train.max_nonfinite_updates": 4, "train.warmup_sft_steps": 0, "eval.data": "",
+                 "train.export_hf": False}
+    run_two_processes("tests.scale.nan_reward_train", tmp_path, timeout=900, args=flags(overrides),
+                      expect_codes=(1, 1))
+    for pid in range(2):
+        log = (tmp_path / f"process_{pid}.log").read_text()
+        assert "4 optimizer updates in a row" in log and "(limit 4;" in log, f"process {pid}:\n{log[-2000:]}"
+    rl = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["update/skipped"]) for r in rl] == [(0, 0.0), (1, 2.0), (2, 2.0)]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert "4 optimizer updates in a row" in summary["stopped"] and summary["skipped_updates"] == 4
+    committed = sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert committed == ["2"], committed
+    extra = json.loads((workdir / "checkpoints" / "2" / "extra" / "metadata").read_text())
+    assert extra["stopped"] == summary["stopped"]
