@@ -80,6 +80,13 @@ def _version(package: str) -> str:
         return "?"
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a missing parent package ("jax_plugins")
+        return False
+
+
 def parse_topology(topology: str) -> tuple[str, tuple[int, ...]]:
     match = _TOPOLOGY.match(topology)
     if not match:
@@ -127,7 +134,7 @@ def gpu_target(gpu: str, count: int, per_host: int) -> Target:
     per_host = min(per_host, count)
     if count % per_host:
         raise PlanError(f"plan.devices={count} is not a multiple of plan.gpus_per_host={per_host}")
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not _importable("jax_plugins.xla_cuda12"):
         return Target("cpu", None, count, f"XLA:CPU SPMD, {count} simulated devices (proxy for {gpu})",
                       note=f"plan.gpu={gpu!r}: the CUDA PJRT plugin is not installed "
                            f"(pip install '.[plan-gpu]'); compiled with XLA:CPU for {count} simulated "
@@ -170,6 +177,6 @@ def resolve_target(section) -> Target:
 def target_installed(platform: str) -> str:
     """'' when the compile-only target of ``platform`` ("tpu"/"gpu") is installed, else why not."""
     package = {"tpu": "libtpu", "gpu": "jax_plugins.xla_cuda12"}[platform]
-    if importlib.util.find_spec(package) is None:
+    if not _importable(package):
         return f"{package} is not installed (pip install '.[plan-{platform}]')"
     return ""
