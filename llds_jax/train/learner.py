@@ -66,7 +66,7 @@ def pad_columns(array: np.ndarray, length: int, value) -> np.ndarray:
     return np.pad(array, ((0, 0), (0, length - array.shape[1])), constant_values=value)
 
 
-def summarize_update(per_mini: dict[str, np.ndarray], llds_coef: float) -> dict[str, float]:
+def summarize_update(per_mini: dict[str, np.ndarray]) -> dict[str, float]:
     """Per-mini-batch arrays → one flat dict for the step (means; extrema; first/last LLDS)."""
     out = {key: float(np.mean(per_mini[src])) for src, key in _MEAN_KEYS.items() if src in per_mini}
     out["ratio/max"] = float(np.max(per_mini["ratio_max"]))
@@ -76,7 +76,9 @@ def summarize_update(per_mini: dict[str, np.ndarray], llds_coef: float) -> dict[
     out["update/mini_batches"] = float(len(per_mini["loss"]))
     out["llds/value_first_minibatch"] = float(per_mini["llds/penalty"][0])
     out["llds/value_last_minibatch"] = float(per_mini["llds/penalty"][-1])
-    out["llds/lambda"] = float(llds_coef)
+    out["llds/lambda"] = float(per_mini["llds/lambda"][0])  # the state's λ (a monitor may have raised it)
+    out["old_logp/recompute_gap"] = float(per_mini["delta_logp/abs_max"][0])  # π_old vs the loss forward at θ_old
+    out["delta_logp/abs_max"] = float(np.max(per_mini["delta_logp/abs_max"]))
     return out
 
 
@@ -125,12 +127,13 @@ class Learner:
             if config.rl.kl_coef > 0:
                 ref = params if ref_model is None else nnx.state(ref_model, nnx.Param)
             ref_dtype = None if config.model.ref_dtype == config.model.param_dtype else config.model.ref_dtype
-            abstract = jax.eval_shape(lambda p, r: init_train_state(p, config.optim, config.seed, r, ref_dtype),
-                                      params, ref)
+
+            def fresh(p, r):
+                return init_train_state(p, config.optim, config.seed, r, ref_dtype, config.rl.llds_coef)
+
+            abstract = jax.eval_shape(fresh, params, ref)
             state_shardings = train_state_shardings(abstract, param_shardings, mesh, config.optim)
-            init = jax.jit(lambda p, r: init_train_state(p, config.optim, config.seed, r, ref_dtype),
-                           out_shardings=state_shardings)
-            state = init(params, ref)
+            state = jax.jit(fresh, out_shardings=state_shardings)(params, ref)
         seq_len = padded_length(config)
         example = cls._host_batch_shapes(StepSizes.from_config(config).trajectories, seq_len, with_ref=ref is not None)
         batch_shardings = train_batch_shardings(example, mesh, rules)
@@ -147,6 +150,21 @@ class Learner:
                           logp if with_ref else None)
 
     # -- what the sampler reads -------------------------------------------------------------
+    def set_llds_coef(self, value: float) -> None:
+        """Change λ from the next update on (the monitor's ``raise_lambda``); no recompilation.
+
+        λ lives in the train state, so checkpoints carry it and a resumed run keeps it.
+        """
+        if not np.isfinite(value) or value < 0:
+            raise ValueError(f"LLDS λ={value!r}: must be a finite number ≥ 0")
+        sharding = self.state_shardings.llds_coef
+        coef = jax.make_array_from_callback((), sharding, lambda _: np.asarray(value, np.float32))
+        self.state = self.state.replace(llds_coef=coef)
+
+    @property
+    def llds_coef(self) -> float:
+        return float(distributed.fetch_to_host(self.state.llds_coef))
+
     def policy(self) -> tuple[Any, Any]:
         """``(graphdef, params)`` of the current policy — the same arrays the update reads."""
         return self.graphdef, self.state.params
@@ -235,7 +253,7 @@ class Learner:
             per_mini = distributed.fetch_to_host(per_mini)  # replicated: read from a local shard
             update_s = time.perf_counter() - clock
         old_host = distributed.local_rows(old_logp, rows)
-        metrics = summarize_update(per_mini, self.config.rl.llds_coef)
+        metrics = summarize_update(per_mini)
         tokens = distributed.sum_over_hosts({"action": float(np.sum(arrays["action_mask"])),
                                              "all": float(np.sum(arrays["attention_mask"]))})
         metrics.update({

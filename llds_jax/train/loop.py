@@ -181,6 +181,10 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
             metrics.update(report.as_metrics())
             if report.action is Action.STOP:
                 tqdm.write(f"death-spiral monitor: STOP at step {step} ({report})")
+            elif report.action is Action.RAISE_LAMBDA:  # every host decides alike: same metrics
+                learner.set_llds_coef(report.llds_lambda)
+                tqdm.write(f"death-spiral monitor: step {step}: {report.message}; the next update uses "
+                           f"λ = {report.llds_lambda:g}")
         writer.write(step, metrics, phase="rl")
         if distributed.is_main_process():
             write_samples(writer.workdir, step, batch.records, rollout, rewards, config.train.samples_per_step)
@@ -194,12 +198,11 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
     return history
 
 
-def make_monitor(config) -> DeathSpiralMonitor | None:
+def make_monitor(config, llds_lambda: float | None = None) -> DeathSpiralMonitor | None:
+    """The configured monitor, or None; ``llds_lambda`` is the λ in force (a resumed run's may be raised)."""
     section = config.get("monitor")
     if section is None or not section.get("enabled", True):
         return None
     settings = {k: v for k, v in section.to_dict().items() if k != "enabled"}
-    if settings.get("on_phase_two") == "raise_lambda" or settings.get("on_phase_three") == "raise_lambda":
-        raise ValueError("monitor.on_phase_*='raise_lambda' is not supported by the trainer: λ is a compile-time "
-                         "constant of the update step (use 'log' or 'stop')")
-    return DeathSpiralMonitor(MonitorConfig.from_mapping(settings), llds_lambda=config.rl.llds_coef)
+    llds_lambda = config.rl.llds_coef if llds_lambda is None else llds_lambda
+    return DeathSpiralMonitor(MonitorConfig.from_mapping(settings), llds_lambda=llds_lambda)

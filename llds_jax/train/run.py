@@ -197,7 +197,7 @@ def train(config) -> dict:
     clock = time.perf_counter()
     try:
         history = rl_loop(learner, tokenizer, retriever, prompts, writer, config, start_step=start_step,
-                          on_step_end=on_step_end, monitor=make_monitor(config))
+                          on_step_end=on_step_end, monitor=make_monitor(config, learner.llds_coef))
     finally:
         guard.uninstall()
     timings["rl_s"] = time.perf_counter() - clock

@@ -15,6 +15,9 @@ checkpointer (``llds_jax.train.checkpoint``) saves. Its contract:
   (verl steps its scheduler once per rollout, so the 10 mini-batch updates of a step share an lr).
 * ``updates`` / ``skipped_updates`` — int32 counts of optimizer updates applied, and skipped
   because the loss or a gradient was non-finite (the step keeps params and moments unchanged).
+* ``llds_coef``  — fp32 scalar λ of the LLDS term, read by the update step at run time (a
+  traced value, so changing it does not recompile): the death-spiral monitor's
+  ``raise_lambda`` action sets it, and a checkpoint carries the raised value into a resumed run.
 * ``rng``        — raw ``uint32`` key data (``jax.random.key_data``), not a typed key, so it
   saves and restores as a plain array; ``state.key()`` rebuilds the typed key.
 
@@ -46,6 +49,7 @@ class TrainState:
     rng: jax.Array
     updates: jax.Array
     skipped_updates: jax.Array
+    llds_coef: jax.Array
 
     def key(self) -> jax.Array:
         return jax.random.wrap_key_data(self.rng)
@@ -79,7 +83,7 @@ def learning_rate(step: jax.Array | int, optim_cfg, total_steps: int) -> jax.Arr
 
 
 def init_train_state(params, optim_cfg, seed: int, ref_params=None,
-                     ref_dtype: str | None = None) -> TrainState:
+                     ref_dtype: str | None = None, llds_coef: float = 0.0) -> TrainState:
     """A fresh state at step 0; ``ref_params`` is copied (cast to ``ref_dtype`` if given).
 
     Always a copy: the update step donates the whole state, and a reference that aliases the
@@ -95,6 +99,7 @@ def init_train_state(params, optim_cfg, seed: int, ref_params=None,
         rng=jax.random.key_data(jax.random.key(seed)),
         updates=jnp.zeros((), jnp.int32),
         skipped_updates=jnp.zeros((), jnp.int32),
+        llds_coef=jnp.asarray(llds_coef, jnp.float32),
     )
 
 
@@ -122,4 +127,5 @@ def train_state_shardings(abstract_state: TrainState, param_shardings, mesh: jax
         rng=replicated,
         updates=replicated,
         skipped_updates=replicated,
+        llds_coef=replicated,
     )

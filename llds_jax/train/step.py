@@ -206,7 +206,7 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def one_update(state: TrainState, mini: TrainBatch, lr, on_policy):
-        constants = batch_constants(mini.advantages, _loss_masks(mini), rl_cfg)
+        constants = batch_constants(mini.advantages, _loss_masks(mini), rl_cfg, llds_coef=state.llds_coef)
         micros = _split_rows(mini, sizes.num_micro_batches)
         zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
 
@@ -249,6 +249,7 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         on_policy = jnp.arange(sizes.num_mini_batches) == 0  # θ = θ_old only before the first update
         state, metrics = jax.lax.scan(lambda s, xs: one_update(s, xs[0], lr, xs[1]), state, (minis, on_policy))
         metrics["optim/lr"] = jnp.broadcast_to(lr, (sizes.num_mini_batches,))
+        metrics["llds/lambda"] = jnp.broadcast_to(state.llds_coef, (sizes.num_mini_batches,))
         state = state.replace(step=state.step + 1)
         return state, metrics
 

@@ -10,6 +10,7 @@ from train_helpers import synthetic_rollout, tiny_train_config
 from llds_jax.models.testing import tiny_model
 from llds_jax.parallel.mesh import make_mesh
 from llds_jax.parallel.placement import shard_model
+from llds_jax.train.checkpoint import Checkpointer, abstract_like
 from llds_jax.train.learner import Learner
 
 
@@ -128,3 +129,25 @@ def test_non_finite_loss_skips_the_update_and_counts_it(single_device):
     after = jax.tree.map(np.asarray, jax.device_get(learner.state.params))
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(after))
     assert learner.compile_counts()["update"] == 1, "a NaN batch must not recompile"
+
+
+def test_raised_llds_lambda_applies_without_recompiling_and_survives_a_checkpoint(tmp_path):
+    """The monitor's raise_lambda path: λ is train state, read at run time, saved and restored."""
+    learner, history = run_steps((1, 1, 1), steps=1)
+    assert history[0][0]["llds/lambda"] == pytest.approx(0.1)
+    learner.set_llds_coef(0.4)
+    assert learner.llds_coef == pytest.approx(0.4)
+    arrays = synthetic_rollout(seed=5)
+    metrics, extra = learner.update(arrays, arrays["rewards"], arrays["group_ids"])
+    per_mini = extra["per_mini_batch"]
+    assert metrics["llds/lambda"] == pytest.approx(0.4)
+    assert per_mini["llds/penalty"][1] > 0
+    np.testing.assert_allclose(per_mini["llds/loss"][1], 0.4 * per_mini["llds/penalty"][1], rtol=1e-5)
+    assert learner.compile_counts()["update"] == 1, "changing λ must not recompile the update"
+
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, learner.state, {})
+    restored = Checkpointer(tmp_path).restore_latest(abstract_like(learner.state))
+    assert float(restored.state.llds_coef) == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="λ=-1"):
+        learner.set_llds_coef(-1.0)
