@@ -38,7 +38,5 @@ def get_config():
         compare="",           # "RUN_A,RUN_B": overlay several runs instead of one workdir
         out_dir="",           # "" = <workdir>/report (compare: <first run>/compare)
     ))
-    c.monitor = ml_collections.ConfigDict(dict(
-        window=50, decay_t=4.0, patience=5, surge_window=10, surge_ratio=2.0, entropy_surge_ratio=2.0,
-    ))
+    # c.monitor (from base_config) holds every MonitorConfig field; --mode=report replays it
     return c

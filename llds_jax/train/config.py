@@ -19,9 +19,12 @@ fp rounding (≈1e-7 nats), which is also what the reference's separate π_old p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import ml_collections
+
+from llds_jax.diagnostics.monitor import MonitorConfig
 
 
 class TrainConfigError(ValueError):
@@ -76,7 +79,8 @@ def base_config() -> ml_collections.ConfigDict:
         max_doc_tokens=0,          # >0: every retrieved doc cut to this many tokens (warm-up, RL and eval alike)
         max_nonfinite_updates=5,   # stop (with a checkpoint) after this many skipped non-finite updates in a row; 0 = never
     ))
-    c.monitor = ml_collections.ConfigDict(dict(enabled=True))  # + llds_jax.diagnostics.MonitorConfig fields
+    # Every MonitorConfig field, so --config.monitor.on_phase_two=raise_lambda etc. work from the command line
+    c.monitor = ml_collections.ConfigDict(dict(enabled=True, **dataclasses.asdict(MonitorConfig())))
     c.distributed = default_distributed_config()  # multi-host join (llds_jax.parallel.distributed); unset = env/auto
     c.plan = default_plan_config()  # --mode=plan (llds_jax.train.plan): AOT memory plan before booking a pod
     c.resume = "auto"  # "auto" | "never" | a step number (llds_jax.train.checkpoint)
@@ -173,6 +177,11 @@ def validate(config, num_devices: int | None = None) -> ml_collections.ConfigDic
         if config.sft.batch_size % dp:
             raise TrainConfigError(f"sft.batch_size={config.sft.batch_size} is not a multiple of the "
                                    f"data-parallel size {dp}")
+    if config.get("monitor") is not None:
+        try:
+            MonitorConfig.from_mapping(config.monitor)
+        except (TypeError, ValueError) as err:
+            raise TrainConfigError(f"monitor: {err}") from err
     return config
 
 

@@ -55,6 +55,16 @@ def test_sizes_that_do_not_fit_fail_naming_the_fields(field, value, message):
         validate(config, num_devices=64)
 
 
+def test_every_monitor_setting_is_a_command_line_field_and_bad_ones_are_named():
+    config = load_config("cpu_smoke")
+    assert config.monitor.on_phase_two == "log" and config.monitor.lambda_factor == 2.0
+    config.monitor.on_phase_two = "raise_lambda"  # what --config.monitor.on_phase_two=raise_lambda sets
+    validate(config, num_devices=1)
+    config.monitor.on_phase_two = "panic"
+    with pytest.raises(TrainConfigError, match="monitor: on_phase_two='panic'; choose log, stop or raise_lambda"):
+        validate(config, num_devices=1)
+
+
 def test_mesh_that_does_not_divide_the_devices_fails_naming_it():
     config = load_config("qwen7b")
     with pytest.raises(TrainConfigError, match=r"mesh.shape=\(1, -1, 4\) does not divide the 6 devices"):
