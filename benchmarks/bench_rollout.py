@@ -31,10 +31,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import transformers
 from flax import nnx
 
 from llds_jax.models import from_pretrained
+from llds_jax.models.gguf_tokenizer import load_gguf_tokenizer
 from llds_jax.retrieval import BM25Retriever, Corpus
 from llds_jax.rollout import default_config, run_rollouts
 from llds_jax.rollout.protocol import ACTION_STOP_STRINGS
@@ -142,7 +142,7 @@ def main():
     retriever = BM25Retriever.build(Corpus(args.corpus))
     print(f"BM25 over {len(retriever.corpus)} passages built in {time.perf_counter() - start:.1f} s")
     gguf = smollm2_gguf_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = load_gguf_tokenizer(gguf)
     model = from_pretrained(gguf)
     questions = load_questions(Path(args.question_file), args.questions)
     cfg = default_config()

@@ -181,6 +181,7 @@ def load_policy(model_cfg):
     from transformers import AutoTokenizer
 
     from llds_jax import models
+    from llds_jax.models.gguf_tokenizer import load_gguf_tokenizer
 
     source, tokenizer_source = model_cfg.source, model_cfg.get("tokenizer") or ""
     if source.startswith("tiny:"):
@@ -195,7 +196,7 @@ def load_policy(model_cfg):
     if tokenizer_source:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     elif path.suffix == ".gguf":
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = load_gguf_tokenizer(path)  # transformers' GGUF path needs torch
     else:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     return model, tokenizer

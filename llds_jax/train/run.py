@@ -40,6 +40,7 @@ def load_model_and_tokenizer(model_cfg, mesh):
     from transformers import AutoTokenizer
 
     from llds_jax import models
+    from llds_jax.models.gguf_tokenizer import load_gguf_tokenizer
     from llds_jax.parallel.placement import shard_model
 
     source = model_cfg.source
@@ -68,7 +69,7 @@ def load_model_and_tokenizer(model_cfg, mesh):
     if model_cfg.tokenizer:
         tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer)
     elif path.suffix == ".gguf":
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = load_gguf_tokenizer(path)  # transformers' GGUF path needs torch
     else:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     return model, tokenizer
