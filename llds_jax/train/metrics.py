@@ -68,9 +68,9 @@ class MetricsWriter:
     def __init__(self, workdir: str | Path, tensorboard: bool = True, console=print, enabled: bool | None = None):
         """``enabled=None``: write only on process 0 of a multi-host run (always on one host)."""
         if enabled is None:
-            import jax
+            from llds_jax.parallel.distributed import is_main_process
 
-            enabled = jax.process_index() == 0
+            enabled = is_main_process()
         self.enabled = enabled
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
