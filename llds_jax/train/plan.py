@@ -288,16 +288,13 @@ def _abstract_train_batch(n: int, length: int, with_ref: bool, mesh, rules):
 
 
 def _abstract_cache(decoder_cfg, batch: int, max_len: int, mesh, rules):
-    from llds_jax.models import init_cache  # noqa: PLC0415
+    from llds_jax.models import cache_shardings, init_cache  # noqa: PLC0415
 
     with jax.set_mesh(mesh):
         shapes = jax.eval_shape(lambda: init_cache(decoder_cfg, batch, max_len))
-    logical = {"k": ("layers", "batch", "cache_seq", "act_kv_heads", None),
-               "v": ("layers", "batch", "cache_seq", "act_kv_heads", None),
-               "valid": ("batch", "cache_seq"), "end": ("batch",)}
-    return type(shapes)(**{name: jax.ShapeDtypeStruct(getattr(shapes, name).shape, getattr(shapes, name).dtype,
-                                                      sharding=rules.sharding(axes, mesh, getattr(shapes, name).shape))
-                           for name, axes in logical.items()})
+    shardings = cache_shardings(decoder_cfg, batch, max_len, mesh, rules)
+    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                        shapes, shardings)
 
 
 def make_plan(config, target: Target | None = None) -> Plan:
