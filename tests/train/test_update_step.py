@@ -14,8 +14,10 @@ from llds_jax.train.checkpoint import Checkpointer, abstract_like
 from llds_jax.train.learner import Learner
 
 
-def run_steps(mesh_shape, steps: int = 1, **train_overrides):
+def run_steps(mesh_shape, steps: int = 1, eps: float | None = None, **train_overrides):
     config = tiny_train_config(**train_overrides)
+    if eps is not None:
+        config.optim.eps = eps
     config.mesh.shape = mesh_shape
     mesh = make_mesh(mesh_shape)
     with jax.set_mesh(mesh):
@@ -44,10 +46,26 @@ def _assert_close(name, got, want, rtol=1e-5, floor=0.0):
     assert err <= rtol, f"{name}: max relative difference {err:.3e} > {rtol} (got {got}, want {want})"
 
 
+# Adam's eps for the mesh-invariance runs. Adam's direction g/(|g| + eps) has per-entry
+# sensitivity |∂u/∂g| ≤ 1/eps; at the default eps = 1e-8 an entry whose true gradient is ~0 turns
+# reduction-order rounding of the gradient (≈ ε₃₂ · |grad| ≈ 1e-7) into an O(1) fraction of an lr
+# step whose size depends on the host's ISA, so *no* tight per-entry bound on the updated params
+# exists there. At eps = 1e-4 the map from gradient to update is 1e4-Lipschitz and the bound below
+# follows from the quantities alone. (The gradients themselves are compared at the real eps through
+# mini-batch 1's metrics, which do not depend on eps.)
+WELL_CONDITIONED_EPS = 1e-4
+F32_EPS = float(np.finfo(np.float32).eps)
+
+
+@pytest.fixture(scope="module")
+def well_conditioned_reference():
+    return run_steps((1, 1, 1), steps=1, eps=WELL_CONDITIONED_EPS)
+
+
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
-def test_one_step_on_mesh_equals_single_device(mesh_shape, single_device):
-    _, history = run_steps(mesh_shape, steps=1)
-    _, reference_history = single_device
+def test_one_step_on_mesh_equals_single_device(mesh_shape, well_conditioned_reference):
+    _, history = run_steps(mesh_shape, steps=1, eps=WELL_CONDITIONED_EPS)
+    _, reference_history = well_conditioned_reference
     metrics, extra = history[0]
     ref_metrics, ref_extra = reference_history[0]
     # Mini-batch 1 sees the initial params on every mesh: its metrics must agree to 1e-5.
@@ -56,33 +74,44 @@ def test_one_step_on_mesh_equals_single_device(mesh_shape, single_device):
         _assert_close(f"mini-batch 1 {key}", mb1[key][0], ref_mb1[key][0], floor=1.0)
     for key in ("kl_ref", "entropy", "grad/norm", "ratio_max", "clip_frac", "llds/penalty", "delta_logp/abs_max"):
         _assert_close(f"mini-batch 1 {key}", mb1[key][0], ref_mb1[key][0], floor=0.1)
-    # Mini-batch 2 runs after one Adam update, which maps fp-noise-sized gradient entries to ±lr
-    # steps (m/√v ≈ ±1): its LLDS (a function of that update) agrees to ~1%.
-    _assert_close("step llds/value", metrics["llds/value"], ref_metrics["llds/value"], rtol=2e-2)
-    _assert_close("mini-batch 2 grad/norm", extra["per_mini_batch"]["grad/norm"][1],
-                  ref_extra["per_mini_batch"]["grad/norm"][1])
     _assert_close("old_logp", extra["old_logp"], ref_extra["old_logp"])
+
     lr = tiny_train_config().optim.lr
+    updates = len(ref_mb1["grad/norm"])
+    # Per update, an entry's step differs by ≤ lr · |δg| / eps, with |δg| ≤ ε₃₂ · (pre-clip grad norm):
+    # one rounding unit at the gradient's own scale (clipping scales g and δg alike).
+    grad_scale = float(np.max(ref_mb1["grad/norm"]))
+    step_bound = updates * lr * min(2.0, F32_EPS * grad_scale / WELL_CONDITIONED_EPS)
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(extra["params"]),
                                  jax.tree.leaves(ref_extra["params"])):
-        _assert_params_close(f"param {jax.tree_util.keystr(path)}", got, want, lr)
+        _assert_params_close(f"param {jax.tree_util.keystr(path)}", got, want, lr, step_bound)
+
+    # Mini-batch 2 reads π_θ after one (now well-conditioned) update: its LLDS penalty is a
+    # 1-Lipschitz hinge of log π differences, so it moves by at most the log-prob rounding
+    # (the old_logp tolerance) plus what the params' bounded difference can move log π.
+    penalty, ref_penalty = extra["per_mini_batch"]["llds/penalty"][1], ref_mb1["llds/penalty"][1]
+    logp_rounding = 2e-5 * float(np.max(np.abs(ref_extra["old_logp"])))
+    assert abs(penalty - ref_penalty) <= logp_rounding, (
+        f"mini-batch 2 llds/penalty {penalty:.6e} vs {ref_penalty:.6e}: differs by "
+        f"{abs(penalty - ref_penalty):.3e} > {logp_rounding:.3e}")
+    _assert_close("mini-batch 2 grad/norm", extra["per_mini_batch"]["grad/norm"][1],
+                  ref_mb1["grad/norm"][1], rtol=1e-4)
+    assert metrics.keys() == ref_metrics.keys()
 
 
-def _assert_params_close(name, got, want, lr, rtol=1e-5, outlier_frac=1e-3, outlier_lr_frac=0.05):
-    """Updated params: ≤ rtol relative, except where Adam divides a gradient entry of size ≈ eps.
+def _assert_params_close(name, got, want, lr, step_bound):
+    """Every entry within ``step_bound`` (the Adam-derived bound) plus two fp32 ulps of the value.
 
-    A mesh changes the order of the gradient's reductions (rounding ~1e-7 of the gradient
-    scale); for the rare entry whose gradient is itself ~1e-8, Adam's g/(|g| + eps) turns that
-    rounding into a visible fraction of one lr step (measured on (2, 2, 2): 1 of 8192 o_proj
-    entries off by 0.017 lr, everything else ≤ 1e-5). Those outliers must stay rare and small.
+    No outlier allowance: with a well-conditioned optimizer the bound holds for each entry.
     """
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     diff = np.abs(got - want)
-    outliers = diff > rtol * max(np.max(np.abs(want)), 1e-30)
-    assert outliers.mean() <= outlier_frac, (
-        f"{name}: {outliers.sum()} of {diff.size} entries differ by more than {rtol} relative")
-    assert diff.max() <= outlier_lr_frac * lr, (
-        f"{name}: an entry differs by {diff.max():.3e} = {diff.max() / lr:.3f} lr steps (limit {outlier_lr_frac})")
+    ulps = 2 * np.spacing(np.maximum(np.abs(got), np.abs(want)).astype(np.float32)).astype(np.float64)
+    excess = diff - (step_bound + ulps)
+    worst = int(np.argmax(excess))
+    assert excess.flat[worst] <= 0, (
+        f"{name}: {int((excess > 0).sum())} of {diff.size} entries exceed the bound; worst differs by "
+        f"{diff.flat[worst]:.3e} = {diff.flat[worst] / lr:.3e} lr (bound {step_bound / lr:.3e} lr + 2 ulp)")
 
 
 def test_llds_is_zero_in_first_mini_batch_and_nonzero_later(single_device):
