@@ -21,7 +21,9 @@ group), each laid out as prompt from column 0, response, right padding:
     answer_mask                         [N, L]  last <answer>…</answer> the model wrote, tags incl.
     sampler_logprobs                    [N, L]  log-prob of the token at t under the sampling
                                                 distribution (0 off actions)
-    prompt_lengths, lengths, group_ids, turns, searches, valid_actions, finished, truncated  [N]
+    prompt_lengths, lengths, group_ids, turns, searches, search_actions_written, valid_actions,
+    finished, truncated                 [N]     searches: executed; search_actions_written: parsed
+                                                as a search, incl. the unexecuted last-turn one
     response_texts, action_texts, answers      host lists (answers: last model answer or None)
     timings                              seconds per phase; batch.stats() → logging means
 

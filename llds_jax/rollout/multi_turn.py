@@ -9,7 +9,13 @@ reference's ``run_llm_loop``:
 * turns ``0 .. max_turns-1``: a search runs and its results come back as feedback; an
   invalid action gets the invalid-action message; an answer ends the trajectory;
 * one last turn with search disabled: whatever the action is, the trajectory ends there
-  (a search written in it is counted as a valid action but not executed).
+  (a search written in it is counted as a valid action and in ``search_actions_written``,
+  but not executed).
+
+An action stops where its parse is decided (``action_stop.py``) and is parsed as the
+reference parses it; when the reference's cut keeps fewer tokens than were sampled (an
+``</answer>`` that did not decide the action, with no ``</search>`` after it), the record
+and the policy's cache keep only the sampled ids up to the cut.
 
 Caps: an action has at most ``max_action_tokens`` tokens and never more than the context
 has room for; feedback is cut to ``max_obs_tokens`` and to the room left; the prompt
@@ -27,10 +33,10 @@ import numpy as np
 from flax import nnx
 
 from llds_jax.rollout import protocol
+from llds_jax.rollout.action_stop import action_stop_table, kept_action_tokens
 from llds_jax.rollout.config import terminator_ids
 from llds_jax.rollout.trajectory import RolloutBatch, Trajectory, collate
 from llds_jax.sampling.decode_loop import FinishReason, SamplingParams
-from llds_jax.sampling.generate import resolve_stop_table
 from llds_jax.sampling.session import DecodeSession, SampledAction
 from llds_jax.sampling.token_bytes import vocab_bytes
 
@@ -44,6 +50,8 @@ class Policy(Protocol):
 
     def observe(self, chunks: Sequence[Sequence[int]]) -> None: ...
 
+    def cut_last_actions(self, kept_tokens: Sequence[int | None]) -> None: ...
+
 
 def _is_model(policy) -> bool:
     return isinstance(policy, nnx.Module) or (isinstance(policy, tuple) and len(policy) == 2)
@@ -56,7 +64,7 @@ def make_policy(model, tokenizer, config, *, key: jax.Array) -> DecodeSession:
     sampling = SamplingParams.create(
         temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
         stop_token_ids=terminator_ids(tokenizer, config.stop_token_ids),
-        stop_table=resolve_stop_table(protocol.ACTION_STOP_STRINGS, tokenizer, vocab_size))
+        stop_table=action_stop_table(vocab_bytes(tokenizer, vocab_size)).transitions)
     return DecodeSession((graphdef, params), sampling, max_action_tokens=config.max_action_tokens, key=key,
                          pad_id=pad_token_id(tokenizer))
 
@@ -114,7 +122,9 @@ def run_rollouts(policy, tokenizer, questions: Sequence[str], retriever, config,
         sampled = policy.act(active, budgets)
         timings["decode_s"] += time.perf_counter() - clock
 
-        searches, chunks = _record_actions(trajectories, sampled, vocab, tokenizer, config, search_allowed)
+        searches, chunks, cuts = _record_actions(trajectories, sampled, vocab, tokenizer, config, search_allowed)
+        if any(kept is not None for kept in cuts):
+            policy.cut_last_actions(cuts)
         if searches:
             clock = time.perf_counter()
             feedback = protocol.batch_search_feedback(retriever, [q for _, q in searches], config.topk)
@@ -138,21 +148,28 @@ def run_rollouts(policy, tokenizer, questions: Sequence[str], retriever, config,
 
 
 def _record_actions(trajectories: list[Trajectory], sampled: list[SampledAction | None], vocab, tokenizer, config,
-                    search_allowed: bool) -> tuple[list[tuple[int, str]], list[list[int]]]:
+                    search_allowed: bool) -> tuple[list[tuple[int, str]], list[list[int]], list[int | None]]:
     """Record this turn's actions and apply the protocol to each.
 
-    Returns the turn's search requests ``(row, query)`` and the feedback chunks so far
-    (the invalid-action message where due; search results are filled in by the caller).
+    Returns the turn's search requests ``(row, query)``, the feedback chunks so far (the
+    invalid-action message where due; search results are filled in by the caller) and, per
+    row, the token count its action was cut to (``None``: kept whole), for the policy.
     """
     searches: list[tuple[int, str]] = []
     chunks: list[list[int]] = [[] for _ in trajectories]
+    cuts: list[int | None] = [None for _ in trajectories]
     for row, (traj, action) in enumerate(zip(trajectories, sampled)):
         if action is None:
             continue
-        record = traj.add_action(action.ids, action.logprobs, action.finish, vocab)
+        ids, logprobs, finish = action.ids, action.logprobs, action.finish
+        kept = kept_action_tokens(ids, vocab)
+        if kept < len(ids):  # the reference's cut at an undeciding </answer>
+            ids, logprobs, finish, cuts[row] = ids[:kept], logprobs[:kept], FinishReason.STOP_STRING, kept
+        record = traj.add_action(ids, logprobs, finish, vocab)
         traj.truncated |= record.finish == FinishReason.CAP
         parsed = protocol.parse_action(record.text)
         traj.valid_actions += int(parsed.is_valid)
+        traj.search_actions_written += int(parsed.kind == "search")
         if parsed.kind == "answer":
             traj.done = traj.finished = True
         elif not search_allowed:
@@ -162,7 +179,7 @@ def _record_actions(trajectories: list[Trajectory], sampled: list[SampledAction 
         else:
             chunks[row] = _cut_feedback(tokenizer, protocol.INVALID_ACTION_FEEDBACK, traj, config)
             traj.add_feedback(chunks[row], "invalid")
-    return searches, chunks
+    return searches, chunks, cuts
 
 
 def _cut_feedback(tokenizer, text: str, traj: Trajectory, config) -> list[int]:

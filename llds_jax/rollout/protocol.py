@@ -38,7 +38,8 @@ INVALID_ACTION_FEEDBACK = (
 
 ACTION_PATTERN = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 
-# The strings that end an action while it is being decoded (see llds_jax/sampling/stop_strings.py).
+# The closing tags the reference cuts a decoded turn at, in order of preference. Decoding stops
+# by the rule in llds_jax/rollout/action_stop.py, not at the first of these (see there).
 ACTION_STOP_STRINGS: tuple[str, ...] = ("</search>", "</answer>")
 
 ActionKind = Literal["search", "answer", "invalid"]
@@ -89,9 +90,24 @@ class Action:
         return self.kind != "invalid"
 
 
+def reference_cut_end(text: str | bytes) -> int:
+    """Where the reference cuts a decoded turn (``_postprocess_responses``): after the first
+    ``</search>`` if the text has one *anywhere*, else after the first ``</answer>``, else
+    the end. Works on ``str`` and on UTF-8 ``bytes`` alike (the tags are ASCII)."""
+    for tag in ACTION_STOP_STRINGS:
+        tag_ = tag if isinstance(text, str) else tag.encode()
+        position = text.find(tag_)
+        if position >= 0:
+            return position + len(tag_)
+    return len(text)
+
+
 def parse_action(action_text: str) -> Action:
-    """The first ``<(search|answer)>(.*?)</\\1>`` block of one action (DOTALL); content stripped."""
-    match = ACTION_PATTERN.search(action_text)
+    """The reference's parse (``postprocess_predictions``) of one action: cut the text as
+    :func:`reference_cut_end` does, then take the first ``<(search|answer)>(.*?)</\\1>``
+    block (DOTALL), content stripped. The cut matters: ``<answer> a </search> b </answer>`` is
+    invalid (cut after ``</search>``, nothing closes the answer)."""
+    match = ACTION_PATTERN.search(action_text[: reference_cut_end(action_text)])
     if match is None:
         return Action("invalid")
     return Action(match.group(1), match.group(2).strip())  # type: ignore[arg-type]

@@ -1,10 +1,10 @@
 """A policy that replays fixed token streams, for testing the rollout without a model.
 
 Each row has one stream per turn: the ids a model "would" sample if nothing stopped it.
-``act`` emits them through the *same* stop logic as the JAX decode loop — stop ids, the
-byte-level stop-string tables of ``llds_jax.sampling.stop_strings``, the per-row budget —
-so a test can script ``</search>`` split over tokens or followed by more text and watch
-where the action really ends. Log-probs are a fixed function of the token id
+``act`` emits them through the *same* stop logic as the JAX decode loop — stop ids, a
+byte-level stop table (the rollout's is ``llds_jax.rollout.action_stop.action_stop_table``),
+the per-row budget — so a test can script ``</search>`` split over tokens or followed by
+more text and watch where the action really ends. Log-probs are a fixed function of the token id
 (:func:`scripted_logprob`), which lets tests check that each log-prob stayed next to
 its token through the whole rollout.
 """
@@ -37,6 +37,8 @@ class ScriptedPolicy:
         self.turn = [0] * len(self.streams)
         self.prompts: list[list[int]] = []
         self.observed: list[list[list[int]]] = [[] for _ in self.streams]
+        self.last_actions: list[SampledAction | None] = []
+        self.cuts: list[list[int | None]] = []  # every cut_last_actions call, as given
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         if len(prompts) != len(self.streams):
@@ -66,8 +68,18 @@ class ScriptedPolicy:
         return SampledAction(np.array(ids, np.int32), logprobs, finish)
 
     def act(self, active: np.ndarray, budgets: np.ndarray) -> list[SampledAction | None]:
-        return [self._one_action(row, int(budgets[row])) if active[row] else None
-                for row in range(len(self.streams))]
+        self.last_actions = [self._one_action(row, int(budgets[row])) if active[row] else None
+                             for row in range(len(self.streams))]
+        return list(self.last_actions)
+
+    def cut_last_actions(self, kept_tokens: Sequence[int | None]) -> None:
+        """Nothing to forget (no cache); checks the counts as the JAX session does and records them."""
+        for row, kept in enumerate(kept_tokens):
+            action = self.last_actions[row] if row < len(self.last_actions) else None
+            sampled = 0 if action is None else len(action.ids)
+            if kept is not None and not 1 <= kept <= sampled:
+                raise ValueError(f"row {row}: cannot keep {kept} of the {sampled} ids its last action sampled")
+        self.cuts.append(list(kept_tokens))
 
     def observe(self, chunks: Sequence[Sequence[int]]) -> None:
         for row, chunk in enumerate(chunks):

@@ -66,7 +66,8 @@ class Trajectory:
     prompt_ids: list[int]
     group_id: int
     pieces: list[ActionRecord | FeedbackRecord] = dataclasses.field(default_factory=list)
-    searches: int = 0
+    searches: int = 0               # searches executed (results appended as feedback)
+    search_actions_written: int = 0  # actions that parsed as a search, executed or not (see RolloutBatch)
     valid_actions: int = 0
     finished: bool = False          # ended by a valid <answer> action
     truncated: bool = False         # an action or the context hit a token cap
@@ -116,6 +117,12 @@ class RolloutBatch:
     disjoint. ``action_index`` is 0 on the first action's tokens, 1 on the second's, …,
     -1 elsewhere. ``answer`` is the content of the last answer block the model wrote (not
     the prompt's example, not feedback), ``None`` when there is none.
+
+    ``searches`` counts searches executed; ``search_actions_written`` counts actions that
+    parsed as a search, including one written in the last, search-disabled turn, which is
+    not executed. The latter is the reference's ``is_search`` / ``valid_search_stats``
+    (``execute_predictions`` sets it for every parsed search, ``do_search`` or not), whose
+    batch mean the official adaptive LLDS-MA uses as ``valid_search_mean``.
     """
 
     input_ids: np.ndarray
@@ -131,6 +138,7 @@ class RolloutBatch:
     group_ids: np.ndarray
     turns: np.ndarray
     searches: np.ndarray
+    search_actions_written: np.ndarray
     valid_actions: np.ndarray
     finished: np.ndarray
     truncated: np.ndarray
@@ -152,6 +160,7 @@ class RolloutBatch:
         return {
             "rollout/turns": float(self.turns.mean()),
             "rollout/searches": float(self.searches.mean()),
+            "rollout/search_actions_written": float(self.search_actions_written.mean()),
             "rollout/valid_action_rate": float(self.valid_actions.sum() / max(1, self.turns.sum())),
             "rollout/finished": float(self.finished.mean()),
             "rollout/truncated": float(self.truncated.mean()),
@@ -222,6 +231,7 @@ def collate(trajectories: Sequence[Trajectory], vocab: Sequence[bytes], *, pad_i
         group_ids=np.array([t.group_id for t in trajectories], np.int64),
         turns=np.array([t.turns for t in trajectories], np.int32),
         searches=np.array([t.searches for t in trajectories], np.int32),
+        search_actions_written=np.array([t.search_actions_written for t in trajectories], np.int32),
         valid_actions=np.array([t.valid_actions for t in trajectories], np.int32),
         finished=np.array([t.finished for t in trajectories], bool),
         truncated=np.array([t.truncated for t in trajectories], bool),

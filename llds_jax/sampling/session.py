@@ -8,6 +8,7 @@ the cache and only ever feeds it new tokens:
     start(prompts)      prefill the left-padded prompts                (extend)
     act(active, budget) sample one action per active row               (decode loop)
     observe(chunks)     append each row's feedback ids, right-padded   (extend)
+    cut_last_actions(k) keep only the first k[row] ids of a row's last action
 
 The token that ends an action is already in the cache (the decode loop writes every
 sampled token), so feedback goes straight after it and positions continue exactly as in
@@ -25,6 +26,7 @@ the caller's (the rollout's) to enforce.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from llds_jax.models import KVCache
 from llds_jax.sampling import decode_loop
 from llds_jax.sampling.generate import MIN_LENGTH_BUCKET, bucket
 
@@ -64,6 +67,7 @@ class DecodeSession:
         self.rows = 0
         self.cache = None
         self.logits = None
+        self.last_actions: list[SampledAction | None] = []
 
     @property
     def batch(self) -> int:
@@ -107,12 +111,41 @@ class DecodeSession:
                                    jnp.asarray(budget), key, self.sampling, width=self.width, pad_id=self.pad_id)
         self.cache, self.logits = state.cache, state.logits
         tokens, logprobs, lengths, finish = jax.device_get((state.tokens, state.logprobs, state.lengths, state.finish))
-        return [
+        self.last_actions = [
             SampledAction(tokens[row, : lengths[row]], logprobs[row, : lengths[row]],
                           decode_loop.FinishReason(int(finish[row])))
             if not done[row] else None
             for row in range(self.rows)
         ]
+        return list(self.last_actions)
+
+    def cut_last_actions(self, kept_tokens: Sequence[int | None]) -> None:
+        """Forget all but the first ``kept_tokens[row]`` ids of each row's last action (``None``: keep all).
+
+        Used when the action's text is cut after it was sampled (the Search-R1 cut at an
+        ``</answer>`` that did not decide the action). The dropped slots become invalid,
+        so positions continue from the kept ids exactly as if decoding had stopped there;
+        the last kept id is written again to get the next-token logits after it.
+        """
+        if len(kept_tokens) != self.rows:
+            raise ValueError(f"{len(kept_tokens)} kept-token counts for {self.rows} rows")
+        drop = np.zeros((self.batch,), np.int32)
+        ids = np.full((self.batch, MIN_LENGTH_BUCKET), self.pad_id, np.int32)
+        mask = np.zeros((self.batch, MIN_LENGTH_BUCKET), bool)
+        for row, kept in enumerate(kept_tokens):
+            if kept is None:
+                continue
+            action = self.last_actions[row] if row < len(self.last_actions) else None
+            sampled = 0 if action is None else len(action.ids)
+            if not 1 <= kept <= sampled:
+                raise ValueError(f"row {row}: cannot keep {kept} of the {sampled} ids its last action sampled")
+            if kept < sampled:
+                drop[row] = sampled - kept + 1
+                ids[row, 0], mask[row, 0] = action.ids[kept - 1], True
+        if not mask.any():
+            return
+        self.cache = _forget_last_slots(self.cache, jnp.asarray(drop))
+        self._extend(ids, mask)
 
     def observe(self, chunks: Sequence[Sequence[int]]) -> None:
         """Append each row's feedback ids (empty for rows that get none)."""
@@ -127,3 +160,11 @@ class DecodeSession:
             mask[row, : len(chunk)] = True
         self._reserve(width)
         self._extend(ids, mask)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _forget_last_slots(cache: KVCache, drop: jax.Array) -> KVCache:
+    """Move each row's ``end`` back by ``drop[row]`` and mark the slots from there on invalid."""
+    end = cache.end - drop
+    slots = jnp.arange(cache.max_len, dtype=end.dtype)
+    return KVCache(k=cache.k, v=cache.v, valid=cache.valid & (slots[None, :] < end[:, None]), end=end)

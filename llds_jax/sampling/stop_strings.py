@@ -1,10 +1,10 @@
 """Stop strings detected *while decoding*, on the bytes the sampled ids decode to.
 
-Why not cut text afterwards: Search-R1 decodes a turn, cuts it at the first ``</search>``
-/ ``</answer>`` and re-tokenises, so the ids it trains on can differ from the ids it
-sampled. Here each row carries, per stop string, a KMP matcher state — the length of the
-longest prefix of the stop string that is a suffix of the text generated so far — and
-every sampled token advances it with one table lookup::
+Why not cut text afterwards: Search-R1 decodes a turn, cuts the text after a closing tag
+and re-tokenises, so the ids it trains on can differ from the ids it sampled. Here each
+row carries, per stop string, a KMP matcher state — the length of the longest prefix of
+the stop string that is a suffix of the text generated so far — and every sampled token
+advances it with one table lookup::
 
     state' = table[stop, state, token]      # MATCHED (-1) when the string completes
 
@@ -18,8 +18,14 @@ a token (``.</`` ``search`` ``>``) or that ends in the middle of one (``</`` ``s
 A stop string that ends inside a token: the row stops after that token and keeps it, so
 the action's text runs a few characters past the stop string (``>\\n\\n`` above). The
 reference would drop those characters and re-tokenise; we keep exactly what was sampled.
-The action parser is unaffected (it looks for the first complete block), and the
-following feedback is appended after the whole token.
+The action parser applies the reference's cut to the text first, so the extra characters
+never change the parsed action; the following feedback is appended after the whole token.
+
+"Stop at the first of these strings" is one kind of byte automaton; a stop rule that needs
+history (the Search-R1 action rule, ``llds_jax/rollout/action_stop.py``) is another. Any
+byte-level DFA whose stop state is absorbing becomes a token table with
+:func:`table_from_byte_dfa` and runs in the same slot of the same decode loop, since the
+loop only ever looks up ``table[slot, state, token]`` and stops on ``MATCHED``.
 
 Matching starts from the empty state for every call: a stop string is looked for in the
 newly generated text only, never across the prompt or previous turns.
@@ -125,6 +131,44 @@ def advance(transitions, state, tokens):
     k = jnp.arange(transitions.shape[0])[None, :]
     new = transitions[k, state.astype(jnp.int32), tokens[:, None]]
     return new, jnp.any(new == MATCHED, axis=-1)
+
+
+def table_from_byte_dfa(byte_next: np.ndarray, vocab: Sequence[bytes]) -> np.ndarray:
+    """``[S_bucket, V]`` int8 token transitions of a byte-level DFA, MATCHED where it stops.
+
+    ``byte_next`` is ``[S, 256]``: the next state per (state, byte), ``MATCHED`` (-1) for
+    "stop"; state 0 is the start state and stopping is absorbing (once a token's bytes
+    reach the stop state, the rest of the token does not matter). All tokens are walked at
+    once, byte column by byte column (tokens sorted longest first, so the tokens still
+    walking are a prefix), which costs ``S x total vocabulary bytes`` numpy gathers.
+    """
+    byte_next = np.asarray(byte_next)
+    num_states = byte_next.shape[0]
+    if byte_next.shape != (num_states, 256):
+        raise ValueError(f"byte_next must be [states, 256], got {byte_next.shape}")
+    if num_states > 127:
+        raise ValueError(f"a byte DFA with {num_states} states does not fit the int8 tables (at most 127)")
+    if byte_next.min() < MATCHED or byte_next.max() >= num_states:
+        raise ValueError(f"byte_next holds states outside [-1, {num_states}): "
+                         f"[{byte_next.min()}, {byte_next.max()}]")
+    stop = num_states  # an extra absorbing row, so the walk never indexes with -1
+    extended = np.concatenate([np.where(byte_next == MATCHED, stop, byte_next),
+                               np.full((1, 256), stop)]).astype(np.int16)
+    lengths = np.fromiter((len(piece) for piece in vocab), np.int64, len(vocab))
+    order = np.argsort(-lengths, kind="stable")
+    longest = int(lengths.max(initial=0))
+    byte_columns = np.zeros((len(vocab), longest), np.uint8)
+    for row, token_id in enumerate(order):
+        piece = vocab[token_id]
+        byte_columns[row, : len(piece)] = np.frombuffer(piece, np.uint8)
+    walking = len(vocab) - np.cumsum(np.bincount(lengths, minlength=longest + 1))  # [j]: tokens longer than j
+    states = np.broadcast_to(np.arange(num_states, dtype=np.int16)[:, None], (num_states, len(vocab))).copy()
+    for column in range(longest):
+        count = walking[column]
+        states[:, :count] = extended[states[:, :count], byte_columns[None, :count, column]]
+    table = np.zeros((-(-num_states // _STATE_BUCKET) * _STATE_BUCKET, len(vocab)), np.int8)
+    table[:num_states, order] = np.where(states == stop, MATCHED, states)
+    return table
 
 
 def first_stop_end(ids: Sequence[int], vocab: Sequence[bytes], stop_strings: Sequence[str]) -> int | None:

@@ -8,10 +8,11 @@ import pytest
 
 from llds_jax.retrieval import Hit
 from llds_jax.rollout import default_config, run_rollouts, terminator_ids
-from llds_jax.rollout.protocol import ACTION_STOP_STRINGS, INVALID_ACTION_FEEDBACK, encode_prompt
+from llds_jax.rollout.action_stop import action_stop_table
+from llds_jax.rollout.protocol import INVALID_ACTION_FEEDBACK, encode_prompt
 from llds_jax.rollout.scripted_policy import ScriptedPolicy, scripted_logprob
-from llds_jax.sampling import build_stop_table, vocab_bytes
-from llds_jax.sampling.stop_strings import first_stop_end
+from llds_jax.sampling import vocab_bytes
+from llds_jax.sampling.stop_strings import MATCHED
 
 from .conftest import RecordingRetriever
 
@@ -39,7 +40,7 @@ def scripted_rollout(tokenizer, retriever, rows, **overrides):
     cfg.max_turns = 2
     cfg.update(overrides)
     streams = [[encode(tokenizer, turn) for turn in row] for row in rows]
-    table = build_stop_table(vocab_bytes(tokenizer), ACTION_STOP_STRINGS)
+    table = action_stop_table(vocab_bytes(tokenizer))
     policy = ScriptedPolicy(streams, table, stop_token_ids=terminator_ids(tokenizer), filler_id=tokenizer.encode("!")[0])
     batch = run_rollouts(policy, tokenizer, [QUESTION] * len(rows), retriever, cfg, group_ids=list(range(len(rows))))
     return batch, policy, streams, cfg
@@ -48,6 +49,16 @@ def scripted_rollout(tokenizer, retriever, rows, **overrides):
 @pytest.fixture(scope="module")
 def mixed(qwen_tokenizer, bm25):
     return scripted_rollout(qwen_tokenizer, bm25, list(MIXED_ROWS.values()))
+
+
+def rule_stop(table, ids) -> int | None:
+    """Tokens the action stop rule lets through (independent host walk of the table)."""
+    state = 0
+    for i, token in enumerate(ids):
+        state = int(table.transitions[0, state, token])
+        if state == MATCHED:
+            return i + 1
+    return None
 
 
 def runs(mask_row: np.ndarray) -> list[tuple[int, int]]:
@@ -79,7 +90,7 @@ def test_feedback_tokens_never_in_action_mask(mixed, qwen_tokenizer):
 
 def test_every_sampled_token_is_in_action_mask_next_to_its_logprob(mixed, qwen_tokenizer):
     batch, _, streams, _ = mixed
-    vocab = vocab_bytes(qwen_tokenizer)
+    table = action_stop_table(vocab_bytes(qwen_tokenizer))
     stops = set(terminator_ids(qwen_tokenizer))
     for row, name in enumerate(MIXED_ROWS):
         action_runs = runs(batch.action_mask[row])
@@ -87,7 +98,7 @@ def test_every_sampled_token_is_in_action_mask_next_to_its_logprob(mixed, qwen_t
         for turn, (a, b) in enumerate(action_runs):
             stream = streams[row][turn]
             stop_at = [i + 1 for i, t in enumerate(stream) if t in stops][:1] or [None]
-            ends = [e for e in (first_stop_end(stream, vocab, ACTION_STOP_STRINGS), stop_at[0]) if e is not None]
+            ends = [e for e in (rule_stop(table, stream), stop_at[0]) if e is not None]
             expected = stream[: min(ends)] if ends else stream
             assert batch.input_ids[row, a:b].tolist() == expected, (name, turn)
             assert (batch.action_index[row, a:b] == turn).all()
@@ -190,7 +201,50 @@ def test_rows_are_question_major_with_group_ids(qwen_tokenizer, bm25):
     streams = [[encode(qwen_tokenizer, t) for t in row] for row in cfg_rows]
     cfg = default_config()
     cfg.n_samples = 3
-    policy = ScriptedPolicy(streams, build_stop_table(vocab_bytes(qwen_tokenizer), ACTION_STOP_STRINGS))
+    policy = ScriptedPolicy(streams, action_stop_table(vocab_bytes(qwen_tokenizer)))
     batch = run_rollouts(policy, qwen_tokenizer, ["q one", "q two"], bm25, cfg, group_ids=[70, 42])
     assert batch.group_ids.tolist() == [70, 70, 70, 42, 42, 42]
     assert batch.size == 6 and batch.stats()["rollout/finished"] == 1.0
+
+
+def test_a_search_whose_query_holds_a_whole_answer_block_is_a_search(qwen_tokenizer):
+    """Issue 13 item 6: the reference cuts after </search> and searches for <answer>x</answer>."""
+    retriever = RecordingRetriever(_EchoRetriever())
+    batch, *_ = scripted_rollout(qwen_tokenizer, retriever,
+                                 [["<search><answer>x</answer></search> tail", "<answer> y </answer>"],
+                                  ["<search> x </answer> then <search>y</search>", "<answer> z </answer>"],
+                                  ["<think>I end with </answer> later</think><search> q </search>", "<answer> w </answer>"]])
+    assert retriever.calls == [(["<answer>x</answer>", "x </answer> then <search>y", "q"], 3)]
+    assert batch.action_texts[0][0] == "<search><answer>x</answer></search>"
+    assert batch.searches.tolist() == [1, 1, 1] and batch.answers == ["y", "z", "w"]
+
+
+def test_an_undeciding_answer_close_is_cut_from_the_record_and_the_policy(qwen_tokenizer, bm25):
+    """``<search> q </answer>`` decides nothing while decoding (a later </search> would make it a
+    search); the stream ends without one, so the reference keeps the text up to </answer>: invalid."""
+    batch, policy, streams, _ = scripted_rollout(qwen_tokenizer, bm25,
+                                                 [["<search> q </answer> and more words<|im_end|>", "<answer> y </answer>"]])
+    first, second = runs(batch.action_mask[0])
+    kept = qwen_tokenizer.encode("<search> q </answer>", add_special_tokens=False)
+    assert batch.input_ids[0, first[0]:first[1]].tolist() == kept == streams[0][0][: len(kept)]
+    assert policy.cuts == [[len(kept)]], "the policy must forget the sampled ids after the cut"
+    assert qwen_tokenizer.decode(batch.input_ids[0, first[1]:second[0]]) == INVALID_ACTION_FEEDBACK
+    assert policy.observed[0] == [batch.input_ids[0, first[1]:second[0]].tolist()]
+    np.testing.assert_allclose(batch.sampler_logprobs[0, first[0]:first[1]], [scripted_logprob(t) for t in kept])
+    assert batch.valid_actions.tolist() == [1] and batch.answers == ["y"] and not batch.truncated[0]
+
+
+def test_search_actions_written_counts_the_unexecuted_last_turn_search(qwen_tokenizer, bm25):
+    """The reference's is_search is 1 for a search parsed in the search-disabled last turn too."""
+    rows = [["<search> a </search>", "<search> b </search>"],      # searches, then searches again: not run
+            ["<search> a </search>", "<answer> b </answer>"],
+            ["nothing<|im_end|>", "<answer> b </answer>"]]
+    batch, *_ = scripted_rollout(qwen_tokenizer, bm25, rows, max_turns=1)
+    assert batch.searches.tolist() == [1, 1, 0]
+    assert batch.search_actions_written.tolist() == [2, 1, 0]
+    assert batch.stats()["rollout/search_actions_written"] == 1.0
+
+
+class _EchoRetriever:
+    def search(self, queries, topk):
+        return [[Hit(f"{q}-{i}", f'"T{i}"\n{q} text {i}', 1.0) for i in range(topk)] for q in queries]

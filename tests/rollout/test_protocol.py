@@ -53,6 +53,19 @@ def test_parse_action_takes_the_first_complete_block():
     assert protocol.parse_action("<search> q </answer> r </search>") == protocol.Action("search", "q </answer> r")
 
 
+def test_parse_action_cuts_the_text_as_the_reference_does_before_matching():
+    """_postprocess_responses: cut after the first </search> if there is one anywhere, else after
+    the first </answer>; only then the first-block regex."""
+    assert protocol.parse_action("<answer> a </search> b </answer>") == protocol.Action("invalid")
+    assert protocol.parse_action("<search><answer>x</answer></search>") == protocol.Action("search", "<answer>x</answer>")
+    assert protocol.parse_action("<search> a <answer> b </answer> c </answer>") == protocol.Action("answer", "b")
+    assert protocol.parse_action("<answer> a </answer> b </search>") == protocol.Action("answer", "a")
+    text = "<search> a </answer> b </search> c </answer>"
+    assert protocol.reference_cut_end(text) == text.index("</search>") + len("</search>")
+    assert protocol.reference_cut_end(text.encode()) == protocol.reference_cut_end(text)
+    assert protocol.reference_cut_end("no tags") == len("no tags")
+
+
 _free_text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=30).filter(
     lambda s: "<" not in s and ">" not in s)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from llds_jax.models.testing import tiny_model
 from llds_jax.sampling import SamplingParams
@@ -51,3 +52,45 @@ def test_session_continuation_equals_one_forward_over_the_whole_conversation():
         for position, token, logprob in sampled[row]:
             expected = float(logp[position - 1, token])
             assert abs(expected - logprob) < 1e-4, (row, position, expected, logprob)
+
+
+def test_cutting_an_action_continues_as_if_decoding_had_stopped_at_the_cut():
+    """After cut_last_actions the dropped ids are gone from the cache: feedback and the next action
+    get the positions and attention a single forward over the kept conversation gives them."""
+    model = tiny_model("llama", seed=2)
+    sampling = SamplingParams.create(temperature=1.0, top_k=0, top_p=1.0, stop_token_ids=[],
+                                     stop_table=resolve_stop_table((), None, model.config.vocab_size))
+    session = DecodeSession(model, sampling, max_action_tokens=10, key=jax.random.key(3))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 256, n).tolist() for n in (5, 11, 7, 3)]
+    session.start(prompts)
+    first = session.act(np.array([True, True, True, True]), np.array([9, 9, 9, 6]))
+    # row 0 cut then feedback; row 1 untouched; row 2 cut and no feedback (the next action starts
+    # from the logits after its last kept id); row 3 "cut" to everything it sampled.
+    kept = [3, None, 4, 6]
+    session.cut_last_actions(kept)
+    chunks = [rng.integers(1, 256, n).tolist() for n in (4, 2, 0, 0)]
+    session.observe(chunks)
+    second = session.act(np.array([True, True, True, True]), np.array([5, 5, 5, 5]))
+
+    for row in range(4):
+        keep = len(first[row].ids) if kept[row] is None else kept[row]
+        conversation = prompts[row] + first[row].ids[:keep].tolist() + chunks[row]
+        start = len(conversation)
+        conversation += second[row].ids.tolist()
+        assert int(session.cache.next_positions()[row]) == len(conversation), row
+        logp = jax.nn.log_softmax(jax.jit(model)(jnp.asarray([conversation]))[0], axis=-1)
+        expected = [float(logp[start + i - 1, t]) for i, t in enumerate(second[row].ids)]
+        np.testing.assert_allclose(second[row].logprobs, expected, atol=1e-4, err_msg=f"row {row}")
+
+
+def test_cut_last_actions_rejects_counts_outside_the_sampled_action():
+    model = tiny_model("llama", seed=2)
+    sampling = SamplingParams.create(temperature=1.0, top_k=0, top_p=1.0, stop_token_ids=[],
+                                     stop_table=resolve_stop_table((), None, model.config.vocab_size))
+    session = DecodeSession(model, sampling, max_action_tokens=4, key=jax.random.key(0))
+    session.start([[1, 2, 3], [4, 5]])
+    session.act(np.array([True, False]), np.array([4, 4]))
+    for bad in ([5, None], [0, None], [None, 1]):
+        with pytest.raises(ValueError, match="cannot keep"):
+            session.cut_last_actions(bad)

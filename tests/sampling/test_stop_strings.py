@@ -128,6 +128,29 @@ def test_unused_stop_slots_never_match(vocab):
     assert not (table.transitions[3] == stop_strings.MATCHED).any()
 
 
+def test_byte_automaton_builder_reproduces_the_stop_string_tables(vocab):
+    """table_from_byte_dfa on the plain string matcher for one stop string equals build_stop_table."""
+    stop = b"</search>"
+    byte_next = np.zeros((len(stop), 256), np.int16)
+    for state in range(len(stop)):
+        for byte in range(256):
+            text = stop[:state] + bytes([byte])
+            byte_next[state, byte] = (stop_strings.MATCHED if text.endswith(stop)
+                                      else stop_strings._longest_prefix_suffix(text, stop))
+    built = stop_strings.table_from_byte_dfa(byte_next, vocab)
+    expected = stop_strings.build_stop_table(vocab, ("</search>",)).transitions[0]
+    assert built.shape == expected.shape == (16, len(vocab))
+    differ = np.argwhere(built[: len(stop)] != expected[: len(stop)])
+    assert differ.size == 0, [(s, vocab[t], built[s, t], expected[s, t]) for s, t in differ[:5]]
+
+
+def test_byte_automaton_builder_rejects_tables_it_cannot_hold():
+    with pytest.raises(ValueError, match="int8"):
+        stop_strings.table_from_byte_dfa(np.zeros((128, 256), np.int16), (b"a",))
+    with pytest.raises(ValueError, match="outside"):
+        stop_strings.table_from_byte_dfa(np.full((2, 256), 5, np.int16), (b"a",))
+
+
 @pytest.fixture(scope="module")
 def relevant_ids(qwen_tokenizer):
     """Token ids that interact with the stop strings, plus some that do not."""
