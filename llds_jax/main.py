@@ -2,14 +2,24 @@
 
 Each mode lives in the package that owns it; this file only parses flags and
 dispatches, importing the mode lazily so ``--mode=serve`` never imports the trainer.
+
+Exit status, for scripts and launchers that chain commands: 0 on success, whatever a mode
+returns to its Python callers (a path, a summary) is *not* passed to ``sys.exit`` (absl
+would print it and exit 1); 2 with one ``error:`` line for input the user can fix (a bad
+config value, a missing or malformed file); 1 with a traceback for anything else. A mode
+that ends a run on purpose with a status of its own (the non-finite streak) raises
+``SystemExit`` itself.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from llds_jax.errors import InputError
 
 MODES = {
     "train": "llds_jax.train.run:train_main",
@@ -22,6 +32,8 @@ MODES = {
     "sweep": "llds_jax.train.sweep:sweep_main",
 }
 
+EXIT_USER_ERROR = 2
+
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu_smoke.py", "ml_collections config file.")
 _MODE = flags.DEFINE_enum("mode", "train", sorted(MODES), "What to run.")
 
@@ -31,10 +43,14 @@ def resolve_mode(name: str):
     return getattr(importlib.import_module(module_name), func_name)
 
 
-def main(argv):
+def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
-    return resolve_mode(_MODE.value)(_CONFIG.value)
+    try:
+        resolve_mode(_MODE.value)(_CONFIG.value)
+    except (InputError, FileNotFoundError) as error:
+        print(f"error: --mode={_MODE.value}: {error}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
 
 
 if __name__ == "__main__":

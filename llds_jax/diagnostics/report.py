@@ -35,6 +35,7 @@ from llds_jax.diagnostics.monitor import (  # noqa: E402
     phase_spans,
     replay,
 )
+from llds_jax.errors import InputError  # noqa: E402
 
 PHASE_COLOURS = {Phase.STEADY_DECAY: "#f5b041", Phase.ACCELERATION: "#e74c3c"}
 _ACTION_KEY = re.compile(r"^diag/ll_(correct|incorrect)/action(\d+)$")
@@ -105,21 +106,24 @@ def load_metrics(path: str | Path, phase: str = "rl") -> list[dict[str, float]]:
             try:
                 row = json.loads(text)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:line {line_number}: not valid JSON ({err.msg})") from None
+                raise InputError(f"{path}:line {line_number}: not valid JSON ({err.msg})") from None
             if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int | float):
-                raise ValueError(f"{path}:line {line_number}: field 'step': missing or not a number")
+                raise InputError(f"{path}:line {line_number}: field 'step': missing or not a number")
             if row.get("phase", phase) != phase:
                 continue
             for key in KEY_ALIASES:
                 row[key] = lookup(row, key)
             by_step[int(row["step"])] = row
     if not by_step:
-        raise ValueError(f"{path}: no {phase!r} metric rows")
+        raise InputError(f"{path}: no {phase!r} metric rows")
     return [by_step[step] for step in sorted(by_step)]
 
 
 def load_run(workdir: str | Path, monitor: MonitorConfig = MonitorConfig()) -> Run:
     workdir = Path(workdir)
+    if not (workdir / "metrics.jsonl").is_file():
+        raise InputError(f"{workdir}/metrics.jsonl does not exist: name a run directory with "
+                         "--config.workdir=RUN_DIR (or --config.report.compare=RUN_A,RUN_B)")
     rows = load_metrics(workdir / "metrics.jsonl")
     return Run(workdir.name or str(workdir), rows, replay(rows, monitor))
 
@@ -152,7 +156,7 @@ def report_main(config) -> Path:
     if not workdirs:
         workdir = _get(config, "workdir", "")
         if not workdir:
-            raise ValueError("--mode=report needs --config.workdir=RUN_DIR or --config.report.compare=RUN_A,RUN_B")
+            raise InputError("--mode=report needs --config.workdir=RUN_DIR or --config.report.compare=RUN_A,RUN_B")
         workdirs = [workdir]
     out_dir = _get(section, "out_dir", "") or str(Path(workdirs[0]) / ("report" if len(workdirs) == 1 else "compare"))
     monitor = MonitorConfig.from_mapping(_get(config, "monitor", None))
@@ -243,9 +247,9 @@ def _summary_markdown(runs: Sequence[Run], panels: Sequence[Panel]) -> str:
 
 
 def _rolling_mean(values: np.ndarray, width: int) -> np.ndarray:
-    """Centered mean over finite values; gaps (nan) stay gaps."""
+    """Centered mean over finite values; gaps (nan) stay gaps; as long as ``values``."""
     finite = np.isfinite(values)
-    kernel = np.ones(width)
+    kernel = np.ones(max(1, min(width, values.size)))  # np.convolve("same") returns the longer input
     sums = np.convolve(np.where(finite, values, 0.0), kernel, mode="same")
     counts = np.convolve(finite.astype(float), kernel, mode="same")
     with np.errstate(invalid="ignore", divide="ignore"):

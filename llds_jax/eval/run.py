@@ -23,6 +23,7 @@ from pathlib import Path
 import ml_collections
 
 from llds_jax.data.benchmarks import QARecord, benchmark_sort_key, load_qa_file
+from llds_jax.errors import InputError
 from llds_jax.eval.metrics import EvalResponse, markdown_table, score_response, summarize
 
 
@@ -130,7 +131,7 @@ def resolve_data_files(spec: str | Sequence[str]) -> list[Path]:
         else:
             files.append(resolve_source(entry))
     if not files:
-        raise ValueError("eval.data names no files")
+        raise InputError("eval.data names no files")
     return files
 
 
@@ -188,7 +189,7 @@ def load_policy(model_cfg):
         from llds_jax.models.testing import tiny_model
 
         if not tokenizer_source:
-            raise ValueError("model.source=tiny:<family> needs model.tokenizer=<tokenizer dir>")
+            raise InputError("model.source=tiny:<family> needs model.tokenizer=<tokenizer dir>")
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
         return tiny_model(source.split(":", 1)[1], vocab_size=_padded_vocab(len(tokenizer))), tokenizer
     path = resolve_model_path(source)

@@ -15,6 +15,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from llds_jax.errors import InputError
+
 FAMILIES = ("qwen2", "qwen3", "llama")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "nothing_saveable")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -23,7 +25,7 @@ _MODEL_TYPE_TO_FAMILY = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A config field we cannot honour; the message names the field and its value."""
 
 

@@ -42,6 +42,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from llds_jax.errors import InputError
+
 log = logging.getLogger(__name__)
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
@@ -51,7 +53,7 @@ ENV_AUTO = "LLDS_DISTRIBUTED"
 _TPU_POD_MARKERS = ("TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS", "TPU_PROCESS_ADDRESSES")
 
 
-class DistributedSetupError(ValueError):
+class DistributedSetupError(InputError):
     """Inconsistent multi-host settings; the message names the field or variable and its value."""
 
 

@@ -10,6 +10,7 @@ bundled corpus); a dense index is never built implicitly because it takes hours 
 from __future__ import annotations
 
 import logging
+import signal
 
 from ml_collections import ConfigDict
 
@@ -37,6 +38,10 @@ def index_main(config: ConfigDict) -> None:
     print(f"dense {r.faiss_factory!r} index over {r.corpus_path} written to {faiss_path}", flush=True)
 
 
+def _exit_cleanly(signum, frame) -> None:
+    raise SystemExit(0)
+
+
 def serve_main(config: ConfigDict) -> None:
     """Serve ``POST /retrieve`` on ``retrieval.host:port`` until interrupted."""
     logging.basicConfig(level=logging.INFO)
@@ -47,6 +52,11 @@ def serve_main(config: ConfigDict) -> None:
         from llds_jax.retrieval.dense import open_dense
 
         retriever = open_dense(r)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, restores the handlers it found and then
+    # re-raises the signal, so with the default handlers a clean stop exits -15 / KeyboardInterrupt.
+    # A stop the service was asked for (before or while serving) is a success: exit 0.
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, _exit_cleanly)
     limits = ServiceLimits(default_topk=r.topk, max_topk=r.max_topk, max_queries=r.max_queries,
                            max_query_chars=r.max_query_chars)
     serve(retriever, r.host, r.port, limits, description=f"{r.method} over {r.corpus_path}")

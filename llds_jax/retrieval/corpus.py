@@ -25,12 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
+from llds_jax.errors import InputError
 from llds_jax.utils.assets import cache_dir
 
 OFFSETS_SUFFIX = ".offsets.npy"
 
 
-class CorpusFormatError(ValueError):
+class CorpusFormatError(InputError):
     """A corpus row that is not ``{"id": str|int, "contents": str}``; the message names file and line."""
 
 

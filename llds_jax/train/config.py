@@ -25,9 +25,10 @@ import math
 import ml_collections
 
 from llds_jax.diagnostics.monitor import MonitorConfig
+from llds_jax.errors import InputError
 
 
-class TrainConfigError(ValueError):
+class TrainConfigError(InputError):
     """A config value the trainer cannot honour; the message names the field and value."""
 
 

@@ -451,7 +451,6 @@ def plan_main(config) -> None:
 
     When this process's JAX cannot build the target (CPU device count already fixed, or the
     CUDA plugin skipped at start-up), the plan is made and printed by a child process.
-    Returns None: absl's ``app.run`` turns a returned value into exit status 1.
     """
     section = config.get("plan") or default_plan_config()
     try:

@@ -24,6 +24,8 @@ import os
 import re
 from pathlib import Path
 
+from llds_jax.errors import InputError
+
 # The leading fields of XLA's specs (xla/backends/gpu/target_config/specs/h100_sxm.txtpb,
 # h200.txtpb) that the jax-cuda12 0.10.2 plugin parses; device_memory_size is the HBM the
 # driver reports.
@@ -52,7 +54,7 @@ DEVICE_KIND_TO_HARDWARE = {"TPU v5 lite": "v5e", "TPU v5": "v5p", "NVIDIA H100 8
                            "NVIDIA H200 141GB HBM3e": "H200"}
 
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """A plan that cannot be made as configured; the message names the field and value."""
 
 

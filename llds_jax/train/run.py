@@ -102,7 +102,7 @@ def _setup(config):
 
 
 def sft_main(config) -> None:
-    """``--mode=sft`` (absl exits with a non-zero status on any other return value than None)."""
+    """``--mode=sft``: the warm-up alone, exported as an HF directory."""
     run_sft_only(config)
 
 

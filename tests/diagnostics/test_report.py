@@ -83,3 +83,11 @@ def test_bad_metrics_line_fails_with_file_and_line(tmp_path):
 def test_report_without_a_workdir_says_how_to_call_it():
     with pytest.raises(ValueError, match="--config.workdir=RUN_DIR"):
         report_main(report_config())
+
+
+@pytest.mark.parametrize("steps", [1, 2, 8])
+def test_runs_shorter_than_the_smoothing_window_are_drawn(tmp_path, steps):
+    """A 1-step run (a smoke test's) crashed matplotlib: the rolling mean came back 9 long."""
+    workdir = write_run(tmp_path / "short", death_spiral_run(0)[:steps])
+    summary = report_main(report_config(workdir=str(workdir)))
+    assert_valid_png(summary.parent / "reward.png")

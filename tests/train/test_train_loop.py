@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from train_helpers import tiny_train_config
+from train_helpers import tiny_loop_config
 
 from llds_jax.train.metrics import read_metrics
 from llds_jax.train.run import train
@@ -17,20 +17,7 @@ from llds_jax.train.run import train
 
 @pytest.fixture(scope="module")
 def loop_config(tmp_path_factory, shared_dir):
-    c = tiny_train_config()
-    c.workdir = str(tmp_path_factory.mktemp("run"))
-    c.model.tokenizer = str(shared_dir / "assets" / "qwen2_tokenizer")
-    c.mesh.shape = (2, 1, 1)  # data-parallel: the sampler reads params laid out for the update
-    c.rollout.update(dict(n_samples=2, max_turns=1, max_action_tokens=8, max_obs_tokens=32, max_prompt_tokens=224,
-                          max_context=256, pad_to_multiple=128, top_p=1.0))  # top-p renormalises sampler logp
-    t = c.train
-    t.prompts_per_step, t.mini_batch_size, t.micro_batch_size, t.logprob_batch_size = 4, 4, 2, 8
-    t.total_steps, t.warmup_sft_steps, t.save_every = 2, 2, 0
-    c.sft.update(dict(batch_size=2, max_seq_len=384))
-    c.train.max_doc_tokens = 16
-    c.eval.update(dict(data="bundled:nq_dev", limit=2, batch_size=2))
-    c.monitor.enabled = True
-    return c
+    return tiny_loop_config(str(tmp_path_factory.mktemp("run")), str(shared_dir / "assets" / "qwen2_tokenizer"))
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,24 @@ def tiny_train_config(**train_overrides):
     return c
 
 
+def tiny_loop_config(workdir: str, tokenizer_dir: str):
+    """The whole ``--mode=train`` path at toy size: tiny random model, real tokenizer, bundled corpus."""
+    c = tiny_train_config()
+    c.workdir = workdir
+    c.model.tokenizer = tokenizer_dir
+    c.mesh.shape = (2, 1, 1)  # data-parallel: the sampler reads params laid out for the update
+    c.rollout.update(dict(n_samples=2, max_turns=1, max_action_tokens=8, max_obs_tokens=32, max_prompt_tokens=224,
+                          max_context=256, pad_to_multiple=128, top_p=1.0))  # top-p renormalises sampler logp
+    t = c.train
+    t.prompts_per_step, t.mini_batch_size, t.micro_batch_size, t.logprob_batch_size = 4, 4, 2, 8
+    t.total_steps, t.warmup_sft_steps, t.save_every = 2, 2, 0
+    c.sft.update(dict(batch_size=2, max_seq_len=384))
+    c.train.max_doc_tokens = 16
+    c.eval.update(dict(data="bundled:nq_dev", limit=2, batch_size=2))
+    c.monitor.enabled = True
+    return c
+
+
 def synthetic_rollout(seed: int = 0, n: int = N_PROMPTS * GROUP, length: int = SEQ) -> dict[str, np.ndarray]:
     """Rollout-shaped arrays: prompt, action 0, masked feedback, action 1 (with an answer span), padding."""
     rng = np.random.default_rng(seed)
