@@ -29,6 +29,8 @@ def paper_config(model_dir: str, mesh_shape, micro_batch_size: int, logprob_batc
     c.rollout.top_p = 0.95
     c.rl.llds_coef = 0.1
     c.rl.llds_gate = "action"
+    c.rl.ratio_max = 100.0  # the official LLDS code's clamp(ρ, max=100), not newer verl's ±20 log-ratio clamp
+    c.rl.log_ratio_clamp = 0.0
     c.optim.lr = 1e-6
     c.optim.warmup_ratio = 0.285
     c.optim.lr_first_step_zero = True

@@ -29,7 +29,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.policy_loss = "ppo"  # ppo (token ratio) | gspo (sequence ratio)
     c.clip_low = 0.2
     c.clip_high = 0.2
-    c.log_ratio_clamp = 20.0  # |log rho| clamp before exp (newer verl); 0 = off (Search-R1's verl)
+    c.ratio_max = 100.0  # rho = min(rho, ratio_max), no gradient above (official LLDS code: 100); 0 = off
+    c.log_ratio_clamp = 0.0  # |log rho| clamp before exp (newer verl: 20); 0 = off (official LLDS code)
     c.dual_clip_c = 0.0  # dual-clip bound for A < 0 (verl clip_ratio_c = 3); 0 = off (Search-R1)
     # KL to the frozen reference and entropy bonus.
     c.kl_estimator = "low_var_kl"  # k1|kl, k2|mse, k3|low_var_kl, abs
@@ -84,6 +85,10 @@ def validate(cfg) -> None:
     _check_range(cfg, "clip_low", 0.0, 1.0)
     _check_range(cfg, "clip_high", 0.0)
     _check_range(cfg, "log_ratio_clamp", 0.0)
+    _check_range(cfg, "ratio_max", 0.0)
+    if 0 < cfg.ratio_max <= 1.0 + cfg.clip_high:
+        raise ValueError(f"rl.ratio_max = {cfg.ratio_max!r} must be 0 (off) or above 1 + rl.clip_high "
+                         f"= {1.0 + cfg.clip_high}: below it the clamp would replace PPO's clip")
     _check_range(cfg, "kl_coef", 0.0)
     _check_range(cfg, "entropy_coef", 0.0)
     _check_range(cfg, "token_sum_norm_length", 0)

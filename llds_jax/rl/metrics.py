@@ -1,7 +1,11 @@
 """Diagnostics of one update that the objective can compute for free (SPEC §8).
 
 Every metric is a (sum, denominator) pair or an extremum, like the loss terms, so metrics
-pooled over micro-batches and shards are exact too. Names: pos / neg = advantage > 0 / < 0;
+pooled over micro-batches and shards are exact too. Names: pos / neg = advantage > 0 / < 0
+(strict on both sides, so the A = 0 responses of an all-equal group are in neither: they carry
+no "correct vs incorrect" signal). The official LLDS code's ``pos_avg_old_log_prob`` uses
+A ≥ 0 (its preserved set) and so mixes those zero-advantage groups into the "correct" curve;
+``llds/*`` metrics below use A ≥ 0, as the penalty does;
 "first_action" / "later_actions" = action run 0 / runs >= 1 (the paper tracks the first
 action's likelihood separately, since it decays first).
 """

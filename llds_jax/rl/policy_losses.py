@@ -5,10 +5,16 @@ so the same per-token loss serves every aggregation mode and micro-batching sche
 
 PPO-clip (SPEC §4): `rho = exp(logp - old_logp)`,
 `loss = max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high))`.
-Reference details kept behind config: the log-ratio is clamped to
-`[-log_ratio_clamp, log_ratio_clamp]` before `exp` (newer verl clamps at 20; it only matters
-where `exp` would overflow; 0 disables), and optional dual-clip for A < 0
-(`dual_clip_c`, verl's `clip_ratio_c = 3`; Search-R1's verl had none, so 0 = off by default).
+Reference details kept behind config:
+* `ratio_max`: the official LLDS code's `ratio = clamp(exp(log_ratio), max=100)`, upper side
+  only, no gradient above it (default 100). Computed as `exp(min(log_ratio, log ratio_max))`:
+  the same value and gradient wherever the reference is finite, and no overflow where its
+  `exp` would give inf (and its backward 0 · inf = NaN). On a token with ρ > 100 and A < 0
+  this is what bounds the gradient (a ±20 log-ratio clamp lets ρ reach e²⁰).
+* `log_ratio_clamp`: the log-ratio clamped to `[-c, c]` before `exp` (newer verl, c = 20);
+  0 = off (default, as the official code).
+* `dual_clip_c`: dual-clip for A < 0 (verl's `clip_ratio_c = 3`; Search-R1's verl had none,
+  so 0 = off by default).
 
 GSPO (Zheng et al. 2025): one ratio per sequence, `s_i = exp(mean_t log(pi/pi_old))` over
 the response's action tokens, applied token-wise as `sg(s_i) * pi_t / sg(pi_t)` so every
@@ -18,6 +24,7 @@ token's gradient is scaled by the same sequence ratio. The paper pairs it with
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -35,8 +42,12 @@ class PolicyTerms(NamedTuple):
     clipped_low: jax.Array  # [B, T] bool: A < 0 and ratio below 1 - clip_low (no gradient)
 
 
-def _clamp_log_ratio(log_ratio: jax.Array, limit: float) -> jax.Array:
-    return jnp.clip(log_ratio, -limit, limit) if limit > 0 else log_ratio
+def _ratio(log_ratio: jax.Array, cfg) -> jax.Array:
+    if cfg.log_ratio_clamp > 0:
+        log_ratio = jnp.clip(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    if cfg.ratio_max > 0:
+        log_ratio = jnp.minimum(log_ratio, math.log(cfg.ratio_max))
+    return jnp.exp(log_ratio)
 
 
 def _clipped_surrogate(ratio: jax.Array, advantages: jax.Array, cfg) -> PolicyTerms:
@@ -58,7 +69,7 @@ def _clipped_surrogate(ratio: jax.Array, advantages: jax.Array, cfg) -> PolicyTe
 @POLICY_LOSSES.register("ppo")
 def ppo_clip_loss(logp, old_logp, advantages, action_mask, cfg) -> PolicyTerms:
     del action_mask
-    ratio = jnp.exp(_clamp_log_ratio(logp - old_logp, cfg.log_ratio_clamp))
+    ratio = _ratio(logp - old_logp, cfg)
     return _clipped_surrogate(ratio, advantages, cfg)
 
 
@@ -68,5 +79,5 @@ def gspo_loss(logp, old_logp, advantages, action_mask, cfg) -> PolicyTerms:
     length = jnp.maximum(mask.sum(axis=-1, keepdims=True), 1.0)
     seq_log_ratio = jax.lax.stop_gradient(((logp - old_logp) * mask).sum(axis=-1, keepdims=True) / length)
     log_ratio = logp - jax.lax.stop_gradient(logp) + seq_log_ratio
-    ratio = jnp.exp(_clamp_log_ratio(log_ratio, cfg.log_ratio_clamp))
+    ratio = _ratio(log_ratio, cfg)
     return _clipped_surrogate(ratio, advantages, cfg)

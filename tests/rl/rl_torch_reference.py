@@ -130,6 +130,8 @@ def reference_loss(
     if cfg.log_ratio_clamp > 0:
         log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     ratio = torch.exp(log_ratio)
+    if cfg.ratio_max > 0:  # the official LLDS code: torch.clamp(ratio, max=100)
+        ratio = torch.clamp(ratio, max=cfg.ratio_max)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     pg = torch.where(clipped > unclipped, clipped, unclipped)

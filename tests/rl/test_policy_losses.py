@@ -29,11 +29,48 @@ def test_ppo_clip_uses_separate_low_and_high_clips():
 
 
 def test_log_ratio_clamp_keeps_the_ratio_finite():
-    cfg = cfg_with(log_ratio_clamp=20.0)
+    cfg = cfg_with(log_ratio_clamp=20.0, ratio_max=0.0)
     out = rl.POLICY_LOSSES.get("ppo")(
         jnp.array([[0.0]]), jnp.array([[-200.0]]), jnp.array([[-1.0]]), jnp.ones((1, 1)), cfg
     )
     np.testing.assert_allclose(float(out.ratio[0, 0]), np.exp(20.0), rtol=1e-6)
+
+
+def test_ratio_max_is_the_official_upper_clamp_in_value_and_gradient():
+    """Official LLDS code: ``ratio = torch.clamp(torch.exp(log_prob - old_log_prob), max=100)``.
+
+    Ratios 0.5 … 400 under both signs of A: loss and d loss / d logp equal torch's to fp32
+    rounding; the symmetric ±20 log-ratio clamp differs wherever ρ > 100 and A < 0.
+    """
+    torch = pytest.importorskip("torch")
+    log_ratio = np.log(np.array([0.5, 1.1, 50.0, 99.0, 101.0, 400.0] * 2, np.float32))[None]
+    adv = np.repeat(np.array([1.0, -1.0], np.float32), 6)[None]
+
+    def ours(cfg):
+        fn = lambda lp: rl.POLICY_LOSSES.get("ppo")(lp, jnp.zeros_like(lp), jnp.asarray(adv), jnp.ones_like(lp), cfg)
+        return np.asarray(fn(jnp.asarray(log_ratio)).loss), np.asarray(jax.grad(lambda lp: fn(lp).loss.sum())(
+            jnp.asarray(log_ratio)))
+
+    lp = torch.tensor(log_ratio, requires_grad=True)
+    ratio = torch.clamp(torch.exp(lp), max=100.0)
+    a = torch.tensor(adv)
+    loss = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 0.8, 1.2))
+    loss.sum().backward()
+    official_loss, official_grad = loss.detach().numpy(), lp.grad.numpy()
+
+    loss_ours, grad_ours = ours(cfg_with())
+    np.testing.assert_allclose(loss_ours, official_loss, rtol=2e-6)
+    np.testing.assert_allclose(grad_ours, official_grad, rtol=2e-6, atol=1e-6)
+    loss_sym, grad_sym = ours(cfg_with(ratio_max=0.0, log_ratio_clamp=20.0))
+    assert not np.allclose(grad_sym, official_grad), "the ±20 log-ratio clamp should differ above ρ = 100"
+
+
+def test_ratio_max_never_overflows_where_the_reference_exp_would():
+    cfg = cfg_with()
+    fn = lambda lp: rl.POLICY_LOSSES.get("ppo")(lp, jnp.zeros((1, 1)), -jnp.ones((1, 1)), jnp.ones((1, 1)), cfg).loss
+    big = jnp.array([[200.0]])  # exp(200) is inf in fp32
+    assert float(fn(big)[0, 0]) == pytest.approx(100.0)
+    assert float(jax.grad(lambda lp: fn(lp).sum())(big)[0, 0]) == 0.0
 
 
 def test_dual_clip_bounds_the_loss_of_negative_advantages():
