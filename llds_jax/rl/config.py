@@ -17,6 +17,7 @@ from llds_jax.rl.policy_losses import POLICY_LOSSES
 
 LOSS_SCOPES = ("mini_batch", "micro_batch")
 LLDS_DENOMINATORS = ("action_tokens", "preserved_tokens")
+MA_SEARCH_COUNTS = ("batch_written", "minibatch_executed")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -47,6 +48,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.mask_answer = False  # LLDS-MA: answer tokens get min(answer_weight, llds_coef)
     c.answer_weight = 0.0  # w_ans; 0 removes answer tokens from the penalty
     c.adaptive_ma = False  # w_ans * max(mean_searches - 1, 0), still capped at llds_coef
+    # What adaptive MA's mean_searches counts. batch_written (official LLDS code's valid_search_mean):
+    # actions parsed as a search, including one in the final turn that is not executed, averaged
+    # over the whole rollout batch. minibatch_executed: searches run, averaged over the mini-batch.
+    c.ma_search_count = "batch_written"
     c.answer_in_gate = True  # answer tokens count in the gate's signed sum under MA
     return c
 
@@ -81,6 +86,7 @@ def validate(cfg) -> None:
     _check_choice(cfg, "llds_gate", LLDS_GATES)
     _check_choice(cfg, "loss_scope", LOSS_SCOPES)
     _check_choice(cfg, "llds_denominator", LLDS_DENOMINATORS)
+    _check_choice(cfg, "ma_search_count", MA_SEARCH_COUNTS)
     _check_range(cfg, "advantage_eps", 0.0)
     _check_range(cfg, "clip_low", 0.0, 1.0)
     _check_range(cfg, "clip_high", 0.0)

@@ -102,13 +102,15 @@ def _llds_denominator(token_mask: jax.Array, advantages: jax.Array, cfg) -> jax.
 
 
 def batch_constants(
-    advantages: jax.Array, masks: LossMasks, cfg, *, axis_name=None, llds_coef=None
+    advantages: jax.Array, masks: LossMasks, cfg, *, axis_name=None, llds_coef=None, mean_searches=None
 ) -> BatchConstants:
     """Denominators of the loss terms + mean searches for a whole mini-batch (masks only).
 
     Inside `shard_map`, `axis_name` sums the pieces over the data-parallel axis first.
     `llds_coef` overrides `cfg.llds_coef` with a (possibly traced) scalar, so lambda can
     change between steps (e.g. a death-spiral monitor raising it) without recompiling.
+    `mean_searches` overrides this mini-batch's mean (``rl.ma_search_count = batch_written``
+    averages over the whole rollout batch, as the official code does).
     """
     validate(cfg)
     row_weight = _row_weight(masks)
@@ -122,7 +124,9 @@ def batch_constants(
     if axis_name is not None:
         denominators, searches, rows = jax.lax.psum((denominators, searches, rows), axis_name)
     lam = jnp.asarray(cfg.llds_coef if llds_coef is None else llds_coef, jnp.float32)
-    return BatchConstants(denominators, searches / jnp.maximum(rows, 1.0), lam)
+    if mean_searches is None:
+        mean_searches = searches / jnp.maximum(rows, 1.0)
+    return BatchConstants(denominators, jnp.asarray(mean_searches, jnp.float32), lam)
 
 
 def objective_terms(batch: PolicyBatch, cfg, constants: BatchConstants | None = None) -> ObjectiveTerms:

@@ -50,10 +50,12 @@ def token_aligned(shifted: np.ndarray, length: int) -> np.ndarray:
     return out
 
 
-def rollout_arrays(rollout) -> dict[str, np.ndarray]:
+def rollout_arrays(rollout, ma_search_count: str = "batch_written") -> dict[str, np.ndarray]:
+    """``num_searches`` is the count adaptive LLDS-MA reads (``rl.ma_search_count``)."""
+    searches = rollout.search_actions_written if ma_search_count == "batch_written" else rollout.searches
     return dict(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask, action_mask=rollout.action_mask,
                 answer_mask=rollout.answer_mask, action_index=rollout.action_index,
-                num_searches=rollout.searches.astype(np.float32), sampler_logprobs=rollout.sampler_logprobs)
+                num_searches=searches.astype(np.float32), sampler_logprobs=rollout.sampler_logprobs)
 
 
 def rollout_metrics(rollout, rewards: np.ndarray) -> dict[str, float]:
@@ -157,7 +159,7 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
                                group_ids=list(range(share.start, share.stop)))
         golden = [batch.records[g].golden_answers for g in rollout.group_ids]
         rewards = em_rewards(rollout.answers, golden)
-        arrays = rollout_arrays(rollout)
+        arrays = rollout_arrays(rollout, config.rl.ma_search_count)
         metrics = rollout_metrics(rollout, rewards)
         update_metrics, extra = learner.update(arrays, rewards, rollout.group_ids)
         metrics.update(update_metrics)

@@ -205,8 +205,9 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def one_update(state: TrainState, mini: TrainBatch, lr, on_policy):
-        constants = batch_constants(mini.advantages, _loss_masks(mini), rl_cfg, llds_coef=state.llds_coef)
+    def one_update(state: TrainState, mini: TrainBatch, lr, on_policy, batch_mean_searches):
+        constants = batch_constants(mini.advantages, _loss_masks(mini), rl_cfg, llds_coef=state.llds_coef,
+                                    mean_searches=batch_mean_searches)
         micros = _split_rows(mini, sizes.num_micro_batches)
         zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
 
@@ -247,7 +248,11 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         lr = learning_rate(state.step, optim_cfg, sizes.total_steps)
         minis = _split_rows(batch, sizes.num_mini_batches)
         on_policy = jnp.arange(sizes.num_mini_batches) == 0  # θ = θ_old only before the first update
-        state, metrics = jax.lax.scan(lambda s, xs: one_update(s, xs[0], lr, xs[1]), state, (minis, on_policy))
+        batch_mean_searches = None  # minibatch_executed: each mini-batch's own mean
+        if rl_cfg.ma_search_count == "batch_written":  # the official valid_search_mean: whole rollout batch
+            batch_mean_searches = (batch.num_searches * batch.row_weight).sum() / jnp.maximum(batch.row_weight.sum(), 1.0)
+        state, metrics = jax.lax.scan(lambda s, xs: one_update(s, xs[0], lr, xs[1], batch_mean_searches), state,
+                                      (minis, on_policy))
         metrics["optim/lr"] = jnp.broadcast_to(lr, (sizes.num_mini_batches,))
         metrics["llds/lambda"] = jnp.broadcast_to(state.llds_coef, (sizes.num_mini_batches,))
         state = state.replace(step=state.step + 1)

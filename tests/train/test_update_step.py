@@ -180,3 +180,24 @@ def test_raised_llds_lambda_applies_without_recompiling_and_survives_a_checkpoin
     assert float(restored.state.llds_coef) == pytest.approx(0.4)
     with pytest.raises(ValueError, match="λ=-1"):
         learner.set_llds_coef(-1.0)
+
+
+@pytest.mark.parametrize("count, expected", [("batch_written", [0.03, 0.03]), ("minibatch_executed", [0.0, 0.06])])
+def test_adaptive_ma_reads_searches_over_the_scope_the_config_names(count, expected):
+    """Official ``valid_search_mean``: one mean over the whole rollout batch; ours: per mini-batch.
+
+    Mini-batch 1's rows searched once, mini-batch 2's three times: the batch mean is 2, so the
+    answer coefficient min(w·max(s − 1, 0), λ) is 0.03 in both under the official count, and
+    0 then 0.06 per mini-batch.
+    """
+    config = tiny_train_config()
+    config.rl.update(dict(mask_answer=True, adaptive_ma=True, answer_weight=0.03, llds_coef=0.1, ma_search_count=count))
+    mesh = make_mesh((1, 1, 1))
+    with jax.set_mesh(mesh):
+        model = shard_model(tiny_model("qwen2"), mesh)
+    learner = Learner.create(model, config, mesh)
+    arrays = synthetic_rollout(seed=0)
+    half = len(arrays["num_searches"]) // 2
+    arrays["num_searches"] = np.array([1.0] * half + [3.0] * half, np.float32)
+    _, extra = learner.update(arrays, arrays["rewards"], arrays["group_ids"])
+    np.testing.assert_allclose(extra["per_mini_batch"]["llds/answer_coef"], expected, rtol=1e-6)
