@@ -37,9 +37,9 @@ from llds_jax.models import from_pretrained
 from llds_jax.models.gguf_tokenizer import load_gguf_tokenizer
 from llds_jax.retrieval import BM25Retriever, Corpus
 from llds_jax.rollout import default_config, run_rollouts
-from llds_jax.rollout.protocol import ACTION_STOP_STRINGS
+from llds_jax.rollout.action_stop import action_stop_table
 from llds_jax.rollout.scripted_policy import ScriptedPolicy
-from llds_jax.sampling import bucket, build_stop_table, decode_loop, vocab_bytes
+from llds_jax.sampling import bucket, decode_loop, vocab_bytes
 from llds_jax.utils.assets import smollm2_gguf_path
 
 BUNDLED = Path(__file__).resolve().parents[1] / "llds_jax" / "data" / "bundled"
@@ -74,7 +74,7 @@ def rollout_scripted_search(tokenizer, questions, retriever, cfg):
     n = len(questions) * cfg.n_samples
     turns = [tokenizer.encode(f"<search> {q} </search>", add_special_tokens=False) for q in questions]
     streams = [[turns[row // cfg.n_samples]] * (cfg.max_turns + 1) for row in range(n)]
-    policy = ScriptedPolicy(streams, build_stop_table(vocab_bytes(tokenizer), ACTION_STOP_STRINGS))
+    policy = ScriptedPolicy(streams, action_stop_table(vocab_bytes(tokenizer)))
     start = time.perf_counter()
     batch = run_rollouts(policy, tokenizer, questions, retriever, cfg)
     wall = time.perf_counter() - start

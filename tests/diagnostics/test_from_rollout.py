@@ -8,11 +8,10 @@ import pytest
 from llds_jax.diagnostics.from_rollout import first_search_feedback, response_batch_from_rollout
 from llds_jax.diagnostics.step_metrics import step_diagnostics
 from llds_jax.retrieval import Hit
+from llds_jax.rollout.action_stop import action_stop_table
 from llds_jax.rollout.config import default_config
 from llds_jax.rollout.multi_turn import run_rollouts
-from llds_jax.rollout.protocol import ACTION_STOP_STRINGS
 from llds_jax.rollout.scripted_policy import ScriptedPolicy, scripted_logprob
-from llds_jax.sampling.stop_strings import build_stop_table
 from llds_jax.sampling.token_bytes import vocab_bytes
 
 
@@ -36,7 +35,7 @@ SCRIPTS = [
 @pytest.fixture(scope="module")
 def rollout(qwen_tokenizer):
     streams = [[qwen_tokenizer.encode(first), qwen_tokenizer.encode(second)] for _, first, second, _ in SCRIPTS]
-    policy = ScriptedPolicy(streams, build_stop_table(vocab_bytes(qwen_tokenizer), ACTION_STOP_STRINGS),
+    policy = ScriptedPolicy(streams, action_stop_table(vocab_bytes(qwen_tokenizer)),
                             stop_token_ids=[qwen_tokenizer.eos_token_id])
     config = default_config()
     config.update(dict(n_samples=1, max_turns=1, max_action_tokens=32, max_obs_tokens=64, max_context=512,

@@ -12,10 +12,9 @@ import pytest
 
 from llds_jax.data.benchmarks import BENCHMARKS, DISPLAY_NAMES
 from llds_jax.eval.run import eval_main, eval_rollout_config, evaluate, load_eval_datasets
+from llds_jax.rollout.action_stop import action_stop_table
 from llds_jax.rollout.config import default_config as rollout_defaults
-from llds_jax.rollout.protocol import ACTION_STOP_STRINGS
 from llds_jax.rollout.scripted_policy import ScriptedPolicy
-from llds_jax.sampling.stop_strings import build_stop_table
 from llds_jax.sampling.token_bytes import vocab_bytes
 
 CORPUS_ROWS = 3000
@@ -97,7 +96,7 @@ def test_scripted_searches_and_answers_are_scored_exactly(slices, bm25, qwen_tok
         streams.append([qwen_tokenizer.encode(f"<think>x</think><search> {record.question} </search>"),
                         qwen_tokenizer.encode(f"<think>ok</think><answer> {answer} </answer>")])
     vocab = vocab_bytes(qwen_tokenizer)
-    policy = ScriptedPolicy(streams, build_stop_table(vocab, ACTION_STOP_STRINGS),
+    policy = ScriptedPolicy(streams, action_stop_table(vocab),
                             stop_token_ids=[qwen_tokenizer.eos_token_id])
     config = small_rollout_config(max_turns=2, max_action_tokens=96)
     result = evaluate(policy, qwen_tokenizer, records, bm25, config, greedy=False, batch_size=len(records),

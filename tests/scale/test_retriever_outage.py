@@ -29,9 +29,9 @@ import pytest
 from llds_jax.retrieval.client import HttpRetriever
 from llds_jax.retrieval.hit import RetrievalError
 from llds_jax.rollout import default_config, run_rollouts, terminator_ids
-from llds_jax.rollout.protocol import ACTION_STOP_STRINGS
+from llds_jax.rollout.action_stop import action_stop_table
 from llds_jax.rollout.scripted_policy import ScriptedPolicy
-from llds_jax.sampling import build_stop_table, vocab_bytes
+from llds_jax.sampling import vocab_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 # Two searches, then an answer: the service is needed in turn 1 and again in turn 2.
@@ -100,7 +100,7 @@ def rollout(tokenizer, retriever):
     cfg = default_config()
     cfg.update(n_samples=1, max_turns=2)
     streams = [[tokenizer.encode(turn, add_special_tokens=False) for turn in row] for row in ROWS]
-    policy = ScriptedPolicy(streams, build_stop_table(vocab_bytes(tokenizer), ACTION_STOP_STRINGS),
+    policy = ScriptedPolicy(streams, action_stop_table(vocab_bytes(tokenizer)),
                             stop_token_ids=terminator_ids(tokenizer), filler_id=tokenizer.encode("!")[0])
     return run_rollouts(policy, tokenizer, ["who got the first nobel prize in physics"] * len(ROWS), retriever, cfg)
 
