@@ -188,3 +188,11 @@ def test_serve_exits_zero_when_stopped(small_corpus, tmp_path):
             if proc.poll() is None:
                 proc.kill()
         assert proc.returncode == 0, f"serve stopped by {stop.name}: exit {proc.returncode}\n{output[-3000:]}"
+
+
+def test_train_that_will_not_fit_exits_2_before_loading_weights(tiny_config):
+    result = run_main("--mode=train", f"--config={tiny_config}", "--config.plan.check_before_train=always",
+                      "--config.plan.device_memory_bytes=100000")
+    assert_exit(result, 2)
+    assert "update:" in result.stderr and "train.micro_batch_size" in result.stderr, result.stderr[-2000:]
+    assert "retriever ready" not in result.stdout, "the weights were loaded before the fit check"

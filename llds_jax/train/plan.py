@@ -89,6 +89,11 @@ def default_plan_config() -> ml_collections.ConfigDict:
         rollout_batch=0,      # rows decoded together; 0 = every trajectory of a step at once
         hardware=("H100", "H200", "v5e", "v5p"),
         phases=("update", "logprobs", "prefill", "decode"),
+        # --mode=train plans its own programs on its own devices before loading weights and refuses
+        # to start when a phase will not fit. auto: where the devices report a memory limit (TPU,
+        # GPU); always: also elsewhere (needs device_memory_bytes); never: skip.
+        check_before_train="auto",
+        device_memory_bytes=0,  # per device; 0 = the device's own limit (memory_stats()["bytes_limit"])
     ))
 
 
@@ -393,6 +398,55 @@ def _cached_forward(graphdef, mesh, rules):
         return nnx.merge(graphdef, params).forward_cached(tokens, cache, token_mask)
 
     return jax.jit(forward, donate_argnums=(2,))
+
+
+# ----------------------------------------------------------- before a run
+# What to change when a phase does not fit, named in the refusal.
+PHASE_KNOBS = {
+    "update": "train.micro_batch_size (rows per gradient micro-batch), model.remat or mesh.shape",
+    "logprobs": "train.logprob_batch_size",
+    "prefill": "rollout.max_concurrent_rows (rows per rollout wave) or rollout.prefill_chunk",
+    "decode": "rollout.max_concurrent_rows (rows per rollout wave) or rollout.memory_fraction",
+}
+CHECK_MODES = ("auto", "always", "never")
+
+
+def device_memory_limit(section, devices) -> int | None:
+    """Bytes one device may use: ``plan.device_memory_bytes``, else what the device reports (None on CPU)."""
+    if int(section.get("device_memory_bytes", 0)):
+        return int(section.device_memory_bytes)
+    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+    return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+
+
+def check_fits_before_training(config, devices) -> Plan | None:
+    """Compile the run's own programs for ``devices`` (no weights) and refuse a run that will not fit.
+
+    Costs one AOT compile of each phase before the weights load: minutes on a pod, against an
+    out-of-memory error an hour later, after the weights and the first rollout.
+    """
+    section = config.get("plan") or default_plan_config()
+    mode = section.get("check_before_train", "auto")
+    if mode not in CHECK_MODES:
+        raise PlanError(f"plan.check_before_train={mode!r} is not one of {CHECK_MODES}")
+    if mode == "never":
+        return None
+    devices = list(devices)
+    limit = device_memory_limit(section, devices)
+    if limit is None:
+        if mode == "always":
+            raise PlanError(f"plan.check_before_train='always', but {devices[0].platform} devices report no memory "
+                            "limit: set plan.device_memory_bytes")
+        return None
+    plan = make_plan(config, target=devices)
+    over = {phase: plan.phase_peak(phase) for phase in plan.programs if plan.phase_peak(phase) > limit}
+    if over:
+        size = lambda n: f"{n / GB:.2f} GB" if n >= GB / 10 else f"{n / 1e6:.2f} MB"
+        lines = [f"  {phase}: {size(peak)} per device > {size(limit)}; change {PHASE_KNOBS[phase]}"
+                 for phase, peak in over.items()]
+        raise PlanError("this run will not fit its devices (its own plan; --mode=plan prints the table):\n"
+                        + "\n".join(lines) + "\n(plan.check_before_train='never' skips this check)")
+    return plan
 
 
 # ------------------------------------------------------------------ report

@@ -81,6 +81,7 @@ def _setup(config):
     from llds_jax.parallel.mesh import make_mesh
     from llds_jax.retrieval.factory import build_retriever
     from llds_jax.train.metrics import MetricsWriter
+    from llds_jax.train.plan import check_fits_before_training
     from llds_jax.train.short_docs import maybe_short_docs
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save step at INFO
@@ -91,6 +92,8 @@ def _setup(config):
     if distributed.is_main_process():
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=1) + "\n")
     mesh = make_mesh(tuple(config.mesh.shape))
+    if check_fits_before_training(config, mesh.devices.flat) is not None:
+        print("plan: every phase fits the devices' memory", flush=True)
     clock = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(config.model, mesh)
     retriever = maybe_short_docs(build_retriever(config.retrieval), tokenizer, config.train.max_doc_tokens)

@@ -194,3 +194,33 @@ def test_plan_compiles_with_xla_gpu_for_h100s_from_a_cpu_host():
     assert "2 host(s) x 4" in plan.compiler and plan.target == "H100"
     _check_tiny_plan(plan, 8)
     assert f"{HARDWARE['H100'][0]:<28}fits   <- compiled for this chip" in format_plan(plan)
+
+
+def test_a_run_that_will_not_fit_is_refused_naming_the_phase_and_the_field():
+    """``check_fits_before_training`` compiles the run's own programs; 100 kB per device fits none."""
+    from llds_jax.train.plan import check_fits_before_training
+
+    c = _tiny_config()
+    c.plan.update(check_before_train="always", device_memory_bytes=100_000)
+    with pytest.raises(PlanError) as error:
+        check_fits_before_training(c, jax.devices())
+    message = str(error.value)
+    for phase, field in (("update", "train.micro_batch_size"), ("logprobs", "train.logprob_batch_size"),
+                         ("decode", "rollout.max_concurrent_rows")):
+        assert f"  {phase}: " in message and field in message, message
+    c.plan.device_memory_bytes = 10 * 2**30
+    plan = check_fits_before_training(c, jax.devices())
+    assert plan is not None and set(plan.programs) == {"update", "logprobs", "prefill", "decode"}
+
+
+def test_the_fit_check_is_skipped_where_devices_report_no_limit_unless_asked():
+    from llds_jax.train.plan import check_fits_before_training
+
+    c = _tiny_config()
+    assert check_fits_before_training(c, jax.devices()) is None  # auto, CPU: no limit reported
+    c.plan.check_before_train = "always"
+    with pytest.raises(PlanError, match="plan.device_memory_bytes"):
+        check_fits_before_training(c, jax.devices())
+    c.plan.check_before_train = "sometimes"
+    with pytest.raises(PlanError, match="check_before_train='sometimes'"):
+        check_fits_before_training(c, jax.devices())
