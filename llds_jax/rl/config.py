@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from llds_jax.errors import InputError
 from llds_jax.rl.advantages import ADVANTAGE_ESTIMATORS
 from llds_jax.rl.aggregation import AGGREGATIONS
 from llds_jax.rl.kl import KL_ESTIMATORS
@@ -16,6 +17,11 @@ from llds_jax.rl.llds import LLDS_GATES
 from llds_jax.rl.policy_losses import POLICY_LOSSES
 
 LOSS_SCOPES = ("mini_batch", "micro_batch")
+
+
+class RLConfigError(InputError):
+    """A bad ``config.rl`` field; the message names it and the allowed values."""
+
 LLDS_DENOMINATORS = ("action_tokens", "preserved_tokens")
 MA_SEARCH_COUNTS = ("batch_written", "minibatch_executed")
 
@@ -60,15 +66,15 @@ def _check_choice(cfg, field: str, allowed) -> None:
     value = cfg[field]
     if value not in allowed:
         known = allowed.names() if hasattr(allowed, "names") else list(allowed)
-        raise ValueError(f"rl.{field} = {value!r} is not one of {known}")
+        raise RLConfigError(f"rl.{field} = {value!r} is not one of {known}")
 
 
 def _check_range(cfg, field: str, low: float, high: float | None = None) -> None:
     value = cfg[field]
     if not isinstance(value, int | float) or isinstance(value, bool):
-        raise ValueError(f"rl.{field} must be a number, got {value!r}")
+        raise RLConfigError(f"rl.{field} must be a number, got {value!r}")
     if value < low or (high is not None and value > high):
-        raise ValueError(f"rl.{field} = {value!r} is outside [{low}, {high if high is not None else 'inf'}]")
+        raise RLConfigError(f"rl.{field} = {value!r} is outside [{low}, {high if high is not None else 'inf'}]")
 
 
 def validate(cfg) -> None:
@@ -76,9 +82,9 @@ def validate(cfg) -> None:
     expected = set(default_config().keys())
     present = set(cfg.keys())
     if missing := sorted(expected - present):
-        raise ValueError(f"rl config is missing fields {missing}")
+        raise RLConfigError(f"rl config is missing fields {missing}")
     if unknown := sorted(present - expected):
-        raise ValueError(f"rl config has unknown fields {unknown}; known: {sorted(expected)}")
+        raise RLConfigError(f"rl config has unknown fields {unknown}; known: {sorted(expected)}")
     _check_choice(cfg, "advantage_estimator", ADVANTAGE_ESTIMATORS)
     _check_choice(cfg, "policy_loss", POLICY_LOSSES)
     _check_choice(cfg, "kl_estimator", KL_ESTIMATORS)
@@ -93,7 +99,7 @@ def validate(cfg) -> None:
     _check_range(cfg, "log_ratio_clamp", 0.0)
     _check_range(cfg, "ratio_max", 0.0)
     if 0 < cfg.ratio_max <= 1.0 + cfg.clip_high:
-        raise ValueError(f"rl.ratio_max = {cfg.ratio_max!r} must be 0 (off) or above 1 + rl.clip_high "
+        raise RLConfigError(f"rl.ratio_max = {cfg.ratio_max!r} must be 0 (off) or above 1 + rl.clip_high "
                          f"= {1.0 + cfg.clip_high}: below it the clamp would replace PPO's clip")
     _check_range(cfg, "kl_coef", 0.0)
     _check_range(cfg, "entropy_coef", 0.0)
@@ -101,11 +107,11 @@ def validate(cfg) -> None:
     _check_range(cfg, "llds_coef", 0.0)
     _check_range(cfg, "answer_weight", 0.0)
     if cfg.dual_clip_c != 0 and not cfg.dual_clip_c > 1.0:
-        raise ValueError(f"rl.dual_clip_c = {cfg.dual_clip_c!r} must be 0 (off) or > 1")
+        raise RLConfigError(f"rl.dual_clip_c = {cfg.dual_clip_c!r} must be 0 (off) or > 1")
     for flag in ("unbiased_std", "mask_answer", "adaptive_ma", "answer_in_gate"):
         if not isinstance(cfg[flag], bool):
-            raise ValueError(f"rl.{flag} must be a bool, got {cfg[flag]!r}")
+            raise RLConfigError(f"rl.{flag} must be a bool, got {cfg[flag]!r}")
     if cfg.adaptive_ma and not cfg.mask_answer:
-        raise ValueError(
+        raise RLConfigError(
             "rl.adaptive_ma = True scales the MA answer weight, so it needs rl.mask_answer = True"
         )

@@ -26,6 +26,7 @@ import ml_collections
 
 from llds_jax.diagnostics.monitor import MonitorConfig
 from llds_jax.errors import InputError
+from llds_jax.rl.config import validate as rl_validate
 
 
 class TrainConfigError(InputError):
@@ -178,6 +179,7 @@ def validate(config, num_devices: int | None = None) -> ml_collections.ConfigDic
         if config.sft.batch_size % dp:
             raise TrainConfigError(f"sft.batch_size={config.sft.batch_size} is not a multiple of the "
                                    f"data-parallel size {dp}")
+    rl_validate(config.rl)  # the objective's fields fail here, not when the update is first traced
     if config.get("monitor") is not None:
         try:
             MonitorConfig.from_mapping(config.monitor)

@@ -86,6 +86,21 @@ def test_sweep_expands_the_grid_in_order_and_validates_every_run(tmp_path):
     config.sweep.grid = (("train.mini_batch_size", (3,)),)
     with pytest.raises(TrainConfigError, match="sweep run 'mini_batch_size=3'.*train.mini_batch_size=3"):
         plan(config)
+    config.sweep.grid = (("rl.llds_gate", ("action", "acton")),)  # caught before any run starts
+    with pytest.raises(TrainConfigError, match="sweep run 'llds_gate=acton'.*rl.llds_gate = 'acton' is not one of"):
+        plan(config)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("llds_gate", "acton", "rl.llds_gate = 'acton' is not one of"),
+    ("ratio_max", 1.1, "rl.ratio_max = 1.1 must be 0 .off. or above 1 . rl.clip_high"),
+    ("ma_search_count", "all", "rl.ma_search_count = 'all' is not one of"),
+])
+def test_a_bad_rl_field_fails_the_config_check_before_any_weight_is_loaded(field, value, message):
+    config = load_config("cpu_smoke")
+    config.rl[field] = value
+    with pytest.raises(ValueError, match=message):
+        validate(config, num_devices=1)
 
 
 def test_first_step_lr_zero_is_a_flag():
