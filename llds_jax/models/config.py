@@ -20,6 +20,7 @@ from llds_jax.errors import InputError
 FAMILIES = ("qwen2", "qwen3", "llama")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "nothing_saveable")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ATTENTION_BACKENDS = ("auto", "xla_blockwise", "splash", "cudnn", "naive")  # see models/attention
 
 _MODEL_TYPE_TO_FAMILY = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -38,6 +39,8 @@ class DecoderConfig:
     ``param_dtype`` the stored weight dtype. ``scan_layers`` compiles one block and scans
     it over the stacked layer weights (weights are stacked either way, so checkpoints and
     shardings do not depend on this switch). ``remat`` is the per-layer checkpoint policy.
+    ``attention`` names the attention kernel (ATTENTION_BACKENDS; ``models.attention``
+    explains each); it is not part of the HF config, so a round trip resets it to "auto".
     """
 
     vocab_size: int
@@ -61,6 +64,7 @@ class DecoderConfig:
     remat: str = "none"
     dtype: str = "float32"
     param_dtype: str = "float32"
+    attention: str = "auto"
 
     def __post_init__(self):
         # Stored hashable: the config is static metadata of the NNX graph, so jit hashes it.
@@ -72,6 +76,8 @@ class DecoderConfig:
             raise ConfigError(f"family={self.family!r}: expected one of {FAMILIES}")
         if self.remat not in REMAT_POLICIES:
             raise ConfigError(f"remat={self.remat!r}: expected one of {REMAT_POLICIES}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention={self.attention!r}: expected one of {ATTENTION_BACKENDS}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")

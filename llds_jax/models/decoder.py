@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llds_jax.models import layers as L
+from llds_jax.models.attention import AttentionMask, attend, resolve_backend, target_platform
 from llds_jax.models.config import DecoderConfig
 from llds_jax.parallel.rules import ShardingRules, constrain, logical_to_sharding
 
@@ -121,9 +122,10 @@ class DecoderLayers(nnx.Module):
 
 
 def _block(config: DecoderConfig, weights: dict[str, jax.Array], x: jax.Array, cos, sin,
-           visible: jax.Array, write_kv):
+           mask: AttentionMask, write_kv):
     """One pre-norm transformer block. ``write_kv(k, v) -> (k_all, v_all, extra)``
-    decides whether attention reads the chunk itself or the cache it was written to."""
+    decides whether attention reads the chunk itself or the cache it was written to;
+    ``mask`` says which of those keys each query sees, in O(T + S) (no [T, S] array)."""
     dtype = config.compute_dtype
     w = {name: value.astype(dtype) for name, value in weights.items()}
     h = L.rms_norm(x, w["attn_norm"], config.rms_eps)
@@ -139,7 +141,7 @@ def _block(config: DecoderConfig, weights: dict[str, jax.Array], x: jax.Array, c
     k = constrain(L.apply_rope(k, cos, sin), ("batch", "seq", "act_kv_heads", None))
     v = constrain(v, ("batch", "seq", "act_kv_heads", None))
     k_all, v_all, extra = write_kv(k, v)
-    attn = L.attention(q, k_all, v_all, visible)
+    attn = attend(q, k_all, v_all, mask, resolve_backend(config.attention, target_platform()))
     x = x + jnp.einsum("bthk,hkd->btd", attn, w["o_proj"])
     x = constrain(x, ("batch", "seq", "act_embed"))
     h = L.rms_norm(x, w["mlp_norm"], config.rms_eps)
@@ -216,13 +218,11 @@ class Decoder(nnx.Module):
         attention_mask = attention_mask.astype(bool)
         if positions is None:
             positions = positions_from_mask(attention_mask)
-        length = input_ids.shape[1]
-        causal = jnp.tril(jnp.ones((length, length), bool))
-        visible = causal[None] & attention_mask[:, None, :]
+        mask = AttentionMask.causal(attention_mask)
         cos, sin = self._rope(positions)
 
         def layer_fn(weights, x, _):
-            return _block(self.config, weights, x, cos, sin, visible, lambda k, v: (k, v, None))[0]
+            return _block(self.config, weights, x, cos, sin, mask, lambda k, v: (k, v, None))[0]
 
         x = _run_layers(self.config, self.layers.stacked(), self.embed_tokens(input_ids), layer_fn)
         return L.rms_norm(x, self.final_norm[...], self.config.rms_eps)
@@ -257,8 +257,7 @@ class Decoder(nnx.Module):
         slots = cache.end[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
         rows = jnp.arange(batch)[:, None]
         valid = cache.valid.at[rows, slots].set(token_mask, mode="drop")
-        slot_ids = jnp.arange(cache.max_len, dtype=jnp.int32)
-        visible = valid[:, None, :] & (slot_ids[None, None, :] <= slots[:, :, None])
+        mask = AttentionMask.cached(slots, valid)  # a key is seen iff valid and at or before the query's slot
         cos, sin = self._rope(positions)
 
         def layer_fn(weights, carry, layer):
@@ -269,7 +268,7 @@ class Decoder(nnx.Module):
                 v_all = v_cache.at[layer, rows, slots].set(v.astype(v_cache.dtype), mode="drop")
                 return k_all[layer].astype(k.dtype), v_all[layer].astype(v.dtype), (k_all, v_all)
 
-            x, (k_cache, v_cache) = _block(self.config, weights, x, cos, sin, visible, write_kv)
+            x, (k_cache, v_cache) = _block(self.config, weights, x, cos, sin, mask, write_kv)
             return x, constrain(k_cache, KV_AXES), constrain(v_cache, KV_AXES)
 
         x, new_k, new_v = _run_layers(

@@ -1,9 +1,9 @@
-"""Pure array functions of the decoder: RMSNorm, RoPE, GQA attention, SwiGLU.
+"""Pure array functions of the decoder: RMSNorm, RoPE, SwiGLU (attention: ``models.attention``).
 
 One implementation for every family; the family switches are arguments. Numerics
 follow Hugging Face so parity holds to fp32 rounding: RMSNorm normalises in fp32 and
 casts back before the weight multiply; RoPE tables are built in fp32 and use the
-"rotate half" layout (not interleaved pairs); softmax runs in fp32.
+"rotate half" layout (not interleaved pairs).
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import jax
 import jax.numpy as jnp
 
 from llds_jax.parallel.rules import constrain
-
-MASKED_SCORE = -1e30  # finite: a query with no visible key gets a uniform row, never NaN
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -61,23 +59,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
-    """Grouped-query attention.
-
-    q [B, T, H, Dh]; k, v [B, S, KVH, Dh]; visible [B, T, S] bool. Query head h reads KV
-    head h // (H / KVH), as in HF's ``repeat_kv``. Returns [B, T, H, Dh].
-    """
-    batch, length, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(head_dim)
-    scores = jnp.where(visible[:, None, None, :, :], scores, MASKED_SCORE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(batch, length, heads, head_dim)
 
 
 def swiglu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:

@@ -1,0 +1,78 @@
+"""Attention that never materialises [T, S] scores, with one backend chosen per program.
+
+``model.attention`` picks the kernel:
+
+* ``"auto"`` — splash on TPU, cuDNN flash on GPU when cuDNN loads in this process,
+  ``xla_blockwise`` otherwise (CPU, and GPU plans compiled without cuDNN);
+* ``"xla_blockwise"`` — flash-style key blocks in plain XLA (any backend);
+* ``"splash"`` — Pallas splash attention (TPU only);
+* ``"cudnn"`` — ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only);
+* ``"naive"`` — the dense oracle that builds fp32 [B, H, T, S] scores (tests, tiny shapes).
+
+Splash and cuDNN serve the full-sequence forward (training, log-probs); a cached
+forward (prefill into a KV cache, decode, appends) uses the blockwise kernel on every
+backend, which reads only the key blocks below the rows' furthest slot.
+
+The choice is resolved at trace time from the platform the program is compiled for
+(the ambient mesh's devices, so a TPU plan from a CPU host picks splash), cached per
+(request, platform): no device query runs inside the compiled program.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from llds_jax.models.attention.blockwise import DEFAULT_BLOCK, blockwise_attention
+from llds_jax.models.attention.cudnn import cudnn_attention, cudnn_available
+from llds_jax.models.attention.mask import AttentionMask
+from llds_jax.models.attention.naive import MASKED_SCORE, naive_attention
+from llds_jax.models.attention.splash import splash_attention
+from llds_jax.models.config import ATTENTION_BACKENDS, ConfigError
+
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+__all__ = ["ATTENTION_BACKENDS", "DEFAULT_BLOCK", "MASKED_SCORE", "AttentionMask", "attend",
+           "blockwise_attention", "cudnn_attention", "naive_attention", "resolve_backend",
+           "splash_attention", "target_platform"]
+
+
+def target_platform() -> str:
+    """The platform being compiled for: the ambient mesh's devices, else JAX's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
+@functools.cache
+def resolve_backend(requested: str, platform: str) -> str:
+    """The concrete kernel for ``model.attention=requested`` on ``platform``."""
+    if requested not in ATTENTION_BACKENDS:
+        raise ConfigError(f"model.attention={requested!r}: expected one of {ATTENTION_BACKENDS}")
+    gpu = platform in _GPU_PLATFORMS
+    if requested == "auto":
+        if platform == "tpu":
+            return "splash"
+        return "cudnn" if gpu and cudnn_available() else "xla_blockwise"
+    if requested == "splash" and platform != "tpu":
+        raise ConfigError(f"model.attention='splash' needs a TPU; this program compiles for {platform!r} "
+                          f"(use 'auto' or 'xla_blockwise')")
+    if requested == "cudnn" and not (gpu and cudnn_available()):
+        raise ConfigError(f"model.attention='cudnn' needs an NVIDIA GPU with cuDNN loaded in this process; "
+                          f"this program compiles for {platform!r} (use 'auto' or 'xla_blockwise')")
+    return requested
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, backend: str,
+           block_size: int = DEFAULT_BLOCK) -> jax.Array:
+    """Grouped-query attention with a resolved ``backend``: q [B, T, H, Dh], k, v [B, S, KVH, Dh]."""
+    if backend == "naive":
+        return naive_attention(q, k, v, mask)
+    if backend == "splash" and mask.self_attention:
+        return splash_attention(q, k, v, mask, block_size)
+    if backend == "cudnn" and mask.self_attention:
+        return cudnn_attention(q, k, v, mask, block_size)
+    if backend not in ("xla_blockwise", "splash", "cudnn"):
+        raise ValueError(f"attend: backend={backend!r} is not resolved (see resolve_backend)")
+    return blockwise_attention(q, k, v, mask, block_size)

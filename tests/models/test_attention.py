@@ -1,0 +1,203 @@
+"""Attention backends against the naive oracle: values and gradients, every mask shape.
+
+Tolerance: outputs are convex combinations of O(1) values and the gradients are sums of
+at most S = 64 O(1) terms; the backends reorder fp32 sums (online softmax, block-wise
+accumulation), so their differences are a few fp32 ulps x S ≈ 1e-6. The issue's bound
+1e-5 leaves a 10x margin and still fails on any masking or grouping mistake (those
+give differences of O(0.1)).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llds_jax.models.attention import (
+    AttentionMask,
+    attend,
+    blockwise_attention,
+    naive_attention,
+    resolve_backend,
+    splash_attention,
+)
+from llds_jax.models.attention.cudnn import (
+    cudnn_attention,
+    rotated_dot_product_attention,
+    rows_are_contiguous,
+)
+from llds_jax.models.config import ConfigError
+from llds_jax.models.testing import tiny_config
+
+TOL = 1e-5
+
+
+def _qkv(batch, length, slots, heads, kv_heads, head_dim=16, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, length, heads, head_dim))
+    k = rng.standard_normal((batch, slots, kv_heads, head_dim))
+    v = rng.standard_normal((batch, slots, kv_heads, head_dim))
+    return tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v))
+
+
+def _seen(mask: AttentionMask) -> np.ndarray:
+    """[B, T, 1, 1] True where the query sees at least one key (the rows parity covers)."""
+    return np.asarray(mask.dense().any(-1))[:, :, None, None]
+
+
+def _max_differences(fn, q, k, v, mask, rows=None):
+    """max |fn - naive| of the outputs and of d/dq, d/dk, d/dv of a random projection of
+    them, over the query ``rows`` [B, T] (default: every row that sees a key)."""
+    seen = _seen(mask) if rows is None else np.asarray(rows)[:, :, None, None]
+    weights = jnp.asarray(np.random.default_rng(7).standard_normal(q.shape), jnp.float32) * seen
+
+    def loss(attention):
+        return lambda q, k, v: jnp.sum(attention(q, k, v, mask) * weights)
+
+    ref, got = naive_attention(q, k, v, mask), fn(q, k, v, mask)
+    assert np.all(np.isfinite(np.asarray(got))), "a query row came out non-finite"
+    out_diff = float(jnp.max(jnp.where(seen, jnp.abs(ref - got), 0.0)))
+    grads_ref = jax.grad(loss(naive_attention), argnums=(0, 1, 2))(q, k, v)
+    grads_got = jax.grad(loss(fn), argnums=(0, 1, 2))(q, k, v)
+    return [out_diff] + [float(jnp.max(jnp.abs(a - b))) for a, b in zip(grads_ref, grads_got)]
+
+
+LEFT_AND_RIGHT = np.array([[0, 0, 0] + [1] * 18 + [0] * 3,   # left pads, then right pads
+                           [1] * 17 + [0] * 7,               # right padding
+                           [1] * 24], bool)                  # no padding
+
+
+@pytest.mark.parametrize("block", [5, 8, 24, 512])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (4, 1)])
+def test_blockwise_matches_naive_on_left_and_right_padding(block, heads, kv_heads):
+    q, k, v = _qkv(3, 24, 24, heads, kv_heads)
+    diffs = _max_differences(lambda *a: blockwise_attention(*a, block_size=block), q, k, v,
+                             AttentionMask.causal(jnp.asarray(LEFT_AND_RIGHT)))
+    assert max(diffs) <= TOL, f"block={block} GQA {heads}/{kv_heads}: |out|,|dq|,|dk|,|dv| differ by {diffs}"
+
+
+def _holey_cache_mask():
+    """Two rows appending 3 tokens at different slots of a 40-slot cache with holes
+    (right-padded earlier chunks left invalid slots inside the row) and left padding."""
+    valid = np.zeros((2, 40), bool)
+    valid[0, 2:9] = True      # left padding 0..1, prompt 2..8
+    valid[0, 11:15] = True    # hole at 9..10 (an earlier chunk's right padding)
+    valid[1, 0:20] = True
+    valid[1, 5:8] = False     # a hole
+    end = np.array([15, 20])
+    slots = end[:, None] + np.arange(3)[None, :]
+    token_mask = np.array([[1, 1, 0], [1, 1, 1]], bool)  # row 0 appends a right-padded chunk
+    valid[np.arange(2)[:, None], slots] = token_mask
+    return AttentionMask.cached(jnp.asarray(slots), jnp.asarray(valid))
+
+
+@pytest.mark.parametrize("block", [4, 7, 16, 512])
+def test_blockwise_matches_naive_over_a_cache_with_holes(block):
+    mask = _holey_cache_mask()
+    q, k, v = _qkv(2, 3, 40, 4, 2)
+    diffs = _max_differences(lambda *a: blockwise_attention(*a, block_size=block), q, k, v, mask)
+    assert max(diffs) <= TOL, f"block={block}: |out|,|dq|,|dk|,|dv| differ by {diffs}"
+
+
+def test_query_with_no_visible_key_is_finite():
+    """A left pad in a full-sequence forward sees nothing: the oracle averages all keys,
+    blockwise the keys it read; both only need to be finite (the row is never used)."""
+    q, k, v = _qkv(1, 9, 9, 4, 2)
+    mask = AttentionMask.causal(jnp.asarray([[0, 0, 0, 0, 1, 1, 1, 1, 1]], bool))
+    out = blockwise_attention(q, k, v, mask, block_size=4)
+    grads = jax.grad(lambda q, k, v: jnp.sum(blockwise_attention(q, k, v, mask, block_size=4)),
+                     argnums=(0, 1, 2))(q, k, v)
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in (out, *grads))
+
+
+def test_decode_never_reads_key_blocks_past_the_furthest_query():
+    """One-token decode at slot 9 of a 64-slot cache reads blocks 0..1 of 8 keys only:
+    NaN written into slots 16.. cannot reach the output (the naive form, which reads
+    every slot, turns 0 x NaN into NaN there — checked, so this test can fail)."""
+    q, k, v = _qkv(2, 1, 64, 4, 2)
+    valid = jnp.arange(64)[None, :] <= jnp.array([[9], [7]])
+    mask = AttentionMask.cached(jnp.array([[9], [7]]), valid)
+    clean = blockwise_attention(q, k, v, mask, block_size=8)
+    poisoned_k, poisoned_v = k.at[:, 16:].set(jnp.nan), v.at[:, 16:].set(jnp.nan)
+    poisoned = blockwise_attention(q, poisoned_k, poisoned_v, mask, block_size=8)
+    np.testing.assert_array_equal(np.asarray(poisoned), np.asarray(clean))
+    assert np.isnan(np.asarray(naive_attention(q, poisoned_k, poisoned_v, mask))).any()
+    diff = float(jnp.max(jnp.abs(clean - naive_attention(q, k, v, mask))))
+    assert diff <= TOL, f"decode output differs from naive by {diff}"
+
+
+def test_causal_by_index_and_segment_ids_equal_our_mask_on_real_tokens():
+    """What splash evaluates (t >= s and segment[t] == segment[s], pads segment 0) is our
+    mask on every real query row; pad rows differ but see at least themselves."""
+    rng = np.random.default_rng(3)
+    real = rng.random((16, 20)) < 0.7
+    ours = np.asarray(AttentionMask.causal(jnp.asarray(real)).dense())
+    index = np.arange(20)
+    splash_view = (index[:, None] >= index[None, :])[None] & (real[:, :, None] == real[:, None, :])
+    np.testing.assert_array_equal(ours[real], splash_view[real])
+    assert splash_view[~real].any(-1).all(), "a pad row would be empty for splash"
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
+def test_splash_kernel_matches_naive_in_the_pallas_interpreter(heads, kv_heads):
+    """The real splash kernel (interpreted on CPU) with our segment-id mapping and
+    sequence padding to the 128-lane block: values and gradients on real-token rows
+    (right-pad rows read earlier real keys in our mask, only pads in splash's)."""
+    real = np.ones((2, 100), bool)
+    real[0, :9] = False    # left padding
+    real[1, 90:] = False   # right padding
+    q, k, v = _qkv(2, 100, 100, heads, kv_heads)
+    mask = AttentionMask.causal(jnp.asarray(real))
+    diffs = _max_differences(lambda *a: splash_attention(*a, interpret=True), q, k, v, mask, rows=real)
+    assert max(diffs) <= TOL, f"splash |out|,|dq|,|dk|,|dv| differ by {diffs}"
+
+
+def test_cudnn_rotation_to_right_padding_matches_naive():
+    """The cuDNN path's rotation (left pads moved behind the row, per-row lengths),
+    run through jax's reference kernel since this host has no cuDNN."""
+    q, k, v = _qkv(3, 24, 24, 4, 2)
+    mask = AttentionMask.causal(jnp.asarray(LEFT_AND_RIGHT))
+    diffs = _max_differences(lambda q, k, v, m: rotated_dot_product_attention(q, k, v, m.key_valid, "xla"),
+                             q, k, v, mask, rows=LEFT_AND_RIGHT)
+    assert max(diffs) <= TOL, f"rotated |out|,|dq|,|dk|,|dv| differ by {diffs}"
+
+
+def test_cudnn_path_falls_back_to_blockwise_when_a_row_has_a_hole():
+    holey = LEFT_AND_RIGHT.copy()
+    holey[2, 10:12] = False
+    assert bool(rows_are_contiguous(jnp.asarray(LEFT_AND_RIGHT)))
+    assert not bool(rows_are_contiguous(jnp.asarray(holey)))
+    assert bool(rows_are_contiguous(jnp.zeros((2, 5), bool))), "all-pad rows have no hole"
+    q, k, v = _qkv(3, 24, 24, 4, 2)
+    diffs = _max_differences(lambda *a: cudnn_attention(*a, implementation="xla"), q, k, v,
+                             AttentionMask.causal(jnp.asarray(holey)))
+    assert max(diffs) <= TOL, f"cudnn path on a holey row: |out|,|dq|,|dk|,|dv| differ by {diffs}"
+
+
+@pytest.mark.parametrize("requested,platform,expected", [
+    ("auto", "cpu", "xla_blockwise"), ("auto", "tpu", "splash"), ("auto", "gpu", "xla_blockwise"),
+    ("xla_blockwise", "tpu", "xla_blockwise"), ("naive", "cpu", "naive"), ("splash", "tpu", "splash"),
+])
+def test_backend_is_resolved_from_the_target_platform(requested, platform, expected):
+    """(This host has no cuDNN, so "auto" on a GPU target is the blockwise kernel.)"""
+    assert resolve_backend(requested, platform) == expected
+
+
+@pytest.mark.parametrize("requested,platform,message", [
+    ("splash", "cpu", "model.attention='splash' needs a TPU; this program compiles for 'cpu'"),
+    ("cudnn", "gpu", "model.attention='cudnn' needs an NVIDIA GPU with cuDNN"),
+    ("flash", "cpu", "model.attention='flash': expected one of"),
+])
+def test_impossible_backend_requests_are_named(requested, platform, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_backend(requested, platform)
+
+
+def test_config_rejects_an_unknown_attention_backend_by_name():
+    with pytest.raises(ConfigError, match=r"attention='flash2': expected one of \('auto'"):
+        tiny_config("qwen2", attention="flash2")
+
+
+def test_attend_refuses_an_unresolved_backend():
+    q, k, v = _qkv(1, 4, 4, 2, 2)
+    with pytest.raises(ValueError, match="backend='auto' is not resolved"):
+        attend(q, k, v, AttentionMask.causal(jnp.ones((1, 4), bool)), "auto")
