@@ -193,7 +193,8 @@ def load_policy(model_cfg):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
         return tiny_model(source.split(":", 1)[1], vocab_size=_padded_vocab(len(tokenizer))), tokenizer
     path = resolve_model_path(source)
-    model = models.from_pretrained(path, dtype=model_cfg.get("dtype", "float32"))
+    model = models.from_pretrained(path, dtype=model_cfg.get("dtype", "float32"),
+                                   attention=model_cfg.get("attention", "auto"))
     if tokenizer_source:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     elif path.suffix == ".gguf":

@@ -103,7 +103,8 @@ def decoder_config_for(config):
     from llds_jax.models import DecoderConfig  # noqa: PLC0415
 
     source = str(config.model.source)
-    overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat)
+    overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat,
+                     attention=config.model.get("attention", "auto"))
     if source.startswith("tiny:"):
         from llds_jax.models.testing import tiny_config  # noqa: PLC0415
 
@@ -238,6 +239,7 @@ class Plan:
     notes: list[str]
     attention_scores: dict[str, int] = dataclasses.field(default_factory=dict)  # one layer, per device
     target: str = ""                    # the HARDWARE row the compiler targeted ("" = none: a proxy)
+    attention_kernels: dict[str, str] = dataclasses.field(default_factory=dict)  # phase -> kernel compiled
 
     def phase_peak(self, phase: str) -> int:
         """Peak bytes per device of a phase: XLA's live set of the program plus what it does not see."""
@@ -371,12 +373,19 @@ def make_plan(config, target: Target | None = None) -> Plan:
     dp, tensor = shape[0] * shape[1], shape[2]
     heads = decoder_cfg.num_heads // tensor if decoder_cfg.num_heads % tensor == 0 else decoder_cfg.num_heads
     context, prompt = int(config.rollout.max_context), int(config.rollout.max_prompt_tokens)
-    attention = {  # rows per device x heads per device x queries x keys x fp32
-        "update": -(-config.train.micro_batch_size // dp) * heads * length * length * 4,
-        "logprobs": -(-config.train.logprob_batch_size // dp) * heads * length * length * 4,
-        "prefill": -(-rollout_rows // dp) * heads * prompt * context * 4,
-        "decode": -(-rollout_rows // dp) * heads * 1 * context * 4,
-    }
+    from llds_jax.models.attention import DEFAULT_BLOCK  # noqa: PLC0415
+
+    requested = config.model.get("attention", "auto")
+    kernels = {phase: _attention_kernel(requested, target.platform, full_sequence=phase in ("update", "logprobs"))
+               for phase in programs}
+    keys_read = lambda kernel, keys: keys if kernel == "naive" else min(keys, DEFAULT_BLOCK)
+    rows = {"update": config.train.micro_batch_size, "logprobs": config.train.logprob_batch_size,
+            "prefill": rollout_rows, "decode": rollout_rows}
+    queries = {"update": length, "logprobs": length, "prefill": prompt, "decode": 1}
+    keys = {"update": length, "logprobs": length, "prefill": context, "decode": context}
+    attention = {  # one layer's fp32 scores per device: rows x heads x queries x keys (a block unless naive) x 4 B
+        phase: -(-rows[phase] // dp) * heads * queries[phase] * keys_read(kernels[phase], keys[phase]) * 4
+        for phase in programs}
     notes = [target.note] if target.note else []
     if rollout_rows == trajectories:
         notes.append(f"the rollout decodes all {trajectories} trajectories of a step together "
@@ -384,7 +393,15 @@ def make_plan(config, target: Target | None = None) -> Plan:
                      f"--config.plan.rollout_batch=N plans a chunked rollout")
     return Plan(f"{Path(str(config.model.source)).name} ({decoder_cfg.num_layers} layers, d={decoder_cfg.hidden_size})",
                 parameters, shape, target.compiler, resident, phase_extra, programs, notes,
-                {k: v for k, v in attention.items() if k in programs}, target.hardware)
+                attention, target.hardware, kernels)
+
+
+def _attention_kernel(requested: str, platform: str, *, full_sequence: bool) -> str:
+    """The kernel a phase compiles (``models.attention``: splash/cuDNN serve full sequences only)."""
+    from llds_jax.models.attention import resolve_backend  # noqa: PLC0415
+
+    kernel = resolve_backend(requested, platform)
+    return kernel if full_sequence or kernel == "naive" else "xla_blockwise"
 
 
 def _row_array(shape, dtype, mesh, rules):
@@ -466,14 +483,15 @@ def format_plan(plan: Plan, hardware=tuple(HARDWARE)) -> str:
         "",
         "per phase, per device, GB: XLA memory_analysis of the compiled program",
         f"  {'phase':<10}{'args':>9}{'outputs':>9}{'donated':>9}{'temps':>9}{'+other':>9}{'peak':>9}"
-        f"{'attn/layer':>11}{'compile s':>11}   phase-only inputs",
+        f"{'attn/layer':>11}{'compile s':>11}   attention kernel, phase-only inputs",
     ]
     for name, p in plan.programs.items():
         outside = plan.phase_peak(name) - p.peak_bytes
         extra = ", ".join(f"{k} {v / GB:.2f}" for k, v in plan.phase_extra.get(name, {}).items())
         lines.append(f"  {name:<10}{_gb(p.argument_bytes)}{_gb(p.output_bytes)}{_gb(p.alias_bytes)}"
                      f"{_gb(p.temp_bytes)}{_gb(outside)}{_gb(plan.phase_peak(name))}"
-                     f"{plan.attention_scores.get(name, 0) / GB:>11.2f}{p.compile_seconds:>11.1f}   {extra}"
+                     f"{plan.attention_scores.get(name, 0) / GB:>11.2f}{p.compile_seconds:>11.1f}   "
+                     f"{plan.attention_kernels.get(name, '?')}; {extra}"
                      + ("   LOWER BOUND: not compilable for this chip" if p.lower_bound else ""))
     refused = {name: p.refused for name, p in plan.programs.items() if p.refused}
     lines += [f"  ! {plan.compiler.split(' ')[0]} refused {name} for this chip: {msg}" for name, msg in refused.items()]
@@ -494,8 +512,8 @@ def format_plan(plan: Plan, hardware=tuple(HARDWARE)) -> str:
                  "  (no row's own compiler ran: the temporaries are a proxy for every row)")
     lines += ["", "temps = activations (remat), gradient accumulator, log-prob chunks, attention scores;",
               "+other = resident buffers the program does not take as arguments (e.g. Adam state while decoding);",
-              "attn/layer = one layer's fp32 attention scores per device (rows x heads x queries x keys x 4 B):",
-              "the attention materialises them, so they grow with T^2 and set the temps of long contexts."]
+              "attn/layer = one layer's fp32 attention scores live at once per device (rows x heads x queries x",
+              "keys x 4 B): keys = one block of the blockwise/splash/cuDNN kernels, all keys for naive (T^2)."]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 

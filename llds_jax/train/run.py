@@ -53,7 +53,8 @@ def load_model_and_tokenizer(model_cfg, mesh):
         vocab = -(-len(tokenizer) // 128) * 128
         with jax.set_mesh(mesh):
             return shard_model(tiny_model(source.split(":", 1)[1], vocab_size=vocab, dtype=model_cfg.dtype,
-                                               param_dtype=model_cfg.param_dtype, remat=model_cfg.remat), mesh), tokenizer
+                                               param_dtype=model_cfg.param_dtype, remat=model_cfg.remat,
+                                               attention=model_cfg.get("attention", "auto")), mesh), tokenizer
     if source == "smollm2":
         from llds_jax.utils.assets import smollm2_gguf_path
 
@@ -65,7 +66,7 @@ def load_model_and_tokenizer(model_cfg, mesh):
     with jax.set_mesh(mesh):
         # from_pretrained's dtype sets both dtypes; the param_dtype/remat overrides then win.
         model = models.from_pretrained(path, dtype=model_cfg.dtype, mesh=mesh, param_dtype=model_cfg.param_dtype,
-                                       remat=model_cfg.remat)
+                                       remat=model_cfg.remat, attention=model_cfg.get("attention", "auto"))
     if model_cfg.tokenizer:
         tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer)
     elif path.suffix == ".gguf":
