@@ -58,5 +58,5 @@ def serve_main(config: ConfigDict) -> None:
     for stop in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop, _exit_cleanly)
     limits = ServiceLimits(default_topk=r.topk, max_topk=r.max_topk, max_queries=r.max_queries,
-                           max_query_chars=r.max_query_chars)
+                           max_query_chars=r.max_query_chars, max_request_bytes=r.max_request_bytes)
     serve(retriever, r.host, r.port, limits, description=f"{r.method} over {r.corpus_path}")

@@ -25,6 +25,20 @@ def retrieve_url(url: str) -> str:
     return url if url.endswith("/retrieve") else url + "/retrieve"
 
 
+def _parse_hit(item: object, rank: int) -> Hit:
+    """One hit as any Search-R1-style server writes it.
+
+    ``{"document": {...}, "score": s}`` (``return_scores``) or a bare document. Documents carry
+    ``contents`` and, from our server and the official dense one, ``id``; the official BM25
+    server writes ``{"title", "text", "contents"}`` with no ``id``: the rank stands in for it.
+    """
+    document, score = (item["document"], item["score"]) if isinstance(item, dict) and "document" in item else (item, 0.0)
+    contents = document["contents"]
+    if not isinstance(contents, str):
+        raise TypeError(f"'contents' is {type(contents).__name__}, not a string")
+    return Hit(id=str(document.get("id", rank)), contents=contents, score=float(score))
+
+
 def _parse_hits(payload: object, expected: int, url: str) -> list[list[Hit]]:
     if not isinstance(payload, dict) or not isinstance(payload.get("result"), list):
         raise RetrievalError(f"{url}: reply has no 'result' list: {str(payload)[:200]}")
@@ -32,12 +46,8 @@ def _parse_hits(payload: object, expected: int, url: str) -> list[list[Hit]]:
     if len(result) != expected:
         raise RetrievalError(f"{url}: {len(result)} result lists for {expected} queries")
     try:
-        return [
-            [Hit(id=str(item["document"]["id"]), contents=item["document"]["contents"], score=float(item["score"]))
-             for item in hits]
-            for hits in result
-        ]
-    except (KeyError, TypeError, ValueError) as exc:
+        return [[_parse_hit(item, rank) for rank, item in enumerate(hits)] for hits in result]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise RetrievalError(f"{url}: malformed hit in reply ({exc!r}): {str(result)[:200]}") from None
 
 

@@ -38,7 +38,8 @@ def default_retrieval_config() -> ConfigDict:
     r.host = "127.0.0.1"
     r.port = 8000
     r.max_topk = 100
-    r.max_queries = 512
+    r.max_queries = 65_536  # per request; the paper's batch is 2,560 (the byte limit below binds first)
+    r.max_request_bytes = 32 * 2**20  # 413 above this; 2,560 queries of 4,096 chars are ~10 MB
     r.max_query_chars = 4096
     # HTTP client.
     r.timeout = 30.0

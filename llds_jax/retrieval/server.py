@@ -6,9 +6,18 @@ response ``{"result": [[{"document": {"id", "contents"}, "score"}, …], …]}``
 best first, or bare ``{"id", "contents"}`` documents when ``return_scores`` is false
 (the reference server crashes on that case: it unpacks a tuple it never built).
 
+An empty ``queries`` list gets ``{"result": []}``, as from the official server: Search-R1's
+trainer posts one on every search-enabled turn in which no row searches (a policy that
+stopped searching, the collapse this project studies, does that every turn).
+
 Robustness is the point of this module: a malformed request gets a 4xx naming the
 field, never a 500 and never a dead worker (Search-R1 #43: a dead server surfaces in the
-trainer as a JSONDecodeError). Concurrent requests are coalesced by `MicroBatcher` into
+trainer as a JSONDecodeError). The body is parsed here, not by FastAPI: its validation
+handler echoes the offending value, which cannot be rendered when it is NaN, ±Infinity,
+1e309 or a lone surrogate (a 500 that also drops the keep-alive connection) and which
+makes a 10 MB wrong-typed body come back whole. Error replies are short, name the field
+and never echo input. Size is limited by bytes (``max_request_bytes``, 413), not by a small
+query count: the paper's batch is 512 prompts × 5 samples = 2,560 queries in one request. Concurrent requests are coalesced by `MicroBatcher` into
 one ``retriever.search`` call, so the dense encoder sees one large batch instead of many
 batches of one (FlashRAG #4: query encoding dominates latency).
 """
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 from collections.abc import Callable, Sequence
@@ -24,9 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import uvicorn
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, StrictBool, StrictInt, StrictStr, ValidationError
 
 from llds_jax.retrieval.hit import Hit, Retriever
 
@@ -41,9 +51,10 @@ class ServiceLimits:
 
     default_topk: int = 3
     max_topk: int = 100
-    max_queries: int = 512
+    max_queries: int = 65_536  # 25x the paper's 2,560-query batch; a count far past it is an error
     max_query_chars: int = 4096
-    max_batch_queries: int = 1024
+    max_batch_queries: int = 4096
+    max_request_bytes: int = 32 * 2**20  # 2,560 queries of 4,096 chars are ~10 MB of JSON
 
 
 class RetrieveRequest(BaseModel):
@@ -116,20 +127,83 @@ class MicroBatcher:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+class RequestError(Exception):
+    """A bad request: its HTTP status and a short message naming the field (never the input)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def _reject_constant(name: str):
+    raise RequestError(400, f"body: {name} is not JSON (RFC 8259 has no NaN or Infinity)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise RequestError(400, "body: a number overflows a 64-bit float")
+    return value
+
+
+def _field_path(location: tuple) -> str:
+    path = ""
+    for part in location:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "body"
+
+
+def parse_request(body: bytes) -> RetrieveRequest:
+    """Strict UTF-8, strict JSON, then the pydantic model; every failure is a RequestError."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RequestError(400, f"body: not valid UTF-8 (byte {err.start})") from None
+    try:
+        payload = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as err:
+        raise RequestError(400, f"body: not valid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
+    except RecursionError:
+        raise RequestError(400, "body: JSON nested too deeply") from None
+    if not isinstance(payload, dict):
+        raise RequestError(422, f"body: expected a JSON object with 'queries', got {type(payload).__name__}")
+    try:
+        return RetrieveRequest.model_validate(payload)
+    except ValidationError as err:
+        problems = [f"{_field_path(e['loc'])}: {e['msg'][:120]}" for e in err.errors(include_input=False)[:5]]
+        more = f" (+{err.error_count() - 5} more)" if err.error_count() > 5 else ""
+        raise RequestError(422, "; ".join(problems) + more) from None
+
+
 def _validate(request: RetrieveRequest, limits: ServiceLimits) -> int:
-    if not request.queries:
-        raise HTTPException(422, "queries: must hold at least one query")
     if len(request.queries) > limits.max_queries:
-        raise HTTPException(422, f"queries: {len(request.queries)} queries exceed the limit of {limits.max_queries}")
+        raise RequestError(413, f"queries: {len(request.queries)} queries exceed the limit of {limits.max_queries}")
     for position, query in enumerate(request.queries):
         if len(query) > limits.max_query_chars:
-            raise HTTPException(
-                422, f"queries[{position}]: {len(query)} characters exceed the limit of {limits.max_query_chars}"
-            )
+            raise RequestError(
+                422, f"queries[{position}]: {len(query)} characters exceed the limit of {limits.max_query_chars}")
+        try:
+            query.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(422, f"queries[{position}]: not valid Unicode (a lone surrogate)") from None
     topk = limits.default_topk if request.topk is None else request.topk
     if not 1 <= topk <= limits.max_topk:
-        raise HTTPException(422, f"topk: must be between 1 and {limits.max_topk}, got {topk}")
+        raise RequestError(422, f"topk: must be between 1 and {limits.max_topk}, got {topk}")
     return topk
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it is known to exceed ``limit`` bytes, chunked or not."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(413, f"body: {int(declared)} bytes exceed the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(413, f"body: more than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _to_wire(results: Sequence[Sequence[Hit]], return_scores: bool) -> list[list[dict]]:
@@ -162,10 +236,16 @@ def create_app(retriever: Retriever, limits: ServiceLimits = ServiceLimits(), de
         return {"status": "ok", "retriever": description or type(retriever).__name__}
 
     @app.post("/retrieve")
-    async def retrieve(request: RetrieveRequest) -> JSONResponse:
-        topk = _validate(request, limits)
-        results = await batcher.search(list(request.queries), topk)
-        return JSONResponse({"result": _to_wire(results, request.return_scores)})
+    async def retrieve(request: Request) -> JSONResponse:
+        try:
+            parsed = parse_request(await _read_body(request, limits.max_request_bytes))
+            topk = _validate(parsed, limits)
+        except RequestError as err:
+            return JSONResponse({"detail": err.message}, status_code=err.status)
+        if not parsed.queries:  # the official server's reply; nothing to search
+            return JSONResponse({"result": []})
+        results = await batcher.search(list(parsed.queries), topk)
+        return JSONResponse({"result": _to_wire(results, parsed.return_scores)})
 
     return app
 

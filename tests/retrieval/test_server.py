@@ -67,8 +67,8 @@ def malformed_bodies() -> list:
     kinds = [
         b"", b"{", b"not json", b"[]", b"null", b"42", b'"queries"',
         {}, {"topk": 3}, {"queries": "one string"}, {"queries": None}, {"queries": [1, 2]},
-        {"queries": [["nested"]]}, {"queries": [None]}, {"queries": [{"q": 1}]}, {"queries": []},
-        {"queries": ["q"] * 513}, {"queries": ["x" * 5000]}, {"queries": ["q"], "topk": 0},
+        {"queries": [["nested"]]}, {"queries": [None]}, {"queries": [{"q": 1}]},
+        {"queries": ["q"] * 65_537}, {"queries": ["x" * 5000]}, {"queries": ["q"], "topk": 0},
         {"queries": ["q"], "topk": -3}, {"queries": ["q"], "topk": 10**9}, {"queries": ["q"], "topk": "3"},
         {"queries": ["q"], "topk": 2.5}, {"queries": ["q"], "topk": [3]}, {"queries": ["q"], "return_scores": "yes"},
     ]
@@ -93,7 +93,7 @@ def test_hundred_malformed_requests_get_4xx_with_a_message_and_the_server_keeps_
 def test_validation_messages_name_the_offending_field(service):
     assert "topk" in post(service.url, {"queries": ["q"], "topk": 0}).text
     assert "queries[1]" in post(service.url, {"queries": ["q", "x" * 5000]}).text
-    assert "513 queries exceed" in post(service.url, {"queries": ["q"] * 513}).text
+    assert "65537 queries exceed" in post(service.url, {"queries": ["q"] * 65_537}).text
 
 
 def test_eight_concurrent_clients_times_fifty_requests_all_succeed_with_correct_hits(service, small_bm25):
