@@ -24,6 +24,12 @@ def default_config() -> ml_collections.ConfigDict:
         top_k=0,                   # 0 = off
         stop_token_ids=(),         # () = the tokenizer's eos plus TERMINATOR_TOKENS it knows
         pad_to_multiple=128,       # the returned arrays' L is a multiple of this (fewer trainer recompiles)
+        # Memory (llds_jax/rollout/waves.py): trajectories are decoded in waves of at most
+        # max_concurrent_rows rows; results are the same whatever the wave size.
+        max_concurrent_rows=0,     # 0 = derive from memory_fraction x device memory, weights and KV bytes per row
+        memory_fraction=0.9,       # share of a device's memory the rollout may fill (vLLM's gpu_memory_utilization)
+        cpu_memory_bytes=0,        # a CPU device's memory when deriving (0 = /proc/meminfo MemTotal / local devices)
+        prefill_chunk=512,         # prompts are prefilled at most this many tokens at a time (0 = whole prompt)
     ))
 
 

@@ -20,6 +20,12 @@ and the policy's cache keep only the sampled ids up to the cut.
 Caps: an action has at most ``max_action_tokens`` tokens and never more than the context
 has room for; feedback is cut to ``max_obs_tokens`` and to the room left; the prompt
 keeps its last ``max_prompt_tokens``. A trajectory with no room left ends, ``truncated``.
+
+Memory: the trajectories run in *waves* of at most ``max_concurrent_rows`` rows (derived
+from the device's memory by default, ``waves.py``); each wave runs the whole loop above
+on its own cache, which is freed before the next wave starts. Trajectory ``i`` samples
+with ``fold_in(key, i)`` whatever wave it lands in, so the batch — ids, masks, sampler
+log-probs, answers, searches — does not depend on the wave size.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from llds_jax.rollout import protocol
 from llds_jax.rollout.action_stop import action_stop_table, kept_action_tokens
 from llds_jax.rollout.config import terminator_ids
 from llds_jax.rollout.trajectory import RolloutBatch, Trajectory, collate
+from llds_jax.rollout.waves import wave_plan
 from llds_jax.sampling.decode_loop import FinishReason, SamplingParams
 from llds_jax.sampling.session import DecodeSession, SampledAction
 from llds_jax.sampling.token_bytes import vocab_bytes
@@ -44,7 +51,8 @@ from llds_jax.sampling.token_bytes import vocab_bytes
 class Policy(Protocol):
     """What the loop needs from a policy; :class:`~llds_jax.sampling.session.DecodeSession` is one."""
 
-    def start(self, prompts: Sequence[Sequence[int]]) -> None: ...
+    def start(self, prompts: Sequence[Sequence[int]], *, trajectory_ids: Sequence[int] | None = None,
+              batch: int | None = None) -> None: ...
 
     def act(self, active: np.ndarray, budgets: np.ndarray) -> list[SampledAction | None]: ...
 
@@ -66,7 +74,8 @@ def make_policy(model, tokenizer, config, *, key: jax.Array) -> DecodeSession:
         stop_token_ids=terminator_ids(tokenizer, config.stop_token_ids),
         stop_table=action_stop_table(vocab_bytes(tokenizer, vocab_size)).transitions)
     return DecodeSession((graphdef, params), sampling, max_action_tokens=config.max_action_tokens, key=key,
-                         pad_id=pad_token_id(tokenizer))
+                         pad_id=pad_token_id(tokenizer), max_tokens=config.max_context,
+                         prefill_chunk=int(config.get("prefill_chunk", 0)))
 
 
 def _vocab_size(policy) -> int | None:
@@ -89,6 +98,7 @@ def run_rollouts(policy, tokenizer, questions: Sequence[str], retriever, config,
     temperature / top-p / top-k and ``key``), or any :class:`Policy`. ``retriever``: any
     object with ``search(queries, topk) -> list[list[Hit]]``. ``group_ids[i]`` labels
     question ``i``'s group (default ``i``); row ``i * n_samples + j`` is its ``j``-th sample.
+    Rows run in waves (``waves.wave_plan``); the batch is the same for any wave size.
     """
     if _is_model(policy):
         if key is None:
@@ -98,15 +108,34 @@ def run_rollouts(policy, tokenizer, questions: Sequence[str], retriever, config,
     if len(group_ids) != len(questions):
         raise ValueError(f"{len(group_ids)} group ids for {len(questions)} questions")
     vocab = vocab_bytes(tokenizer, max(len(tokenizer), _vocab_size(policy) or 0))
-    timings = dict(prefill_s=0.0, decode_s=0.0, append_s=0.0, retrieval_s=0.0, host_s=0.0)
+    timings = dict(prefill_s=0.0, decode_s=0.0, append_s=0.0, retrieval_s=0.0, host_s=0.0, waves=0)
     started = time.perf_counter()
 
     trajectories = []
     for question, group in zip(questions, group_ids):
         prompt_ids = protocol.encode_prompt(tokenizer, question, config.max_prompt_tokens)
         trajectories.extend(Trajectory(prompt_ids=list(prompt_ids), group_id=group) for _ in range(config.n_samples))
+    rows_per_wave, batch = wave_plan(config, len(trajectories), getattr(policy, "config", None))
+    for first in range(0, len(trajectories), rows_per_wave):
+        rows = list(range(first, min(first + rows_per_wave, len(trajectories))))
+        _run_wave(policy, [trajectories[row] for row in rows], rows, batch, vocab, tokenizer, retriever, config,
+                  timings)
+        timings["waves"] += 1
+
+    for traj in trajectories:
+        traj.done = True
+    batch = collate(trajectories, vocab, pad_id=pad_token_id(tokenizer), pad_to_multiple=config.pad_to_multiple)
+    total = time.perf_counter() - started
+    timings["host_s"] = total - sum(v for k, v in timings.items() if k.endswith("_s") and k != "host_s")
+    timings["total_s"] = total
+    return batch.with_timings(timings)
+
+
+def _run_wave(policy, trajectories: list[Trajectory], trajectory_ids: list[int], batch: int, vocab, tokenizer,
+              retriever, config, timings: dict) -> None:
+    """The turn loop for one wave of rows (``trajectory_ids``: their rows in the whole rollout)."""
     clock = time.perf_counter()
-    policy.start([t.prompt_ids for t in trajectories])
+    policy.start([t.prompt_ids for t in trajectories], trajectory_ids=trajectory_ids, batch=batch)
     timings["prefill_s"] += time.perf_counter() - clock
 
     for turn in range(config.max_turns + 1):
@@ -137,14 +166,6 @@ def run_rollouts(policy, tokenizer, questions: Sequence[str], retriever, config,
         if search_allowed:
             policy.observe(chunks)
         timings["append_s"] += time.perf_counter() - clock
-
-    for traj in trajectories:
-        traj.done = True
-    batch = collate(trajectories, vocab, pad_id=pad_token_id(tokenizer), pad_to_multiple=config.pad_to_multiple)
-    total = time.perf_counter() - started
-    timings["host_s"] = total - sum(v for k, v in timings.items() if k != "host_s")
-    timings["total_s"] = total
-    return batch.with_timings(timings)
 
 
 def _record_actions(trajectories: list[Trajectory], sampled: list[SampledAction | None], vocab, tokenizer, config,

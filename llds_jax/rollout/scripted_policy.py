@@ -35,15 +35,24 @@ class ScriptedPolicy:
         self.stop_token_ids = frozenset(int(i) for i in stop_token_ids)
         self.filler_id = filler_id
         self.turn = [0] * len(self.streams)
-        self.prompts: list[list[int]] = []
+        self.prompts: list[list[int]] = []  # per scripted row, filled as waves start
+        self.rows: list[int] = []  # the scripted rows of the current wave
         self.observed: list[list[list[int]]] = [[] for _ in self.streams]
         self.last_actions: list[SampledAction | None] = []
         self.cuts: list[list[int | None]] = []  # every cut_last_actions call, as given
 
-    def start(self, prompts: Sequence[Sequence[int]]) -> None:
-        if len(prompts) != len(self.streams):
+    def start(self, prompts: Sequence[Sequence[int]], *, trajectory_ids: Sequence[int] | None = None,
+              batch: int | None = None) -> None:
+        """Begin a wave: ``trajectory_ids`` are the scripted rows it holds (default: all, in order)."""
+        ids = list(range(len(prompts))) if trajectory_ids is None else [int(i) for i in trajectory_ids]
+        if len(ids) != len(prompts) or not all(0 <= i < len(self.streams) for i in ids):
+            raise ValueError(f"{len(prompts)} prompts for rows {ids} of {len(self.streams)} scripted rows")
+        if trajectory_ids is None and len(prompts) != len(self.streams):
             raise ValueError(f"{len(prompts)} prompts for {len(self.streams)} scripted rows")
-        self.prompts = [list(p) for p in prompts]
+        self.rows = ids
+        self.prompts = self.prompts if self.prompts else [[] for _ in self.streams]
+        for row, prompt in zip(ids, prompts):
+            self.prompts[row] = list(prompt)
 
     def _one_action(self, row: int, budget: int) -> SampledAction:
         turns = self.streams[row]
@@ -68,8 +77,8 @@ class ScriptedPolicy:
         return SampledAction(np.array(ids, np.int32), logprobs, finish)
 
     def act(self, active: np.ndarray, budgets: np.ndarray) -> list[SampledAction | None]:
-        self.last_actions = [self._one_action(row, int(budgets[row])) if active[row] else None
-                             for row in range(len(self.streams))]
+        self.last_actions = [self._one_action(row, int(budgets[i])) if active[i] else None
+                             for i, row in enumerate(self.rows)]
         return list(self.last_actions)
 
     def cut_last_actions(self, kept_tokens: Sequence[int | None]) -> None:
@@ -82,6 +91,6 @@ class ScriptedPolicy:
         self.cuts.append(list(kept_tokens))
 
     def observe(self, chunks: Sequence[Sequence[int]]) -> None:
-        for row, chunk in enumerate(chunks):
+        for row, chunk in zip(self.rows, chunks):
             if chunk:
                 self.observed[row].append(list(chunk))

@@ -8,7 +8,7 @@ the stop token ids and the stop-string tables: they are arrays, not trace-time c
 
 Per step, for every row at once::
 
-    token  ~ filtered(logits)              # greedy / temperature / top-k / top-p
+    token  ~ filtered(logits)              # greedy / temperature / top-k / top-p, row b's own key
     done  |= token ∈ stop_ids  or  a stop string completed  or  length == budget
     logits, cache = model.forward_cached(token, cache, token_mask=row was active)
 
@@ -18,7 +18,13 @@ resumes exactly where it stopped. The token that finishes a row *is* written to 
 so a multi-turn caller can append tool feedback right after it without a re-prefill.
 
 Each row has its own ``budget`` (≤ the buffer width): the per-action cap, or less when
-the context cap is close. Buffer width, batch, cache length and table shapes are the only
+the context cap is close.
+
+Randomness is per row: row ``b`` draws its ``n``-th token of a trajectory with
+``fold_in(keys[b], drawn[b] + n)``. So what a row samples depends on its own key and its
+own token count only — not on which other rows share the batch, where in the batch it
+sits, or how many decode calls came before — which is what lets a rollout decode its
+trajectories in waves of any size and get the same trajectories. Buffer width, batch, cache length and table shapes are the only
 shapes; callers bucket them (see ``generate.py``) so repeated calls hit one compiled entry.
 """
 
@@ -57,7 +63,8 @@ class DecodeState:
     done: ``[B]`` frozen rows.  finish: ``[B]`` :class:`FinishReason` of done rows.
     stop_state: ``[B, K]`` int8 stop-string matcher state per row and stop string.
     logits: ``[B, V]`` fp32 next-token logits.  cache: the KV cache.
-    step: scalar, columns written so far.  key: PRNG key for the next draw.
+    step: scalar, columns written so far.
+    keys: ``[B]`` per-row PRNG keys; drawn: ``[B]`` tokens each row drew before this call.
     """
 
     tokens: jax.Array
@@ -69,7 +76,8 @@ class DecodeState:
     logits: jax.Array
     cache: KVCache
     step: jax.Array
-    key: jax.Array
+    keys: jax.Array
+    drawn: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -136,12 +144,13 @@ def extend(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, token_m
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "width"), donate_argnames=("cache",))
 def decode(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: KVCache,
-           done: jax.Array, budget: jax.Array, key: jax.Array, sampling: SamplingParams, *,
+           done: jax.Array, budget: jax.Array, keys: jax.Array, drawn: jax.Array, sampling: SamplingParams, *,
            width: int, pad_id: jax.Array | int = 0) -> DecodeState:
     """Sample up to ``budget[b] ≤ width`` tokens per row, starting from ``logits [B, V]``.
 
-    ``done [B]`` marks rows that take no part (they stay frozen). Returns the final
-    :class:`DecodeState`; its cache holds every sampled token.
+    ``done [B]`` marks rows that take no part (they stay frozen). ``keys [B]`` are the rows'
+    own PRNG keys and ``drawn [B]`` the tokens each already drew with it (see the module
+    docstring). Returns the final :class:`DecodeState`; its cache holds every sampled token.
     """
     model = nnx.merge(graphdef, params)
     batch = logits.shape[0]
@@ -158,16 +167,15 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: 
         logits=logits.astype(jnp.float32),
         cache=cache,
         step=jnp.zeros((), jnp.int32),
-        key=key,
+        keys=keys,
+        drawn=drawn.astype(jnp.int32),
     )
 
     def keep_going(s: DecodeState):
         return (s.step < width) & ~jnp.all(s.done)
 
     def one_token(s: DecodeState) -> DecodeState:
-        key, draw_key = jax.random.split(s.key)
-        sampled, logprob = sample_tokens(s.logits, draw_key, sampling.temperature, sampling.top_k,
-                                         sampling.top_p)
+        sampled, logprob = sample_rows(s.logits, s.keys, s.drawn + s.lengths, sampling)
         active = ~s.done
         token = jnp.where(active, sampled, pad_id)
         logprob = jnp.where(active, logprob, 0.0)
@@ -189,7 +197,29 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: 
             logits=jnp.where(active[:, None], next_logits, s.logits),  # frozen rows keep theirs
             cache=cache,
             step=s.step + 1,
-            key=key,
+            keys=s.keys,
+            drawn=s.drawn,
         )
 
     return jax.lax.while_loop(keep_going, one_token, state)
+
+
+def sample_rows(logits: jax.Array, keys: jax.Array, counts: jax.Array, sampling: SamplingParams
+                ) -> tuple[jax.Array, jax.Array]:
+    """Row ``b``'s token from ``logits[b]`` with key ``fold_in(keys[b], counts[b])``: ``[B]``, ``[B]``.
+
+    One draw per row with its own key (a vmap over rows) instead of one key for the batch:
+    a batch-wide draw makes row ``b``'s noise depend on the batch width and on ``b``.
+    """
+    def one_row(row_logits, key, count):
+        token, logprob = sample_tokens(row_logits[None], jax.random.fold_in(key, count), sampling.temperature,
+                                       sampling.top_k, sampling.top_p)
+        return token[0], logprob[0]
+
+    return jax.vmap(one_row)(logits, keys, counts)
+
+
+@jax.jit
+def row_keys(key: jax.Array, trajectory_ids) -> jax.Array:
+    """``[B]`` per-row keys ``fold_in(key, id)``: a row's randomness follows its trajectory id."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.asarray(trajectory_ids, jnp.uint32))

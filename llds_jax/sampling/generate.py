@@ -101,8 +101,9 @@ def generate(model, input_ids, attention_mask, *, max_new_tokens: int, temperatu
         stop_table=resolve_stop_table(stop_strings, tokenizer, config.vocab_size))
     cache = decode_loop.new_cache(config, batch, prompt_width + width)
     logits, cache = decode_loop.extend(graphdef, params, jnp.asarray(tokens), jnp.asarray(mask), cache)
-    state = decode_loop.decode(graphdef, params, logits, cache, jnp.asarray(done), jnp.asarray(budget), key,
-                               sampling, width=width, pad_id=pad_id)
+    keys = decode_loop.row_keys(key, np.arange(batch))  # row b's draws depend on (key, b) only
+    state = decode_loop.decode(graphdef, params, logits, cache, jnp.asarray(done), jnp.asarray(budget), keys,
+                               jnp.zeros((batch,), jnp.int32), sampling, width=width, pad_id=pad_id)
     out_tokens, out_logprobs, lengths, finish = jax.device_get(
         (state.tokens, state.logprobs, state.lengths, state.finish))
     return GenerateOutput(

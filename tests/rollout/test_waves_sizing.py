@@ -1,0 +1,64 @@
+"""``rollout_rows_per_wave``: rows per wave from a device-memory budget, checked on Qwen2.5-3B's sizes (SPEC §10)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llds_jax.models.config import DecoderConfig
+from llds_jax.rollout import default_config
+from llds_jax.rollout.waves import (
+    RolloutMemoryError,
+    kv_bytes_per_slot,
+    rollout_row_bytes,
+    rollout_rows_per_wave,
+    wave_plan,
+    weight_bytes,
+)
+from llds_jax.sampling.session import cache_slot_limit, cache_slots_at_peak
+
+QWEN_3B = DecoderConfig(vocab_size=151936, hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=2,
+                        head_dim=128, intermediate_size=11008, family="qwen2", qkv_bias=True, tie_embeddings=True,
+                        dtype="bfloat16", param_dtype="bfloat16")
+GB = 10**9
+
+
+def test_qwen_3b_kv_bytes_and_weights_match_the_spec():
+    assert kv_bytes_per_slot(QWEN_3B) == 2 * 36 * 2 * 128 * 2 + 1  # K and V, bf16, + the valid flag: 36.9 KB
+    assert 6.1 * GB < weight_bytes(QWEN_3B) < 6.25 * GB  # SPEC §10: ≈3.09B params, 6.2 GB in bf16
+
+
+def test_rows_follow_the_budget_formula_and_scale_with_data_devices():
+    cfg = default_config()  # paper limits: max_context 4096, prefill_chunk 512
+    row = rollout_row_bytes(QWEN_3B, cfg)
+    assert row["kv_cache"] == kv_bytes_per_slot(QWEN_3B) * cache_slots_at_peak(4096) == kv_bytes_per_slot(QWEN_3B) * 6144
+    assert row["total"] == row["kv_cache"] + max(row["prefill"], row["decode"])
+    v5e = 16 * 2**30
+    expected = int((0.9 * v5e - weight_bytes(QWEN_3B)) // row["total"])
+    assert rollout_rows_per_wave(QWEN_3B, cfg, v5e, 1) == expected
+    assert rollout_rows_per_wave(QWEN_3B, cfg, v5e, 8) == 8 * expected
+    assert 10 <= expected <= 40, f"{expected} rows per v5e chip for a 3B model at 4k context"
+    cfg.memory_fraction = 0.5
+    assert rollout_rows_per_wave(QWEN_3B, cfg, v5e, 1) < expected
+
+
+def test_an_explicit_row_count_wins_and_an_impossible_budget_names_the_fields():
+    cfg = default_config()
+    cfg.max_concurrent_rows = 7
+    assert rollout_rows_per_wave(QWEN_3B, cfg, 1, 1) == 7
+    cfg.max_concurrent_rows = 0
+    with pytest.raises(RolloutMemoryError, match="rollout.memory_fraction.*rollout.max_context"):
+        rollout_rows_per_wave(QWEN_3B, cfg, 7 * GB, 1)
+
+
+def test_cache_limit_is_one_key_block_at_least_and_the_context_rounded_up():
+    assert cache_slot_limit(300) == 512 and cache_slot_limit(3000) == 3008 and cache_slot_limit(4096) == 4096
+    assert cache_slots_at_peak(4096) == 6144 and cache_slots_at_peak(512) == 512
+
+
+def test_wave_plan_pads_the_last_wave_to_the_wave_width():
+    cfg = default_config()
+    cfg.max_concurrent_rows = 4
+    assert wave_plan(cfg, 10) == (4, 4)
+    assert wave_plan(cfg, 3) == (3, 4)
+    cfg.max_concurrent_rows = 0
+    assert wave_plan(cfg, 10) == (10, 16)  # a scripted policy (no model config): all rows at once
