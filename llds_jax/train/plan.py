@@ -86,7 +86,7 @@ def default_plan_config() -> ml_collections.ConfigDict:
         topology="",          # TPU slice to compile for with XLA:TPU, e.g. "v5e:8x8" (pip install '.[plan-tpu]')
         gpu="",               # GPU to compile for with XLA:GPU: "h100", "h200" or a target .txtpb ('.[plan-gpu]')
         gpus_per_host=8,      # with plan.gpu: GPUs per host (plan.devices / this = hosts)
-        rollout_batch=0,      # rows decoded together; 0 = every trajectory of a step at once
+        rollout_batch=0,      # rows decoded together; 0 = the trainer's own wave (rollout.max_concurrent_rows or derived)
         hardware=("H100", "H200", "v5e", "v5p"),
         phases=("update", "logprobs", "prefill", "decode"),
         # --mode=train plans its own programs on its own devices before loading weights and refuses
@@ -331,7 +331,8 @@ def make_plan(config, target: Target | None = None) -> Plan:
     trajectories = config.train.prompts_per_step * config.rollout.n_samples
     multiple = max(1, int(config.rollout.pad_to_multiple))
     length = -(-int(config.rollout.max_context) // multiple) * multiple
-    rollout_rows = int(section.rollout_batch) or trajectories
+    dp_rows = shape[0] * shape[1]
+    rollout_rows, wave_note = _rollout_rows(config, section, decoder_cfg, target, devices, trajectories, dp_rows)
 
     graphdef, state, state_shardings = _abstract_train_state(config, decoder_cfg, mesh, rules)
     batch = _abstract_train_batch(trajectories, length, state.ref_params is not None, mesh, rules)
@@ -362,7 +363,9 @@ def make_plan(config, target: Target | None = None) -> Plan:
                 programs["logprobs"] = compile_program("logprobs", fns.policy_logprobs, state.params,
                                                        batch.input_ids, batch.attention_mask,
                                                        platform=target.platform)
-        sampler_tokens = {"prefill": int(config.rollout.max_prompt_tokens), "decode": 1}
+        prompt_tokens = int(config.rollout.max_prompt_tokens)
+        chunk = int(config.rollout.get("prefill_chunk", 0))
+        sampler_tokens = {"prefill": min(chunk, prompt_tokens) if chunk else prompt_tokens, "decode": 1}
         for phase in ("prefill", "decode"):
             if phase in phases:
                 programs[phase] = compile_program(
@@ -387,13 +390,36 @@ def make_plan(config, target: Target | None = None) -> Plan:
         phase: -(-rows[phase] // dp) * heads * queries[phase] * keys_read(kernels[phase], keys[phase]) * 4
         for phase in programs}
     notes = [target.note] if target.note else []
-    if rollout_rows == trajectories:
-        notes.append(f"the rollout decodes all {trajectories} trajectories of a step together "
-                     f"(KV cache {rollout_rows} rows x {config.rollout.max_context} slots); "
-                     f"--config.plan.rollout_batch=N plans a chunked rollout")
+    notes.append(wave_note)
     return Plan(f"{Path(str(config.model.source)).name} ({decoder_cfg.num_layers} layers, d={decoder_cfg.hidden_size})",
                 parameters, shape, target.compiler, resident, phase_extra, programs, notes,
                 attention, target.hardware, kernels)
+
+
+def _rollout_rows(config, section, decoder_cfg, target, devices, trajectories: int, dp: int) -> tuple[int, str]:
+    """Rows of one rollout wave as the trainer will decode them, and a note saying where that came from.
+
+    ``plan.rollout_batch`` overrides; otherwise ``rollout.max_concurrent_rows``, or the trainer's
+    derivation (``rollout.waves.rollout_rows_per_wave``) for the target chip's memory.
+    """
+    from llds_jax.rollout.waves import rollout_rows_per_wave  # noqa: PLC0415
+
+    context = config.rollout.max_context
+    if int(section.rollout_batch):
+        rows, source = int(section.rollout_batch), "plan.rollout_batch"
+    else:
+        device_bytes = HARDWARE[target.hardware][1] if target.hardware else device_memory_limit(section, devices)
+        if device_bytes is None and not int(config.rollout.get("max_concurrent_rows", 0)):
+            return trajectories, (f"the rollout decodes all {trajectories} trajectories of a step together (KV cache "
+                                  f"{trajectories} rows x {context} slots): no target memory to size waves by; "
+                                  f"set plan.topology / plan.gpu or rollout.max_concurrent_rows")
+        rows = rollout_rows_per_wave(decoder_cfg, config.rollout, device_bytes or 0, dp)
+        source = ("rollout.max_concurrent_rows" if int(config.rollout.get("max_concurrent_rows", 0)) else
+                  f"derived: rollout.memory_fraction={config.rollout.memory_fraction} of {device_bytes / GB:.0f} GB")
+    rows = max(dp, min(rows, trajectories) // dp * dp)
+    waves = -(-trajectories // rows)
+    return rows, (f"the rollout decodes {trajectories} trajectories in {waves} wave(s) of {rows} rows "
+                  f"({source}); KV cache {rows} rows x {context} slots")
 
 
 def _attention_kernel(requested: str, platform: str, *, full_sequence: bool) -> str:

@@ -224,3 +224,14 @@ def test_the_fit_check_is_skipped_where_devices_report_no_limit_unless_asked():
     c.plan.check_before_train = "sometimes"
     with pytest.raises(PlanError, match="check_before_train='sometimes'"):
         check_fits_before_training(c, jax.devices())
+
+
+def test_the_plan_decodes_in_the_trainers_waves():
+    """Same wave size as the rollout (rollout.max_concurrent_rows), so the KV cache is the trainer's."""
+    c = _tiny_config()
+    c.rollout.max_concurrent_rows = 8
+    plan = make_plan(c)
+    everything = make_plan(_tiny_config())  # CPU reports no memory: one wave of all 32 trajectories
+    assert "32 trajectories in 4 wave(s) of 8 rows (rollout.max_concurrent_rows)" in " ".join(plan.notes), plan.notes
+    assert plan.phase_extra["decode"]["kv_cache"] * 4 == pytest.approx(everything.phase_extra["decode"]["kv_cache"],
+                                                                        rel=0.01)
