@@ -192,7 +192,7 @@ def test_serve_exits_zero_when_stopped(small_corpus, tmp_path):
 
 def test_train_that_will_not_fit_exits_2_before_loading_weights(tiny_config):
     result = run_main("--mode=train", f"--config={tiny_config}", "--config.plan.check_before_train=always",
-                      "--config.plan.device_memory_bytes=100000")
+                      "--config.plan.device_memory_bytes=100000", "--config.rollout.max_concurrent_rows=4")
     assert_exit(result, 2)
     assert "update:" in result.stderr and "train.micro_batch_size" in result.stderr, result.stderr[-2000:]
     assert "retriever ready" not in result.stdout, "the weights were loaded before the fit check"

@@ -200,8 +200,13 @@ def test_a_run_that_will_not_fit_is_refused_naming_the_phase_and_the_field():
     """``check_fits_before_training`` compiles the run's own programs; 100 kB per device fits none."""
     from llds_jax.train.plan import check_fits_before_training
 
+    from llds_jax.errors import InputError
+
     c = _tiny_config()
     c.plan.update(check_before_train="always", device_memory_bytes=100_000)
+    with pytest.raises(InputError, match="rollout.memory_fraction"):  # the derived wave: not one row fits
+        check_fits_before_training(c, jax.devices())
+    c.rollout.max_concurrent_rows = 8
     with pytest.raises(PlanError) as error:
         check_fits_before_training(c, jax.devices())
     message = str(error.value)
