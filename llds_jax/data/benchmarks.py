@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from llds_jax.errors import InputError
+
 # Paper table order (Table 1): general QA, then multi-hop QA.
 GENERAL_QA = ("nq", "triviaqa", "popqa")
 MULTI_HOP_QA = ("hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
@@ -39,7 +41,7 @@ _ALIASES = {"2wiki": "2wikimultihopqa", "2wikimqa": "2wikimultihopqa", "natural_
 _QUESTION_IN_PROMPT = re.compile(r"Question:\s*(.+?)\s*$", re.DOTALL)
 
 
-class DataRowError(ValueError):
+class DataRowError(InputError):
     """A row that cannot become a :class:`QARecord`; says where and which field."""
 
     def __init__(self, path: str | Path, line: int, field: str, problem: str, *, unit: str = "line"):

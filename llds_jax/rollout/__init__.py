@@ -7,7 +7,9 @@ Public API (the trainer and evaluation call exactly this)::
 
     cfg = default_config()            # ConfigDict: max_turns, max_action_tokens, max_obs_tokens,
                                       # max_prompt_tokens, max_context, topk, n_samples, temperature,
-                                      # top_p, top_k, stop_token_ids, pad_to_multiple
+                                      # top_p, top_k, stop_token_ids, pad_to_multiple,
+                                      # max_concurrent_rows, memory_fraction, cpu_memory_bytes,
+                                      # prefill_chunk (waves sized to memory: rollout/waves.py)
     batch = run_rollouts(model_or_graphdef_params_or_policy, tokenizer, questions, retriever, cfg,
                          key=jax.random.key(0), group_ids=uids)
 

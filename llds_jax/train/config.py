@@ -11,10 +11,9 @@ Batch vocabulary (all counted in *trajectories* except ``prompts_per_step``):
 ``prompts_per_step × rollout.n_samples`` trajectories per rollout step, split **in order** into
 ``mini_batch_size`` chunks (one optimizer update each — the reference's 2560 / 256 = 10, the
 split that makes π_θ ≠ π_old so LLDS can act), each accumulated over ``micro_batch_size``
-chunks; ``logprob_batch_size`` is the chunk for the no-grad π_old / π_ref forwards. With
-``logprob_batch_size == micro_batch_size`` π_old comes from a forward of the loss's own shape,
-so in mini-batch 1 π_θ equals π_old bit for bit and LLDS is exactly 0; other sizes differ by
-fp rounding (≈1e-7 nats), which is also what the reference's separate π_old pass does.
+chunks; ``logprob_batch_size`` is the chunk for the no-grad π_old / π_ref forwards. Mini-batch 1
+runs at θ = θ_old, so its loss uses its own forward as π_old and LLDS is exactly 0 there whatever
+the sizes (``train/step.py``); later mini-batches read the precomputed π_old.
 """
 
 from __future__ import annotations
