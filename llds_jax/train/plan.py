@@ -458,7 +458,9 @@ def device_memory_limit(section, devices) -> int | None:
     """Bytes one device may use: ``plan.device_memory_bytes``, else what the device reports (None on CPU)."""
     if int(section.get("device_memory_bytes", 0)):
         return int(section.device_memory_bytes)
-    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+    # Only this process's devices answer memory_stats(); a multi-host mesh lists the others' too.
+    local = [d for d in devices if getattr(d, "process_index", 0) == jax.process_index()] or list(devices)
+    stats = local[0].memory_stats() if hasattr(local[0], "memory_stats") else None
     return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
 
 
