@@ -123,7 +123,7 @@ def rollout_rows_per_wave(model_config, rollout_config, device_bytes: int, n_dat
 def device_memory_bytes(rollout_config, device: jax.Device | None = None) -> int:
     """One device's memory: what it reports (``bytes_limit``), else ``rollout.cpu_memory_bytes``,
     else the host's MemTotal shared by its local devices (simulated CPU devices share one RAM)."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]  # memory_stats() answers for this process's devices only
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
@@ -143,11 +143,15 @@ def _host_memory_bytes() -> int:
 
 
 def data_devices_of_ambient_mesh() -> int:
-    """Devices the batch dimension is split over under the ambient mesh (1 without one)."""
+    """Devices the batch dimension is split over under the ambient mesh (1 without one).
+
+    On several hosts each samples its own prompts with a host-local copy of the policy on one
+    device (``Learner.sampler_policy``), so its rows are not spread over the global mesh: 1.
+    """
     from llds_jax.parallel.rules import current_rules  # noqa: PLC0415
 
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or jax.process_count() > 1:
         return 1
     return math.prod(mesh.shape[axis] for axis in current_rules().mesh_axes("batch") if axis in mesh.shape)
 
