@@ -38,9 +38,9 @@ def default_retrieval_config() -> ConfigDict:
     r.host = "127.0.0.1"
     r.port = 8000
     r.max_topk = 100
-    r.max_queries = 65_536  # per request; the paper's batch is 2,560 (the byte limit below binds first)
-    r.max_request_bytes = 32 * 2**20  # 413 above this; 2,560 queries of 4,096 chars are ~10 MB
-    r.max_query_chars = 4096
+    r.max_queries = 65_536  # per request (413 above); the paper's batch is 512 x 5 = 2,560 queries
+    r.max_request_bytes = 32 * 2**20  # 413 above; the binding limit: 2,560 queries of 13,000 characters
+    r.max_query_chars = 65_536  # a query is one <=500-token turn; Qwen2.5 tokens are <=128 characters
     # HTTP client.
     r.timeout = 30.0
     r.retries = 5

@@ -10,16 +10,19 @@ An empty ``queries`` list gets ``{"result": []}``, as from the official server: 
 trainer posts one on every search-enabled turn in which no row searches (a policy that
 stopped searching, the collapse this project studies, does that every turn).
 
-Robustness is the point of this module: a malformed request gets a 4xx naming the
-field, never a 500 and never a dead worker (Search-R1 #43: a dead server surfaces in the
-trainer as a JSONDecodeError). The body is parsed here, not by FastAPI: its validation
-handler echoes the offending value, which cannot be rendered when it is NaN, ±Infinity,
-1e309 or a lone surrogate (a 500 that also drops the keep-alive connection) and which
-makes a 10 MB wrong-typed body come back whole. Error replies are short, name the field
-and never echo input. Size is limited by bytes (``max_request_bytes``, 413), not by a small
-query count: the paper's batch is 512 prompts × 5 samples = 2,560 queries in one request. Concurrent requests are coalesced by `MicroBatcher` into
-one ``retriever.search`` call, so the dense encoder sees one large batch instead of many
-batches of one (FlashRAG #4: query encoding dominates latency).
+Robustness is the point of this module: a malformed request gets a 4xx naming the field,
+never a 500 and never a dropped connection (Search-R1 #43: a dead server surfaces in the
+trainer as a JSONDecodeError); only a failing retriever is a 500, which the client retries.
+The body is parsed here, not by FastAPI: its validation handler echoes the offending value,
+which cannot be rendered when it is NaN, ±Infinity, 1e309 or a lone surrogate (a 500 that
+also drops the keep-alive connection) and which makes a 10 MB wrong-typed body come back
+whole. Here such values are found after a strict parse and named by field path; replies are
+short and never echo input. Size is limited by bytes (``max_request_bytes``, 413), not by a
+small query count: the paper's batch is 512 prompts × 5 samples = 2,560 queries in one request.
+
+Concurrent requests are coalesced by `MicroBatcher` into one ``retriever.search`` call, so
+the dense encoder sees one large batch instead of many batches of one (FlashRAG #4: query
+encoding dominates latency).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import re
 import socket
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +42,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, StrictBool, StrictInt, StrictStr, ValidationError
+from starlette.requests import ClientDisconnect
 
 from llds_jax.retrieval.hit import Hit, Retriever
 
@@ -52,9 +58,12 @@ class ServiceLimits:
     default_topk: int = 3
     max_topk: int = 100
     max_queries: int = 65_536  # 25x the paper's 2,560-query batch; a count far past it is an error
-    max_query_chars: int = 4096
+    # A query is at most one 500-token turn; Qwen2.5's longest token is 128 characters (a run of
+    # spaces), so a degenerate policy's query stays under 500 x 128 = 64,000 characters.
+    max_query_chars: int = 65_536
     max_batch_queries: int = 4096
-    max_request_bytes: int = 32 * 2**20  # 2,560 queries of 4,096 chars are ~10 MB of JSON
+    # The binding limit: 2,560 queries averaging 13,000 characters (26 per token of a 500-token turn).
+    max_request_bytes: int = 32 * 2**20
 
 
 class RetrieveRequest(BaseModel):
@@ -135,61 +144,115 @@ class RequestError(Exception):
         self.status, self.message = status, message
 
 
-def _reject_constant(name: str):
-    raise RequestError(400, f"body: {name} is not JSON (RFC 8259 has no NaN or Infinity)")
+class _NotJson:
+    """Stands in for a value strict JSON cannot carry, so the error can name the field it sat in."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
 
 
-def _finite_float(text: str) -> float:
+MAX_INTEGER_DIGITS = 20  # past int64; also keeps Python's 4,300-digit int conversion error (a 500) unreachable
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
+
+
+def _constant(name: str) -> _NotJson:
+    return _NotJson(f"{name} is not JSON (RFC 8259 has no NaN or Infinity)")
+
+
+def _float(text: str) -> float | _NotJson:
     value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise RequestError(400, "body: a number overflows a 64-bit float")
-    return value
+    return _NotJson("a number beyond the 64-bit float range") if math.isinf(value) else value
+
+
+def _int(text: str) -> int | _NotJson:
+    digits = len(text.lstrip("-"))
+    return _NotJson(f"an integer of {digits} digits, past 64 bits") if digits > MAX_INTEGER_DIGITS else int(text)
+
+
+def _key_name(key: str) -> str:
+    """A key as it may appear in an error: a short plain name verbatim, anything else described."""
+    return key if _PLAIN_KEY.fullmatch(key) else f"<a key of {len(key)} characters>"
+
+
+def _first_unrenderable(payload: object) -> tuple[str, str] | None:
+    """(field path, reason) of the first NaN/±Infinity/overflowing number or lone surrogate, if any.
+
+    Invalid UTF-8 arrives here as lone surrogates (the body is decoded with ``surrogateescape``),
+    so one walk names the field for every value that cannot be rendered back as JSON.
+    Iterative: ``json.loads`` already bounded the depth, this must not add recursion of its own.
+    """
+    stack: list[tuple[str, object]] = [("", payload)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, _NotJson):
+            return path or "body", value.reason
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path or "body", "not valid Unicode (invalid UTF-8 or a lone surrogate)"
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+        elif isinstance(value, dict):
+            for key, item in reversed(list(value.items())):
+                name = _key_name(key)
+                if _SURROGATE.search(key):
+                    return f"{path}.{name}" if path else name, "a key is not valid Unicode"
+                stack.append((f"{path}.{name}" if path else name, item))
+    return None
 
 
 def _field_path(location: tuple) -> str:
     path = ""
     for part in location:
-        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+        part = part if isinstance(part, int) else _key_name(str(part))
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else part)
     return path or "body"
 
 
-def parse_request(body: bytes) -> RetrieveRequest:
-    """Strict UTF-8, strict JSON, then the pydantic model; every failure is a RequestError."""
+@dataclass(frozen=True)
+class SearchRequest:
+    """A request that passed every check: what the batcher searches and how the reply is shaped."""
+
+    queries: list[str]
+    topk: int
+    return_scores: bool
+
+
+def parse_request(body: bytes, limits: ServiceLimits) -> SearchRequest:
+    """Strict JSON, then sizes, then types, then ranges; every failure is a short `RequestError`.
+
+    Order matters for cost: the query count is checked before the walk and pydantic, so a
+    million-element list is refused without a million paths or validation errors.
+    """
+    text = body.decode("utf-8", errors="surrogateescape")
     try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise RequestError(400, f"body: not valid UTF-8 (byte {err.start})") from None
-    try:
-        payload = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        payload = json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=_int)
     except json.JSONDecodeError as err:
         raise RequestError(400, f"body: not valid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
     except RecursionError:
         raise RequestError(400, "body: JSON nested too deeply") from None
+    queries = payload.get("queries") if isinstance(payload, dict) else None
+    if isinstance(queries, list) and len(queries) > limits.max_queries:
+        raise RequestError(413, f"queries: {len(queries)} queries exceed the limit of {limits.max_queries} per request")
+    unrenderable = _first_unrenderable(payload)
+    if unrenderable is not None:
+        raise RequestError(400, f"{unrenderable[0]}: {unrenderable[1]}")
     if not isinstance(payload, dict):
         raise RequestError(422, f"body: expected a JSON object with 'queries', got {type(payload).__name__}")
     try:
-        return RetrieveRequest.model_validate(payload)
+        request = RetrieveRequest.model_validate(payload)
     except ValidationError as err:
         problems = [f"{_field_path(e['loc'])}: {e['msg'][:120]}" for e in err.errors(include_input=False)[:5]]
         more = f" (+{err.error_count() - 5} more)" if err.error_count() > 5 else ""
         raise RequestError(422, "; ".join(problems) + more) from None
-
-
-def _validate(request: RetrieveRequest, limits: ServiceLimits) -> int:
-    if len(request.queries) > limits.max_queries:
-        raise RequestError(413, f"queries: {len(request.queries)} queries exceed the limit of {limits.max_queries}")
     for position, query in enumerate(request.queries):
         if len(query) > limits.max_query_chars:
             raise RequestError(
                 422, f"queries[{position}]: {len(query)} characters exceed the limit of {limits.max_query_chars}")
-        try:
-            query.encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError(422, f"queries[{position}]: not valid Unicode (a lone surrogate)") from None
     topk = limits.default_topk if request.topk is None else request.topk
     if not 1 <= topk <= limits.max_topk:
         raise RequestError(422, f"topk: must be between 1 and {limits.max_topk}, got {topk}")
-    return topk
+    return SearchRequest(list(request.queries), topk, request.return_scores)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -238,13 +301,17 @@ def create_app(retriever: Retriever, limits: ServiceLimits = ServiceLimits(), de
     @app.post("/retrieve")
     async def retrieve(request: Request) -> JSONResponse:
         try:
-            parsed = parse_request(await _read_body(request, limits.max_request_bytes))
-            topk = _validate(parsed, limits)
+            parsed = parse_request(await _read_body(request, limits.max_request_bytes), limits)
         except RequestError as err:
             return JSONResponse({"detail": err.message}, status_code=err.status)
+        except ClientDisconnect:
+            return JSONResponse({"detail": "body: the client disconnected mid-request"}, status_code=400)
         if not parsed.queries:  # the official server's reply; nothing to search
             return JSONResponse({"result": []})
-        results = await batcher.search(list(parsed.queries), topk)
+        try:
+            results = await batcher.search(parsed.queries, parsed.topk)
+        except Exception as exc:  # logged by the batcher; a JSON 500 keeps the connection, the client retries
+            return JSONResponse({"detail": f"retriever failed: {type(exc).__name__}"}, status_code=500)
         return JSONResponse({"result": _to_wire(results, parsed.return_scores)})
 
     return app

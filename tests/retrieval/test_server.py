@@ -68,7 +68,7 @@ def malformed_bodies() -> list:
         b"", b"{", b"not json", b"[]", b"null", b"42", b'"queries"',
         {}, {"topk": 3}, {"queries": "one string"}, {"queries": None}, {"queries": [1, 2]},
         {"queries": [["nested"]]}, {"queries": [None]}, {"queries": [{"q": 1}]},
-        {"queries": ["q"] * 65_537}, {"queries": ["x" * 5000]}, {"queries": ["q"], "topk": 0},
+        {"queries": ["q"] * 65_537}, {"queries": ["x" * 70_000]}, {"queries": ["q"], "topk": 0},
         {"queries": ["q"], "topk": -3}, {"queries": ["q"], "topk": 10**9}, {"queries": ["q"], "topk": "3"},
         {"queries": ["q"], "topk": 2.5}, {"queries": ["q"], "topk": [3]}, {"queries": ["q"], "return_scores": "yes"},
     ]
@@ -92,8 +92,26 @@ def test_hundred_malformed_requests_get_4xx_with_a_message_and_the_server_keeps_
 
 def test_validation_messages_name_the_offending_field(service):
     assert "topk" in post(service.url, {"queries": ["q"], "topk": 0}).text
-    assert "queries[1]" in post(service.url, {"queries": ["q", "x" * 5000]}).text
-    assert "65537 queries exceed" in post(service.url, {"queries": ["q"] * 65_537}).text
+    assert "queries[1]: 70000 characters exceed the limit of 65536" in post(service.url, {"queries": ["q", "x" * 70_000]}).text
+    too_many = post(service.url, {"queries": ["q"] * 65_537})
+    assert too_many.status_code == 413 and "queries: 65537 queries exceed the limit of 65536" in too_many.text
+
+
+def test_a_body_past_the_byte_limit_gets_413_naming_its_size_and_the_limit(service):
+    body = b'{"queries": ["' + b"a" * (32 * 2**20) + b'"]}'
+    reply = post(service.url, body)
+    assert reply.status_code == 413
+    assert reply.json() == {"detail": f"body: {len(body)} bytes exceed the limit of {32 * 2**20}"}
+
+
+def test_a_query_of_a_degenerate_500_token_turn_is_served(service, qwen_tokenizer):
+    """The longest Qwen2.5 token (128 characters) 500 times: a collapsed policy's query is still searched."""
+    longest = max(qwen_tokenizer.get_vocab().values(), key=lambda i: len(qwen_tokenizer.decode([i])))
+    query = qwen_tokenizer.decode([longest] * 500) + " nobel prize"
+    assert len(query) == 500 * 128 + len(" nobel prize")
+    reply = post(service.url, {"queries": [query], "topk": 3, "return_scores": True})
+    assert reply.status_code == 200, reply.text[:300]
+    assert len(reply.json()["result"][0]) == 3
 
 
 def test_eight_concurrent_clients_times_fifty_requests_all_succeed_with_correct_hits(service, small_bm25):
@@ -146,7 +164,35 @@ def test_client_splits_long_query_lists_into_requests_the_service_accepts(servic
     assert [[h.id for h in hits] for hits in got] == [[h.id for h in hits] for hits in small_bm25.search(queries, 2)]
 
 
+def test_client_cuts_requests_by_encoded_bytes_and_each_fits_the_limit(service, small_bm25):
+    queries = [f"{word} film" + " é" * n for n, word in enumerate(("tamil", "french", "silent", "war", "comedy", "jazz"))]
+    limit = 120
+    with HttpRetriever(service.url, max_request_bytes=limit) as retriever:
+        chunks = retriever._chunks(queries, 2)
+        sizes = [len(json.dumps({"queries": c, "topk": 2, "return_scores": True}, ensure_ascii=False,
+                                separators=(",", ":")).encode()) for c in chunks]
+        got = retriever.search(queries, 2)
+    assert [q for c in chunks for q in c] == queries and len(chunks) > 1
+    assert all(size <= limit for size in sizes), sizes
+    for chunk, next_chunk in zip(chunks, chunks[1:]):  # greedy: the next query would not have fitted
+        grown = {"queries": chunk + next_chunk[:1], "topk": 2, "return_scores": True}
+        assert len(json.dumps(grown, ensure_ascii=False, separators=(",", ":")).encode()) > limit
+    assert [[h.id for h in hits] for hits in got] == [[h.id for h in hits] for hits in small_bm25.search(queries, 2)]
+
+
+def test_client_reports_a_413_at_once_with_the_servers_reason(service):
+    with HttpRetriever(service.url, retries=3, backoff=30.0) as retriever:
+        with pytest.raises(RetrievalError, match=r"rejected the request: HTTP 413.*exceed the limit of 33554432"):
+            retriever.search(["a" * (32 * 2**20)], 3)
+
+
 def test_client_reports_a_rejected_request_at_once_with_the_servers_reason(service):
     with HttpRetriever(service.url + "/retrieve", retries=3, backoff=30.0) as retriever:
         with pytest.raises(RetrievalError, match=r"rejected the request: HTTP 422.*topk"):
             retriever.search(["q"], 1000)
+
+
+def test_client_refuses_a_lone_surrogate_query_naming_it_before_sending():
+    with HttpRetriever("http://127.0.0.1:9", retries=0) as retriever:  # nothing listens: nothing may be sent
+        with pytest.raises(ValueError, match=r"queries\[1\] is not valid Unicode"):
+            retriever.search(["ok", "\ud800"], 3)
