@@ -198,9 +198,8 @@ def test_plan_compiles_with_xla_gpu_for_h100s_from_a_cpu_host():
 
 def test_a_run_that_will_not_fit_is_refused_naming_the_phase_and_the_field():
     """``check_fits_before_training`` compiles the run's own programs; 100 kB per device fits none."""
-    from llds_jax.train.plan import check_fits_before_training
-
     from llds_jax.errors import InputError
+    from llds_jax.train.plan import check_fits_before_training
 
     c = _tiny_config()
     c.plan.update(check_before_train="always", device_memory_bytes=100_000)
