@@ -120,13 +120,23 @@ def rollout_rows_per_wave(model_config, rollout_config, device_bytes: int, n_dat
     return per_device * n_data_devices
 
 
+def reported_bytes_limit(devices) -> int | None:
+    """What this process's first device among ``devices`` reports as usable (None: CPU, no limit).
+
+    Only this process's devices answer ``memory_stats()``; a multi-host mesh lists the others' too.
+    """
+    local = [d for d in devices if getattr(d, "process_index", 0) == jax.process_index()] or list(devices)
+    stats = local[0].memory_stats() if hasattr(local[0], "memory_stats") else None
+    return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+
+
 def device_memory_bytes(rollout_config, device: jax.Device | None = None) -> int:
     """One device's memory: what it reports (``bytes_limit``), else ``rollout.cpu_memory_bytes``,
     else the host's MemTotal shared by its local devices (simulated CPU devices share one RAM)."""
-    device = device or jax.local_devices()[0]  # memory_stats() answers for this process's devices only
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
+    device = device or jax.local_devices()[0]
+    reported = reported_bytes_limit([device])
+    if reported is not None:
+        return reported
     configured = int(rollout_config.get("cpu_memory_bytes", 0))
     host = configured or _host_memory_bytes()
     return host // max(1, jax.local_device_count(device.platform))

@@ -458,10 +458,9 @@ def device_memory_limit(section, devices) -> int | None:
     """Bytes one device may use: ``plan.device_memory_bytes``, else what the device reports (None on CPU)."""
     if int(section.get("device_memory_bytes", 0)):
         return int(section.device_memory_bytes)
-    # Only this process's devices answer memory_stats(); a multi-host mesh lists the others' too.
-    local = [d for d in devices if getattr(d, "process_index", 0) == jax.process_index()] or list(devices)
-    stats = local[0].memory_stats() if hasattr(local[0], "memory_stats") else None
-    return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+    from llds_jax.rollout.waves import reported_bytes_limit  # noqa: PLC0415
+
+    return reported_bytes_limit(devices)
 
 
 def check_fits_before_training(config, devices) -> Plan | None:
