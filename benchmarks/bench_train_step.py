@@ -53,7 +53,7 @@ def batch_arrays(vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def jax_config():
-    from llds_jax.train.config import base_config
+    from llds_jax.app.config import base_config
 
     c = base_config()
     c.mesh.shape = (1, 1, 1)

@@ -22,14 +22,14 @@ from ml_collections import config_flags
 from llds_jax.errors import InputError
 
 MODES = {
-    "train": "llds_jax.train.run:train_main",
-    "sft": "llds_jax.train.run:sft_main",
+    "train": "llds_jax.app.run:train_main",
+    "sft": "llds_jax.app.run:sft_main",
     "eval": "llds_jax.eval.run:eval_main",
     "serve": "llds_jax.retrieval.cli:serve_main",
     "index": "llds_jax.retrieval.cli:index_main",
     "report": "llds_jax.diagnostics.report:report_main",
-    "plan": "llds_jax.train.plan:plan_main",
-    "sweep": "llds_jax.train.sweep:sweep_main",
+    "plan": "llds_jax.plan.run:plan_main",
+    "sweep": "llds_jax.app.sweep:sweep_main",
 }
 
 EXIT_USER_ERROR = 2

@@ -20,7 +20,7 @@ from llds_jax.models.config import DecoderConfig
 from llds_jax.models.decoder import Decoder
 from llds_jax.models.logprobs import sequence_logprobs
 from llds_jax.models.testing import tiny_model
-from llds_jax.train.plan_targets import target_installed
+from llds_jax.plan.targets import target_installed
 
 LENGTHS = (1024, 2048)
 LINEAR = 2.5      # max temp ratio for 2x length: linear growth plus rounding of fixed buffers

@@ -14,13 +14,12 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from llds_jax.app.run_control import NonFiniteStreak, PreemptionGuard
 from llds_jax.train.checkpoint import (
     INTEGRITY_FILE,
     CheckpointCorruptError,
     Checkpointer,
     CheckpointError,
-    NonFiniteStreak,
-    PreemptionGuard,
     abstract_like,
     parse_resume,
     resume,

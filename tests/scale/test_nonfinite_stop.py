@@ -12,10 +12,11 @@ import jax
 import numpy as np
 import pytest
 
+from llds_jax.app.run_control import NonFiniteStreak
 from llds_jax.models.testing import tiny_model
 from llds_jax.parallel.mesh import make_mesh
 from llds_jax.parallel.placement import shard_model
-from llds_jax.train.checkpoint import Checkpointer, NonFiniteStreak, abstract_like
+from llds_jax.train.checkpoint import Checkpointer, abstract_like
 from llds_jax.train.learner import Learner
 from tests.scale.test_resume_trainer_state import rollout, tiny_config
 
@@ -71,10 +72,10 @@ def test_trainer_stops_after_k_nonfinite_updates_with_a_checkpoint_of_the_last_f
     """
     import json
 
+    from llds_jax.app.run import load_model_and_tokenizer, train
+    from llds_jax.app.run_control import NonFiniteStop
     from llds_jax.train import loop
-    from llds_jax.train.checkpoint import NonFiniteStop
     from llds_jax.train.metrics import read_metrics
-    from llds_jax.train.run import load_model_and_tokenizer, train
 
     c = tiny_config((1, 1, 1))
     c.workdir = str(tmp_path / "run")

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from llds_jax.app.config import base_config
 from llds_jax.models import Decoder
-from llds_jax.train.config import base_config
-from llds_jax.train.plan import (
+from llds_jax.plan.run import (
     HARDWARE,
     CompiledProgram,
     Plan,
@@ -29,7 +29,7 @@ from llds_jax.train.plan import (
     make_plan,
     plan_devices,
 )
-from llds_jax.train.plan_targets import resolve_target, target_installed
+from llds_jax.plan.targets import resolve_target, target_installed
 from tests.scale import toy_train
 
 needs_tpu = pytest.mark.skipif(bool(target_installed("tpu")), reason=target_installed("tpu") or "installed")
@@ -127,7 +127,7 @@ def test_the_table_names_the_compiled_chip_and_a_refusal():
 
 
 def test_sizes_are_read_from_xla_tpu_out_of_memory_messages():
-    from llds_jax.train.plan import _bytes_named
+    from llds_jax.plan.run import _bytes_named
 
     first = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
              "(31.93G) exceeds available HBM (15.75G).")
@@ -199,7 +199,7 @@ def test_plan_compiles_with_xla_gpu_for_h100s_from_a_cpu_host():
 def test_a_run_that_will_not_fit_is_refused_naming_the_phase_and_the_field():
     """``check_fits_before_training`` compiles the run's own programs; 100 kB per device fits none."""
     from llds_jax.errors import InputError
-    from llds_jax.train.plan import check_fits_before_training
+    from llds_jax.plan.run import check_fits_before_training
 
     c = _tiny_config()
     c.plan.update(check_before_train="always", device_memory_bytes=100_000)
@@ -218,7 +218,7 @@ def test_a_run_that_will_not_fit_is_refused_naming_the_phase_and_the_field():
 
 
 def test_the_fit_check_is_skipped_where_devices_report_no_limit_unless_asked():
-    from llds_jax.train.plan import check_fits_before_training
+    from llds_jax.plan.run import check_fits_before_training
 
     c = _tiny_config()
     assert check_fits_before_training(c, jax.devices()) is None  # auto, CPU: no limit reported

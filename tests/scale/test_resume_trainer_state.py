@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import pytest
 
+from llds_jax.app.config import base_config
 from llds_jax.models.testing import tiny_model
 from llds_jax.parallel.mesh import make_mesh
 from llds_jax.parallel.placement import shard_model
 from llds_jax.train.checkpoint import Checkpointer, with_shardings
-from llds_jax.train.config import base_config
 from llds_jax.train.learner import Learner
 
 PROMPTS, GROUP, SEQ = 4, 4, 32

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from llds_jax.app.config import TrainConfigError, base_config, batch_arithmetic, validate
+from llds_jax.app.sweep import expand_grid, plan
 from llds_jax.data.prompts import BUNDLED_DIR, PromptIterator, load_questions
-from llds_jax.train.config import TrainConfigError, base_config, batch_arithmetic, validate
 from llds_jax.train.metrics import MetricsWriter, read_metrics
 from llds_jax.train.state import learning_rate
-from llds_jax.train.sweep import expand_grid, plan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -150,9 +150,9 @@ def test_metrics_writer_writes_flat_strict_json_and_tensorboard(tmp_path):
 def test_synthetic_warmup_trajectories_mask_feedback_exactly_like_rollouts(qwen_tokenizer):
     from llds_jax.retrieval.config import default_retrieval_config
     from llds_jax.retrieval.factory import build_retriever
+    from llds_jax.retrieval.short_docs import ShortDocsRetriever
     from llds_jax.rollout.config import default_config
     from llds_jax.train.sft import collate_sft, synthetic_trajectories
-    from llds_jax.train.short_docs import ShortDocsRetriever
 
     records = load_questions(["bundled:nq_train"])[:3]
     retriever = ShortDocsRetriever(build_retriever(default_retrieval_config()), qwen_tokenizer, 20)

@@ -11,8 +11,8 @@ import json
 import pytest
 from train_helpers import tiny_loop_config
 
+from llds_jax.app.run import train
 from llds_jax.train.metrics import read_metrics
-from llds_jax.train.run import train
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llds_jax.train.config import base_config
+from llds_jax.app.config import base_config
 
 N_PROMPTS, GROUP, SEQ = 4, 4, 32
 

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llds_jax.train.config import TrainConfigError, validate
+from llds_jax.app.config import TrainConfigError, validate
 
 
 def expand_grid(grid) -> list[dict]:

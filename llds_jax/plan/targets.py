@@ -60,7 +60,7 @@ class PlanError(InputError):
 
 class NeedsFreshProcess(Exception):
     """This process cannot build the target (CPU device count fixed, or the CUDA plugin was
-    skipped at start-up); the plan reruns in ``python -m llds_jax.train.plan`` with
+    skipped at start-up); the plan reruns in ``python -m llds_jax.plan.run`` with
     ``JAX_PLATFORMS=cpu`` and ``args[0]`` simulated CPU devices."""
 
 

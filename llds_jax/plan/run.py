@@ -20,7 +20,7 @@ the KV cache (exact, from the shardings) and XLA's own ``memory_analysis`` of ea
 (arguments, outputs, donated aliases, temporaries = activations + gradient accumulator +
 workspace), then the peak against H100 80 GB / H200 141 GB / TPU v5e 16 GB / v5p 95 GB.
 
-Which compiler (``llds_jax.train.plan_targets``): ``plan.topology="v5e:8x8"`` compiles with
+Which compiler (``llds_jax.plan.targets``): ``plan.topology="v5e:8x8"`` compiles with
 XLA:TPU for that slice and ``plan.gpu="h100"`` with XLA:GPU for ``plan.devices`` H100s — both
 compile-only, on any host, once ``pip install '.[plan-tpu]'`` / ``'.[plan-gpu]'`` is done. XLA:TPU
 refuses programs that overflow the chip's HBM; the plan then records the compiler's message and
@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from llds_jax.train.plan_targets import NeedsFreshProcess, PlanError, Target, resolve_target
+from llds_jax.plan.targets import NeedsFreshProcess, PlanError, Target, resolve_target
 
 GB = 1e9
 # Usable fraction of HBM: XLA keeps some for itself; on GPU also set
@@ -150,13 +150,13 @@ def plan_devices(section) -> Target:
 
 
 def _plan_in_child(config, devices: int) -> None:
-    """Run the plan in ``python -m llds_jax.train.plan`` (JAX_PLATFORMS=cpu, ``devices`` CPU devices)."""
+    """Run the plan in ``python -m llds_jax.plan.run`` (JAX_PLATFORMS=cpu, ``devices`` CPU devices)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.pkl"
         path.write_bytes(pickle.dumps(config))
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}")
-        result = subprocess.run([sys.executable, "-m", "llds_jax.train.plan", str(path)], env=env, check=False)
+        result = subprocess.run([sys.executable, "-m", "llds_jax.plan.run", str(path)], env=env, check=False)
     if result.returncode:
         raise PlanError(f"the plan for {devices} devices failed in its child process "
                         f"(exit {result.returncode}; its error is printed above)")
@@ -309,9 +309,9 @@ def make_plan(config, target: Target | None = None) -> Plan:
 
     ``target`` defaults to ``plan_devices(config.plan)``; a list of devices is also accepted.
     """
+    from llds_jax.app.config import mesh_shape, validate  # noqa: PLC0415
     from llds_jax.parallel.mesh import make_mesh  # noqa: PLC0415
     from llds_jax.parallel.rules import DEFAULT  # noqa: PLC0415
-    from llds_jax.train.config import mesh_shape, validate  # noqa: PLC0415
     from llds_jax.train.step import build_update_fns, train_batch_shardings  # noqa: PLC0415
 
     section = config.get("plan") or default_plan_config()

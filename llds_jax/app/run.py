@@ -24,8 +24,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from llds_jax.app.config import batch_arithmetic, validate
 from llds_jax.parallel import distributed
-from llds_jax.train.config import batch_arithmetic, validate
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +80,10 @@ def _setup(config):
     from absl import logging as absl_logging
 
     from llds_jax.parallel.mesh import make_mesh
+    from llds_jax.plan.run import check_fits_before_training
     from llds_jax.retrieval.factory import build_retriever
+    from llds_jax.retrieval.short_docs import maybe_short_docs
     from llds_jax.train.metrics import MetricsWriter
-    from llds_jax.train.plan import check_fits_before_training
-    from llds_jax.train.short_docs import maybe_short_docs
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save step at INFO
     validate(config)
@@ -137,15 +137,9 @@ def run_sft_only(config) -> Path:
 
 def train(config) -> dict:
     """(resume | warm-up) → GRPO + LLDS → checkpoint → export → eval; returns the run summary."""
+    from llds_jax.app.run_control import NonFiniteStop, NonFiniteStreak, PreemptionGuard
     from llds_jax.data.prompts import PromptIterator, load_questions
-    from llds_jax.train.checkpoint import (
-        Checkpointer,
-        NonFiniteStop,
-        NonFiniteStreak,
-        PreemptionGuard,
-        abstract_like,
-        resume,
-    )
+    from llds_jax.train.checkpoint import Checkpointer, abstract_like, resume
     from llds_jax.train.learner import Learner
     from llds_jax.train.loop import make_monitor, rl_loop
     from llds_jax.train.sft import run_sft

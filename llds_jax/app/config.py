@@ -34,10 +34,10 @@ class TrainConfigError(InputError):
 
 def base_config() -> ml_collections.ConfigDict:
     from llds_jax.parallel.distributed import default_distributed_config
+    from llds_jax.plan.run import default_plan_config
     from llds_jax.retrieval.config import default_retrieval_config
     from llds_jax.rl.config import default_config as rl_defaults
     from llds_jax.rollout.config import default_config as rollout_defaults
-    from llds_jax.train.plan import default_plan_config
 
     c = ml_collections.ConfigDict()
     c.workdir = "runs/default"
@@ -84,7 +84,7 @@ def base_config() -> ml_collections.ConfigDict:
     # Every MonitorConfig field, so --config.monitor.on_phase_two=raise_lambda etc. work from the command line
     c.monitor = ml_collections.ConfigDict(dict(enabled=True, **dataclasses.asdict(MonitorConfig())))
     c.distributed = default_distributed_config()  # multi-host join (llds_jax.parallel.distributed); unset = env/auto
-    c.plan = default_plan_config()  # --mode=plan (llds_jax.train.plan): AOT memory plan before booking a pod
+    c.plan = default_plan_config()  # --mode=plan (llds_jax.plan.run): AOT memory plan before booking a pod
     c.resume = "auto"  # "auto" | "never" | a step number (llds_jax.train.checkpoint)
     c.sft = ml_collections.ConfigDict(dict(
         steps=20, batch_size=4, lr=1e-4, warmup_steps=0, max_seq_len=512,
