@@ -48,7 +48,7 @@ def get_config():
     c.sft.batch_size = 4
     c.sft.lr = 1e-4
     c.sft.max_seq_len = 512
-    c.train.max_doc_tokens = 60  # docs cut to 60 tokens in warm-up, RL and eval (≈30% shorter sequences)
+    c.retrieval.max_doc_tokens = 60  # docs cut to 60 tokens in warm-up, RL and eval (≈30% shorter sequences)
     c.eval.data = "bundled:nq_dev"
     c.eval.limit = 8
     c.eval.batch_size = 8

@@ -139,6 +139,17 @@ def test_sweep_exits_zero_and_a_bad_grid_exits_2(tiny_config, tmp_path):
     assert "/no/such/config.py" in bad.stderr, bad.stderr[-2000:]
 
 
+def test_sweep_with_an_unknown_llds_gate_exits_2_naming_the_field_before_any_run(tiny_config, tmp_path):
+    sweep = tmp_path / "sweep_gate.py"
+    sweep.write_text(SWEEP_CONFIG.format(base=str(tiny_config), root=str(tmp_path / "runs")).replace(
+        '(("rl.llds_coef", (0.0, 0.1)),)', '(("rl.llds_gate", ("action", "acton")),)'))
+    result = run_main("--mode=sweep", f"--config={sweep}")
+    assert_exit(result, 2)
+    assert "error: --mode=sweep" in result.stderr and "rl.llds_gate = 'acton'" in result.stderr, result.stderr[-2000:]
+    assert "sweep run 'llds_gate=acton'" in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "runs").exists(), "a sweep run started before every grid point was validated"
+
+
 def test_train_with_sizes_that_do_not_divide_exits_2_naming_the_field(tiny_config):
     result = run_main("--mode=train", f"--config={tiny_config}", "--config.train.mini_batch_size=3")
     assert_exit(result, 2)

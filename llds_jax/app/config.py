@@ -12,8 +12,16 @@ Batch vocabulary (all counted in *trajectories* except ``prompts_per_step``):
 ``mini_batch_size`` chunks (one optimizer update each — the reference's 2560 / 256 = 10, the
 split that makes π_θ ≠ π_old so LLDS can act), each accumulated over ``micro_batch_size``
 chunks; ``logprob_batch_size`` is the chunk for the no-grad π_old / π_ref forwards. Mini-batch 1
-runs at θ = θ_old, so its loss uses its own forward as π_old and LLDS is exactly 0 there whatever
-the sizes (``train/step.py``); later mini-batches read the precomputed π_old.
+of a step runs at θ = θ_old and takes its own gradient-stopped forward as π_old, so its LLDS is
+exactly 0 (``train/step.py``); only later mini-batches, which read the precomputed π_old after
+θ moved, can have LLDS > 0. With one mini-batch per step (``mini_batch_size`` = all
+trajectories) LLDS therefore never acts.
+
+Validation (:func:`validate`) composes every section's own checks — ``model``, ``mesh``,
+``data``, ``retrieval``, ``rollout``, ``rl``, ``optim``, ``train``, ``sft``, ``eval``,
+``monitor``, ``plan``, ``resume`` — and the trainer's size relations against a device count.
+Every mode calls it (or :func:`validate_sections`, its device-free part) first, before any
+device, index or weight is touched.
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ import ml_collections
 
 from llds_jax.diagnostics.monitor import MonitorConfig
 from llds_jax.errors import InputError
+from llds_jax.parallel.mesh import MeshShapeError, resolve_mesh_shape
+from llds_jax.plan.config import default_plan_config
+from llds_jax.plan.config import validate as plan_validate
 from llds_jax.rl.config import validate as rl_validate
 
 
@@ -34,7 +45,6 @@ class TrainConfigError(InputError):
 
 def base_config() -> ml_collections.ConfigDict:
     from llds_jax.parallel.distributed import default_distributed_config
-    from llds_jax.plan.run import default_plan_config
     from llds_jax.retrieval.config import default_retrieval_config
     from llds_jax.rl.config import default_config as rl_defaults
     from llds_jax.rollout.config import default_config as rollout_defaults
@@ -78,13 +88,12 @@ def base_config() -> ml_collections.ConfigDict:
         delta_diagnostics=True,    # one extra no-grad forward after the updates: Δ = logπ_new − logπ_old (LLD rate)
         samples_per_step=4,        # trajectories' text/answer/reward appended to <workdir>/samples.jsonl
         export_hf=True,            # write <workdir>/hf/step_<N> (transformers-loadable) at the end
-        max_doc_tokens=0,          # >0: every retrieved doc cut to this many tokens (warm-up, RL and eval alike)
         max_nonfinite_updates=5,   # stop (with a checkpoint) after this many skipped non-finite updates in a row; 0 = never
     ))
     # Every MonitorConfig field, so --config.monitor.on_phase_two=raise_lambda etc. work from the command line
     c.monitor = ml_collections.ConfigDict(dict(enabled=True, **dataclasses.asdict(MonitorConfig())))
     c.distributed = default_distributed_config()  # multi-host join (llds_jax.parallel.distributed); unset = env/auto
-    c.plan = default_plan_config()  # --mode=plan (llds_jax.plan.run): AOT memory plan before booking a pod
+    c.plan = default_plan_config()  # --mode=plan (llds_jax.plan): AOT memory plan before booking a pod
     c.resume = "auto"  # "auto" | "never" | a step number (llds_jax.train.checkpoint)
     c.sft = ml_collections.ConfigDict(dict(
         steps=20, batch_size=4, lr=1e-4, warmup_steps=0, max_seq_len=512,
@@ -96,32 +105,45 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
-def _positive(config, path: str) -> int:
+def _get(config, path: str):
     value = config
     for part in path.split("."):
         value = value[part]
+    return value
+
+
+def _positive(config, path: str) -> int:
+    value = _get(config, path)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise TrainConfigError(f"{path}={value!r} must be a positive integer")
     return value
 
 
+def _non_negative(config, path: str) -> int:
+    value = _get(config, path)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TrainConfigError(f"{path}={value!r} must be an integer ≥ 0")
+    return value
+
+
+def _number_in(config, path: str, low: float, high: float | None = None) -> float:
+    value = _get(config, path)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            low <= value and (high is None or value <= high)):
+        raise TrainConfigError(f"{path}={value!r} must be a number in [{low}, {'inf' if high is None else high}]")
+    return value
+
+
 def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int, int]:
     """``mesh.shape`` with its ``-1`` resolved against ``num_devices`` (default: this host's devices)."""
-    shape = tuple(config.mesh.shape)
-    if len(shape) != 3 or shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
-        raise TrainConfigError(f"mesh.shape={shape!r} must be 3 positive sizes (data, fsdp, tensor), one may be -1")
     if num_devices is None:
         import jax
 
         num_devices = jax.device_count()
-    known = math.prod(s for s in shape if s != -1)
-    if -1 in shape:
-        if num_devices % known:
-            raise TrainConfigError(f"mesh.shape={shape!r} does not divide the {num_devices} devices")
-        shape = tuple(num_devices // known if s == -1 else s for s in shape)
-    elif known > num_devices:
-        raise TrainConfigError(f"mesh.shape={shape!r} needs {known} devices, have {num_devices}")
-    return shape
+    try:
+        return resolve_mesh_shape(tuple(config.mesh.shape), num_devices)
+    except MeshShapeError as err:
+        raise TrainConfigError(str(err)) from err
 
 
 def data_parallel_size(config, num_devices: int | None = None) -> int:
@@ -129,11 +151,78 @@ def data_parallel_size(config, num_devices: int | None = None) -> int:
     return data * fsdp
 
 
-def validate(config, num_devices: int | None = None) -> ml_collections.ConfigDict:
-    """Check every size relation the update step relies on; returns the config for chaining.
+# --------------------------------------------------------------- sections
+def _check_model(config) -> None:
+    from llds_jax.models.config import ATTENTION_BACKENDS, REMAT_POLICIES
 
-    ``num_devices`` plans for another topology (e.g. 64 for a v5e-64) from any machine.
-    """
+    m = config.model
+    if not isinstance(m.source, str) or not m.source:
+        raise TrainConfigError(f"model.source={m.source!r} must name a model ('smollm2', 'tiny:<family>', a path)")
+    for path in ("model.dtype", "model.param_dtype", "model.ref_dtype"):
+        if _get(config, path) not in ("float32", "bfloat16", "float16"):
+            raise TrainConfigError(f"{path}={_get(config, path)!r}: expected float32, bfloat16 or float16")
+    if m.remat not in REMAT_POLICIES:
+        raise TrainConfigError(f"model.remat={m.remat!r}: expected one of {REMAT_POLICIES}")
+    if m.get("attention", "auto") not in ATTENTION_BACKENDS:
+        raise TrainConfigError(f"model.attention={m.attention!r}: expected one of {ATTENTION_BACKENDS}")
+    _positive(config, "model.logprob_chunk_size")
+
+
+def _check_mesh(config) -> None:
+    shape = tuple(config.mesh.shape)
+    mesh_shape(config, max(1, math.prod(s for s in shape if isinstance(s, int) and s > 0)))  # its form only
+
+
+def _check_data(config) -> None:
+    if not config.data.train:
+        raise TrainConfigError("data.train is empty: name at least one question source")
+    _non_negative(config, "data.limit_per_source")
+
+
+def _check_retrieval(config) -> None:
+    from llds_jax.retrieval.config import validate as retrieval_validate
+
+    retrieval_validate(config.retrieval)
+
+
+def _check_rollout(config) -> None:
+    for path in ("rollout.max_turns", "rollout.max_action_tokens", "rollout.max_obs_tokens",
+                 "rollout.max_prompt_tokens", "rollout.max_context", "rollout.topk", "rollout.n_samples",
+                 "rollout.pad_to_multiple"):
+        _positive(config, path)
+    for path in ("rollout.top_k", "rollout.max_concurrent_rows", "rollout.cpu_memory_bytes",
+                 "rollout.prefill_chunk"):
+        if path.split(".")[1] in config.rollout:
+            _non_negative(config, path)
+    _number_in(config, "rollout.temperature", 0.0)
+    _number_in(config, "rollout.top_p", 0.0, 1.0)
+    if "memory_fraction" in config.rollout:
+        fraction = _number_in(config, "rollout.memory_fraction", 0.0, 1.0)
+        if fraction == 0.0:
+            raise TrainConfigError("rollout.memory_fraction=0.0 leaves the rollout no memory: use (0, 1]")
+
+
+def _check_rl(config) -> None:
+    rl_validate(config.rl)  # the objective's fields fail here, not when the update is first traced
+
+
+def _check_optim(config) -> None:
+    o = config.optim
+    if not 0.0 <= o.warmup_ratio <= 1.0:
+        raise TrainConfigError(f"optim.warmup_ratio={o.warmup_ratio} must be in [0, 1]")
+    if o.lr < 0:
+        raise TrainConfigError(f"optim.lr={o.lr} must be ≥ 0")
+    if o.clip_norm <= 0:
+        raise TrainConfigError(f"optim.clip_norm={o.clip_norm} must be > 0")
+    for path in ("optim.b1", "optim.b2"):
+        beta = _number_in(config, path, 0.0, 1.0)
+        if beta == 1.0:
+            raise TrainConfigError(f"{path}=1.0: Adam's moment decay must be < 1")
+    _number_in(config, "optim.eps", 0.0)
+    _number_in(config, "optim.weight_decay", 0.0)
+
+
+def _check_train(config) -> None:
     t = config.train
     for path in ("train.total_steps", "train.prompts_per_step", "rollout.n_samples", "train.mini_batch_size",
                  "train.micro_batch_size", "train.logprob_batch_size", "rollout.max_context"):
@@ -150,6 +239,76 @@ def validate(config, num_devices: int | None = None) -> ml_collections.ConfigDic
         raise TrainConfigError(
             f"train.logprob_batch_size={t.logprob_batch_size} does not divide the {trajectories} trajectories "
             "of a step")
+    if t.warmup_sft_steps < 0:
+        raise TrainConfigError(f"train.warmup_sft_steps={t.warmup_sft_steps} must be ≥ 0")
+    limit = t.get("max_nonfinite_updates", 0)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise TrainConfigError(f"train.max_nonfinite_updates={limit!r} must be an integer ≥ 0 (0 = never stop)")
+    for path in ("train.save_every", "train.samples_per_step"):
+        _non_negative(config, path)
+
+
+def _check_sft(config) -> None:
+    if config.train.warmup_sft_steps:
+        for path in ("sft.batch_size", "sft.max_seq_len"):
+            _positive(config, path)
+        _number_in(config, "sft.lr", 0.0)
+        if not config.sft.data:
+            raise TrainConfigError("sft.data is empty while train.warmup_sft_steps > 0")
+
+
+def _check_eval(config) -> None:
+    if "eval" not in config:
+        return
+    _positive(config, "eval.batch_size")
+    _non_negative(config, "eval.limit")
+
+
+def _check_monitor(config) -> None:
+    if config.get("monitor") is not None:
+        try:
+            MonitorConfig.from_mapping(config.monitor)
+        except (TypeError, ValueError) as err:
+            raise TrainConfigError(f"monitor: {err}") from err
+
+
+def _check_plan(config) -> None:
+    if config.get("plan") is not None:
+        plan_validate(config.plan)
+
+
+def _check_resume(config) -> None:
+    value = config.get("resume", "auto")
+    if isinstance(value, bool) or not (value in ("auto", "never") or (isinstance(value, int) and value >= 0)
+                                       or (isinstance(value, str) and value.isdigit())):
+        raise TrainConfigError(f"resume={value!r}: expected 'auto', 'never' or a step number ≥ 0")
+
+
+SECTION_CHECKS = {
+    "model": _check_model, "mesh": _check_mesh, "data": _check_data, "retrieval": _check_retrieval,
+    "rollout": _check_rollout, "rl": _check_rl, "optim": _check_optim, "train": _check_train, "sft": _check_sft,
+    "eval": _check_eval, "monitor": _check_monitor, "plan": _check_plan, "resume": _check_resume,
+}
+
+
+def validate_sections(config) -> ml_collections.ConfigDict:
+    """Every section's own values (no device count needed); returns the config for chaining.
+
+    Safe before ``jax.distributed.initialize``: it asks JAX for nothing.
+    """
+    for check in SECTION_CHECKS.values():
+        check(config)
+    return config
+
+
+def validate(config, num_devices: int | None = None) -> ml_collections.ConfigDict:
+    """:func:`validate_sections`, then the size relations the update step needs on ``num_devices``.
+
+    ``num_devices`` plans for another topology (e.g. 64 for a v5e-64) from any machine; by
+    default this process's ``jax.device_count()``.
+    """
+    validate_sections(config)
+    t = config.train
     dp = data_parallel_size(config, num_devices)
     for path, value in (("train.micro_batch_size", t.micro_batch_size),
                         ("train.logprob_batch_size", t.logprob_batch_size)):
@@ -157,34 +316,9 @@ def validate(config, num_devices: int | None = None) -> ml_collections.ConfigDic
             raise TrainConfigError(
                 f"{path}={value} is not a multiple of the data-parallel size {dp} "
                 f"(mesh.shape={tuple(config.mesh.shape)}: data×fsdp)")
-    if t.warmup_sft_steps < 0:
-        raise TrainConfigError(f"train.warmup_sft_steps={t.warmup_sft_steps} must be ≥ 0")
-    limit = t.get("max_nonfinite_updates", 0)
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-        raise TrainConfigError(f"train.max_nonfinite_updates={limit!r} must be an integer ≥ 0 (0 = never stop)")
-    if not 0.0 <= config.optim.warmup_ratio <= 1.0:
-        raise TrainConfigError(f"optim.warmup_ratio={config.optim.warmup_ratio} must be in [0, 1]")
-    if config.optim.lr < 0:
-        raise TrainConfigError(f"optim.lr={config.optim.lr} must be ≥ 0")
-    if config.optim.clip_norm <= 0:
-        raise TrainConfigError(f"optim.clip_norm={config.optim.clip_norm} must be > 0")
-    for path in ("model.dtype", "model.param_dtype", "model.ref_dtype"):
-        section, field = path.split(".")
-        if config[section][field] not in ("float32", "bfloat16", "float16"):
-            raise TrainConfigError(f"{path}={config[section][field]!r}: expected float32, bfloat16 or float16")
-    _positive(config, "rollout.topk")
-    if t.warmup_sft_steps:
-        for path in ("sft.batch_size", "sft.max_seq_len"):
-            _positive(config, path)
-        if config.sft.batch_size % dp:
-            raise TrainConfigError(f"sft.batch_size={config.sft.batch_size} is not a multiple of the "
-                                   f"data-parallel size {dp}")
-    rl_validate(config.rl)  # the objective's fields fail here, not when the update is first traced
-    if config.get("monitor") is not None:
-        try:
-            MonitorConfig.from_mapping(config.monitor)
-        except (TypeError, ValueError) as err:
-            raise TrainConfigError(f"monitor: {err}") from err
+    if t.warmup_sft_steps and config.sft.batch_size % dp:
+        raise TrainConfigError(f"sft.batch_size={config.sft.batch_size} is not a multiple of the "
+                               f"data-parallel size {dp}")
     return config
 
 

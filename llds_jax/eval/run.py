@@ -22,6 +22,7 @@ from pathlib import Path
 
 import ml_collections
 
+from llds_jax.app.config import validate_sections
 from llds_jax.data.benchmarks import QARecord, benchmark_sort_key, load_qa_file
 from llds_jax.errors import InputError
 from llds_jax.eval.metrics import EvalResponse, markdown_table, score_response, summarize
@@ -146,16 +147,24 @@ def load_eval_datasets(spec: str | Sequence[str], limit: int = 0) -> dict[str, l
     return {source: grouped[source] for source in sorted(grouped, key=benchmark_sort_key)}
 
 
+def load_policy_and_retriever(config):
+    """(policy, tokenizer, retriever) as ``--mode=eval`` builds them: the retriever through the same
+    factory and ``retrieval`` section as training, so both see the same documents."""
+    from llds_jax.models.loading import load_model_and_tokenizer
+    from llds_jax.retrieval.factory import build_retriever
+
+    policy, tokenizer = load_model_and_tokenizer(config.model)
+    return policy, tokenizer, build_retriever(config.retrieval, tokenizer)
+
+
 def eval_main(config) -> Path:
     """Entry point of ``--mode=eval`` (commands in ``configs/eval.py``)."""
     import jax
 
-    from llds_jax.retrieval.factory import build_retriever
-
+    validate_sections(config)  # every section, before any data, index or weight is read
     section = config.eval
     datasets = load_eval_datasets(section.data, section.get("limit", 0))
-    policy, tokenizer = load_policy(config.model)
-    retriever = build_retriever(config.retrieval)
+    policy, tokenizer, retriever = load_policy_and_retriever(config)
     greedy = bool(section.get("greedy", True))
     result = evaluate(policy, tokenizer, datasets, retriever, config.rollout, greedy=greedy,
                       key=jax.random.key(int(section.get("seed", 0))), batch_size=int(section.get("batch_size", 8)))
@@ -166,64 +175,6 @@ def eval_main(config) -> Path:
     print(table.read_text(encoding="utf-8"))
     print(f"eval written: {Path(out_dir).resolve()}")
     return table
-
-
-def load_policy(model_cfg):
-    """(model, tokenizer) for ``model.source``.
-
-    - ``tiny:<family>``: a random tiny model (smoke tests; needs ``model.tokenizer``);
-    - ``smollm2``: the real SmolLM2-135M-Instruct GGUF from the asset cache;
-    - a ``.gguf`` file or an HF directory: ``llds_jax.models.from_pretrained``;
-    - a run directory of ours: its newest HF export ``<run>/hf/step_<N>``
-      (``Checkpointer.export_hf``), i.e. the trained policy without optimizer state.
-
-    ``model.tokenizer`` overrides where the tokenizer comes from (default: the source).
-    """
-    from transformers import AutoTokenizer
-
-    from llds_jax import models
-    from llds_jax.models.gguf_tokenizer import load_gguf_tokenizer
-
-    source, tokenizer_source = model_cfg.source, model_cfg.get("tokenizer") or ""
-    if source.startswith("tiny:"):
-        from llds_jax.models.testing import tiny_model
-
-        if not tokenizer_source:
-            raise InputError("model.source=tiny:<family> needs model.tokenizer=<tokenizer dir>")
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-        return tiny_model(source.split(":", 1)[1], vocab_size=_padded_vocab(len(tokenizer))), tokenizer
-    path = resolve_model_path(source)
-    model = models.from_pretrained(path, dtype=model_cfg.get("dtype", "float32"),
-                                   attention=model_cfg.get("attention", "auto"))
-    if tokenizer_source:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-    elif path.suffix == ".gguf":
-        tokenizer = load_gguf_tokenizer(path)  # transformers' GGUF path needs torch
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return model, tokenizer
-
-
-def resolve_model_path(source: str) -> Path:
-    """``smollm2`` → the cached GGUF; a run directory → its newest HF export; else the path itself."""
-    if source == "smollm2":
-        from llds_jax.utils.assets import smollm2_gguf_path
-
-        return smollm2_gguf_path()
-    path = Path(source).expanduser()
-    if path.is_dir() and not (path / "config.json").exists() and (path / "checkpoints").exists():
-        exports = sorted((path / "hf").glob("step_*"), key=lambda p: int(p.name.split("_")[1])) \
-            if (path / "hf").exists() else []
-        if not exports:
-            raise FileNotFoundError(
-                f"{path} is a training run without an HF export; export the policy with "
-                f"Checkpointer.export_hf (writes {path}/hf/step_<N>) and evaluate that")
-        return exports[-1]
-    return path
-
-
-def _padded_vocab(size: int, multiple: int = 128) -> int:
-    return -(-size // multiple) * multiple
 
 
 def _json_number(value):

@@ -5,7 +5,7 @@
     python -m llds_jax.main --mode=plan --config=configs/qwen3b.py --config.plan.gpu=h100 --config.plan.devices=8
 
 No weights are read or allocated. The model's shapes come from ``config.model.source`` (an
-HF ``config.json``, or a known Qwen2.5 name such as ``.../Qwen2.5-3B``); every array is a
+HF ``config.json``, or a known Qwen2.5 name such as ``.../Qwen2.5-3B``: ``models.loading``); every array is a
 ``jax.ShapeDtypeStruct`` carrying the sharding the run would use. Three programs are compiled
 ahead of time (``jit(...).lower(...).compile()``) on a mesh of ``plan.devices`` devices:
 
@@ -47,79 +47,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 
+from llds_jax.app.config import mesh_shape, validate, validate_sections
+from llds_jax.models.loading import decoder_config
+from llds_jax.plan.config import CHECK_MODES, GB, HARDWARE, USABLE_FRACTION, default_plan_config
 from llds_jax.plan.targets import NeedsFreshProcess, PlanError, Target, resolve_target
-
-GB = 1e9
-# Usable fraction of HBM: XLA keeps some for itself; on GPU also set
-# XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (the default preallocation is only 75%).
-USABLE_FRACTION = 0.92
-HARDWARE: dict[str, tuple[str, float]] = {
-    "H100": ("NVIDIA H100 SXM, 80 GB", 80 * GB),
-    "H200": ("NVIDIA H200, 141 GB", 141 * GB),
-    "v5e": ("TPU v5e chip, 16 GB", 16 * GB),
-    "v5p": ("TPU v5p chip, 95 GB", 95 * GB),
-}
-
-# HF config.json fields of the models the paper uses, so a plan needs no download.
-KNOWN_MODELS: dict[str, dict] = {
-    "Qwen2.5-0.5B": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True),
-    "Qwen2.5-1.5B": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True),
-    "Qwen2.5-3B": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
-                       num_key_value_heads=2, intermediate_size=11008, tie_word_embeddings=True),
-    "Qwen2.5-7B": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False),
-}
-for _name, _fields in KNOWN_MODELS.items():
-    _fields.update(model_type="qwen2", hidden_act="silu", rope_theta=1000000.0, rms_norm_eps=1e-6,
-                   max_position_embeddings=32768)
-
-
-def default_plan_config() -> ml_collections.ConfigDict:
-    """The ``plan`` config section (the trainer's base config embeds it)."""
-    return ml_collections.ConfigDict(dict(
-        devices=8,            # devices of the planned mesh (CPU: simulated; GPU: plan.gpu's); 0 = this process's
-        topology="",          # TPU slice to compile for with XLA:TPU, e.g. "v5e:8x8" (pip install '.[plan-tpu]')
-        gpu="",               # GPU to compile for with XLA:GPU: "h100", "h200" or a target .txtpb ('.[plan-gpu]')
-        gpus_per_host=8,      # with plan.gpu: GPUs per host (plan.devices / this = hosts)
-        rollout_batch=0,      # rows decoded together; 0 = the trainer's own wave (rollout.max_concurrent_rows or derived)
-        hardware=("H100", "H200", "v5e", "v5p"),
-        phases=("update", "logprobs", "prefill", "decode"),
-        # --mode=train plans its own programs on its own devices before loading weights and refuses
-        # to start when a phase will not fit. auto: where the devices report a memory limit (TPU,
-        # GPU); always: also elsewhere (needs device_memory_bytes); never: skip.
-        check_before_train="auto",
-        device_memory_bytes=0,  # per device; 0 = the device's own limit (memory_stats()["bytes_limit"])
-    ))
 
 
 # ------------------------------------------------------------------ inputs
-def decoder_config_for(config):
-    """The policy's DecoderConfig from ``config.model`` without touching any weights."""
-    from llds_jax.models import DecoderConfig  # noqa: PLC0415
-
-    source = str(config.model.source)
-    overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat,
-                     attention=config.model.get("attention", "auto"))
-    if source.startswith("tiny:"):
-        from llds_jax.models.testing import tiny_config  # noqa: PLC0415
-
-        return tiny_config(source.split(":", 1)[1], **overrides)
-    path = Path(source)
-    if (path / "config.json").exists() or path.name == "config.json":
-        return DecoderConfig.from_hf_config(path, **overrides)
-    name = path.name
-    for known, fields in KNOWN_MODELS.items():
-        if name.lower() in (known.lower(), known.lower() + "-instruct"):
-            return DecoderConfig.from_hf_config(fields, **overrides)
-    raise PlanError(f"model.source={source!r}: no config.json there and not a known shape "
-                    f"({', '.join(KNOWN_MODELS)}); point it at an HF directory")
-
-
 def plan_devices(section) -> Target:
     """The target to compile for: a TPU slice's or GPUs' compile-only devices, or this process's
     (CPU: simulated) devices.
@@ -309,7 +245,6 @@ def make_plan(config, target: Target | None = None) -> Plan:
 
     ``target`` defaults to ``plan_devices(config.plan)``; a list of devices is also accepted.
     """
-    from llds_jax.app.config import mesh_shape, validate  # noqa: PLC0415
     from llds_jax.parallel.mesh import make_mesh  # noqa: PLC0415
     from llds_jax.parallel.rules import DEFAULT  # noqa: PLC0415
     from llds_jax.train.step import build_update_fns, train_batch_shardings  # noqa: PLC0415
@@ -326,7 +261,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
     shape = mesh_shape(config, len(devices))
     mesh = make_mesh(shape, devices)
     rules = DEFAULT
-    decoder_cfg = decoder_config_for(config)
+    decoder_cfg = decoder_config(config.model)
 
     trajectories = config.train.prompts_per_step * config.rollout.n_samples
     multiple = max(1, int(config.rollout.pad_to_multiple))
@@ -451,7 +386,6 @@ PHASE_KNOBS = {
     "prefill": "rollout.max_concurrent_rows (rows per rollout wave) or rollout.prefill_chunk",
     "decode": "rollout.max_concurrent_rows (rows per rollout wave) or rollout.memory_fraction",
 }
-CHECK_MODES = ("auto", "always", "never")
 
 
 def device_memory_limit(section, devices) -> int | None:
@@ -551,9 +485,10 @@ def plan_main(config) -> None:
     When this process's JAX cannot build the target (CPU device count already fixed, or the
     CUDA plugin skipped at start-up), the plan is made and printed by a child process.
     """
+    validate_sections(config)  # every section, before a compiler or device is touched
     section = config.get("plan") or default_plan_config()
     try:
-        plan = make_plan(config)
+        plan = make_plan(config)  # validates again with the target's device count
     except NeedsFreshProcess as need:
         _plan_in_child(config, need.args[0])
         return

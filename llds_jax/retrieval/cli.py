@@ -14,7 +14,8 @@ import signal
 
 from ml_collections import ConfigDict
 
-from llds_jax.retrieval.factory import check_method, open_bm25, resolve_index_path
+from llds_jax.retrieval.config import check_method, resolve_index_path
+from llds_jax.retrieval.factory import open_bm25
 from llds_jax.retrieval.server import ServiceLimits, serve
 
 logger = logging.getLogger(__name__)

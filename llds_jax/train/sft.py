@@ -12,7 +12,7 @@ The prompt and feedback come from the same code the rollout uses (``rollout.prot
 ``retrieval.format_docs``, the real retriever), and the masks are built exactly as the rollout
 builds them, so the warm-up conditions on the very tokens RL will see; feedback and prompt
 tokens carry no loss. Docs are whatever the retriever returns — the trainer hands in the same
-``ShortDocsRetriever`` view the RL rollouts use when ``train.max_doc_tokens`` is set.
+``ShortDocsRetriever`` view the RL rollouts use when ``retrieval.max_doc_tokens`` is set.
 
 The loss is the token-mean negative log-likelihood over action tokens, through the same
 chunked ``forward_logprobs`` the RL step uses (never a [B, T, V] fp32 array).
@@ -80,7 +80,7 @@ def collate_sft(examples: Sequence[SFTExample], length: int, pad_id: int) -> dic
     for row, ex in enumerate(examples):
         if len(ex.input_ids) > length:
             raise ValueError(f"a synthetic trajectory has {len(ex.input_ids)} tokens > sft.max_seq_len={length}; "
-                             "raise sft.max_seq_len or lower train.max_doc_tokens / rollout.max_obs_tokens")
+                             "raise sft.max_seq_len or lower retrieval.max_doc_tokens / rollout.max_obs_tokens")
         size = len(ex.input_ids)
         out["input_ids"][row, :size] = ex.input_ids
         out["attention_mask"][row, :size] = True

@@ -117,7 +117,7 @@ def test_greedy_evaluation_uses_one_sample_at_temperature_zero():
 
 
 def test_a_run_directory_resolves_to_its_newest_hf_export(tmp_path):
-    from llds_jax.eval.run import resolve_model_path
+    from llds_jax.models.loading import resolve_model_path
 
     (tmp_path / "checkpoints").mkdir()
     with pytest.raises(FileNotFoundError, match="export_hf"):

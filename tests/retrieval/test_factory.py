@@ -13,7 +13,7 @@ from llds_jax.retrieval import (
     build_retriever,
     default_retrieval_config,
 )
-from llds_jax.retrieval.factory import resolve_index_path
+from llds_jax.retrieval.config import resolve_index_path
 
 
 @pytest.fixture(autouse=True)

@@ -72,8 +72,9 @@ def test_trainer_stops_after_k_nonfinite_updates_with_a_checkpoint_of_the_last_f
     """
     import json
 
-    from llds_jax.app.run import load_model_and_tokenizer, train
+    from llds_jax.app.run import train
     from llds_jax.app.run_control import NonFiniteStop
+    from llds_jax.models.loading import load_model_and_tokenizer
     from llds_jax.train import loop
     from llds_jax.train.metrics import read_metrics
 
@@ -85,7 +86,7 @@ def test_trainer_stops_after_k_nonfinite_updates_with_a_checkpoint_of_the_last_f
     t = c.train
     t.prompts_per_step, t.mini_batch_size, t.micro_batch_size, t.logprob_batch_size = 4, 4, 4, 8
     t.total_steps, t.warmup_sft_steps, t.save_every, t.max_nonfinite_updates = 6, 0, 1, 4
-    t.export_hf, t.tensorboard, t.max_doc_tokens = False, False, 16
+    t.export_hf, t.tensorboard, c.retrieval.max_doc_tokens = False, False, 16
     c.eval.data = ""
 
     finite_em = loop.em_rewards

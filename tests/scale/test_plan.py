@@ -16,6 +16,7 @@ from flax import nnx
 
 from llds_jax.app.config import base_config
 from llds_jax.models import Decoder
+from llds_jax.models.loading import ModelSourceError, decoder_config
 from llds_jax.plan.run import (
     HARDWARE,
     CompiledProgram,
@@ -23,7 +24,6 @@ from llds_jax.plan.run import (
     PlanError,
     bytes_per_device,
     compile_program,
-    decoder_config_for,
     default_plan_config,
     format_plan,
     make_plan,
@@ -56,7 +56,7 @@ def _section(**fields):
 def test_known_model_names_give_the_real_parameter_count(name, billions):
     c = base_config()
     c.model.source = f"/models/{name}"
-    cfg = decoder_config_for(c)
+    cfg = decoder_config(c.model)
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert count / 1e9 == pytest.approx(billions, abs=0.001)
@@ -65,8 +65,8 @@ def test_known_model_names_give_the_real_parameter_count(name, billions):
 def test_unknown_model_source_and_bad_targets_are_named():
     c = base_config()
     c.model.source = "/nowhere/Mystery-9B"
-    with pytest.raises(PlanError, match="model.source='/nowhere/Mystery-9B'"):
-        decoder_config_for(c)
+    with pytest.raises(ModelSourceError, match="model.source='/nowhere/Mystery-9B'"):
+        decoder_config(c.model)
     for topology in ("v5e", "v5e:8", "v5e:2x2x2x2", "8x8"):
         with pytest.raises(PlanError, match=f"plan.topology='{topology}': expected CHIP:AxB"):
             resolve_target(_section(topology=topology))

@@ -38,7 +38,7 @@ def tiny_loop_config(workdir: str, tokenizer_dir: str):
     t.prompts_per_step, t.mini_batch_size, t.micro_batch_size, t.logprob_batch_size = 4, 4, 2, 8
     t.total_steps, t.warmup_sft_steps, t.save_every = 2, 2, 0
     c.sft.update(dict(batch_size=2, max_seq_len=384))
-    c.train.max_doc_tokens = 16
+    c.retrieval.max_doc_tokens = 16
     c.eval.update(dict(data="bundled:nq_dev", limit=2, batch_size=2))
     c.monitor.enabled = True
     return c

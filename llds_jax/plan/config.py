@@ -1,0 +1,61 @@
+"""The ``plan`` config section: its defaults, the hardware it knows, and its own checks.
+
+Kept apart from ``plan.run`` (which compiles with JAX) so the config assembly in
+``llds_jax.app.config`` can embed and validate the section without importing the planner.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from llds_jax.plan.targets import PlanError, parse_topology
+
+GB = 1e9
+# Usable fraction of HBM: XLA keeps some for itself; on GPU also set
+# XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (the default preallocation is only 75%).
+USABLE_FRACTION = 0.92
+HARDWARE: dict[str, tuple[str, float]] = {
+    "H100": ("NVIDIA H100 SXM, 80 GB", 80 * GB),
+    "H200": ("NVIDIA H200, 141 GB", 141 * GB),
+    "v5e": ("TPU v5e chip, 16 GB", 16 * GB),
+    "v5p": ("TPU v5p chip, 95 GB", 95 * GB),
+}
+
+PHASES = ("update", "logprobs", "prefill", "decode")
+CHECK_MODES = ("auto", "always", "never")
+
+
+def default_plan_config() -> ml_collections.ConfigDict:
+    """The ``plan`` config section (the trainer's base config embeds it)."""
+    return ml_collections.ConfigDict(dict(
+        devices=8,            # devices of the planned mesh (CPU: simulated; GPU: plan.gpu's); 0 = this process's
+        topology="",          # TPU slice to compile for with XLA:TPU, e.g. "v5e:8x8" (pip install '.[plan-tpu]')
+        gpu="",               # GPU to compile for with XLA:GPU: "h100", "h200" or a target .txtpb ('.[plan-gpu]')
+        gpus_per_host=8,      # with plan.gpu: GPUs per host (plan.devices / this = hosts)
+        rollout_batch=0,      # rows decoded together; 0 = the trainer's own wave (rollout.max_concurrent_rows or derived)
+        hardware=("H100", "H200", "v5e", "v5p"),
+        phases=("update", "logprobs", "prefill", "decode"),
+        # --mode=train plans its own programs on its own devices before loading weights and refuses
+        # to start when a phase will not fit. auto: where the devices report a memory limit (TPU,
+        # GPU); always: also elsewhere (needs device_memory_bytes); never: skip.
+        check_before_train="auto",
+        device_memory_bytes=0,  # per device; 0 = the device's own limit (memory_stats()["bytes_limit"])
+    ))
+
+
+def validate(section) -> None:
+    """The ``plan`` section's own values, checked before anything is compiled or loaded."""
+    for field in ("devices", "rollout_batch", "device_memory_bytes"):
+        value = section.get(field, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PlanError(f"plan.{field}={value!r} must be an integer ≥ 0")
+    if section.get("check_before_train", "auto") not in CHECK_MODES:
+        raise PlanError(f"plan.check_before_train={section.check_before_train!r} is not one of {CHECK_MODES}")
+    if unknown := [p for p in section.get("phases", PHASES) if p not in PHASES]:
+        raise PlanError(f"plan.phases has unknown phases {unknown}; known: {PHASES}")
+    if unknown := [h for h in section.get("hardware", ()) if h not in HARDWARE]:
+        raise PlanError(f"plan.hardware has unknown entries {unknown}; known: {tuple(HARDWARE)}")
+    if section.get("topology") and section.get("gpu"):
+        raise PlanError(f"plan.topology={section.topology!r} and plan.gpu={section.gpu!r}: set one of them")
+    if section.get("topology"):
+        parse_topology(str(section.topology))
