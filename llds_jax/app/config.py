@@ -224,6 +224,9 @@ def _check_optim(config) -> None:
 
 def _check_train(config) -> None:
     t = config.train
+    if "max_doc_tokens" in t:  # a config file may still set the old name, which would silently do nothing
+        raise TrainConfigError(f"train.max_doc_tokens={t.max_doc_tokens!r} moved to retrieval.max_doc_tokens "
+                               "(the retriever factory applies the cut for training and eval alike)")
     for path in ("train.total_steps", "train.prompts_per_step", "rollout.n_samples", "train.mini_batch_size",
                  "train.micro_batch_size", "train.logprob_batch_size", "rollout.max_context"):
         _positive(config, path)

@@ -36,6 +36,7 @@ BAD_VALUES = [
     ("plan", "plan.check_before_train", "sometimes", "plan.check_before_train='sometimes'"),
     ("plan", "plan.phases", ("update", "sample"), "plan.phases has unknown phases ['sample']"),
     ("resume", "resume", "latest", "resume='latest'"),
+    ("train", "train.max_doc_tokens", 60, "train.max_doc_tokens=60 moved to retrieval.max_doc_tokens"),
 ]
 
 
