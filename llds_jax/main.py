@@ -47,7 +47,12 @@ def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
     try:
-        resolve_mode(_MODE.value)(_CONFIG.value)
+        config = _CONFIG.value
+        if "lab" in config:  # the death-spiral lab builds its world, tokenizer and policy first
+            from llds_jax.lab.prepare import prepare
+
+            config = prepare(config)
+        resolve_mode(_MODE.value)(config)
     except (InputError, FileNotFoundError) as error:
         print(f"error: --mode={_MODE.value}: {error}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)

@@ -1,0 +1,205 @@
+"""The lab's tiny policy: a Qwen2-family decoder pre-trained from scratch on protocol trajectories.
+
+Why from scratch: GRPO needs a policy that already writes ``<search>``/``<answer>`` and is right
+sometimes (all-wrong or all-right groups have zero advantage). A random 2-layer decoder learns
+the protocol and partial copying of answers from retrieved passages in a few hundred SFT steps,
+so the death spiral can be studied in minutes instead of days.
+
+Trajectories are built by the rollout's own protocol code (prompt, feedback, masks as in
+``llds_jax.train.sft``), but with the search pattern the world needs: one search for a one-hop
+question, and for a two-hop one a second search naming the bridge entity the first passage gave.
+The update is ``llds_jax.train.sft.SFTStep`` (masked NLL over action tokens, AdamW), unchanged.
+The result is an HF directory (``config.json`` + ``model.safetensors`` + tokenizer) the trainer
+loads like any model (``model.source = <dir>``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from llds_jax.errors import InputError
+from llds_jax.retrieval.hit import format_docs
+from llds_jax.rollout import protocol
+
+DEFAULT_POLICY = dict(
+    seed=0,
+    layers=2,
+    hidden=128,
+    heads=4,
+    kv_heads=2,
+    intermediate=512,
+    sft_steps=400,
+    sft_batch_size=8,
+    sft_lr=1e-3,
+    sft_max_seq_len=448,
+    check_questions=32,  # greedy rollouts on dev questions after SFT, recorded in lab_build.json (0 = skip)
+)
+
+SEARCH_THOUGHT = "<think> I need to search. </think>\n"
+BRIDGE_THOUGHT = "<think> I need to search {bridge}. </think>\n"
+ANSWER_THOUGHT = "<think> I found the answer. </think>\n"
+
+
+class PolicyConfigError(InputError):
+    """A ``lab.policy`` value that cannot give a decoder; the message names field and value."""
+
+
+def check_policy_settings(settings: Mapping) -> dict:
+    unknown = set(settings) - set(DEFAULT_POLICY)
+    if unknown:
+        raise PolicyConfigError(f"lab.policy has unknown fields {sorted(unknown)}; known: {sorted(DEFAULT_POLICY)}")
+    merged = {**DEFAULT_POLICY, **dict(settings)}
+    for field, value in merged.items():
+        if field in ("seed", "check_questions"):
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        elif field == "sft_lr":
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        if not ok:
+            raise PolicyConfigError(f"lab.policy.{field}={value!r} is not valid (positive number expected)")
+    if merged["hidden"] % merged["heads"] or (merged["hidden"] // merged["heads"]) % 2:
+        raise PolicyConfigError(f"lab.policy.hidden={merged['hidden']} must split into lab.policy.heads="
+                                f"{merged['heads']} heads of even width")
+    if merged["heads"] % merged["kv_heads"]:
+        raise PolicyConfigError(f"lab.policy.heads={merged['heads']} is not a multiple of "
+                                f"lab.policy.kv_heads={merged['kv_heads']}")
+    return merged
+
+
+def hf_config(settings: Mapping, tokenizer) -> dict:
+    """The HF ``Qwen2Config`` of the policy (written through transformers, so the file is a real one)."""
+    from transformers import Qwen2Config
+
+    from llds_jax.models.loading import padded_vocab
+
+    config = Qwen2Config(
+        vocab_size=padded_vocab(len(tokenizer)), hidden_size=settings["hidden"],
+        num_hidden_layers=settings["layers"], num_attention_heads=settings["heads"],
+        num_key_value_heads=settings["kv_heads"], intermediate_size=settings["intermediate"],
+        max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return config.to_dict()
+
+
+def init_decoder(hf: dict, seed: int):
+    """A randomly initialised decoder of ``hf`` (N(0, INIT_STD) weights, unit norms), numpy-seeded."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from llds_jax.models.config import DecoderConfig
+    from llds_jax.models.decoder import INIT_STD, Decoder
+    from llds_jax.parallel.placement import iter_params
+
+    config = DecoderConfig.from_hf_config(hf)
+    model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(seed)
+    for name, var in iter_params(model):
+        is_norm = name.rsplit(".", 1)[-1].endswith("norm")
+        value = np.ones(var.shape, np.float32) if is_norm else INIT_STD * rng.standard_normal(var.shape, np.float32)
+        var.set_value(jnp.asarray(value, dtype=config.weight_dtype))
+    return model
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def lab_trajectories(rows: Sequence[dict], tokenizer, retriever, rollout_cfg) -> list:
+    """One protocol-following trajectory per world question row (one search per hop)."""
+    from llds_jax.train.sft import SFTExample
+
+    first_hits = retriever.search([row["question"] for row in rows], rollout_cfg.topk)
+    bridges = [row["metadata"]["bridge"] for row in rows if row["metadata"]["hops"] == 2]
+    bridge_hits = iter(retriever.search(bridges, rollout_cfg.topk) if bridges else [])
+    examples = []
+    for row, hits in zip(rows, first_hits):
+        pieces = [(protocol.encode_prompt(tokenizer, row["question"], rollout_cfg.max_prompt_tokens), 0)]
+        query = protocol.format_question(row["question"]).rstrip("?")
+        pieces.append((_encode(tokenizer, f"{SEARCH_THOUGHT}<search> {query} </search>"), 1))
+        pieces.append((protocol.encode_feedback(tokenizer, protocol.search_feedback(format_docs(hits)),
+                                                rollout_cfg.max_obs_tokens), 2))
+        if row["metadata"]["hops"] == 2:
+            bridge = row["metadata"]["bridge"]
+            pieces.append((_encode(tokenizer, BRIDGE_THOUGHT.format(bridge=bridge) + f"<search> {bridge} </search>"),
+                           1))
+            pieces.append((protocol.encode_feedback(tokenizer, protocol.search_feedback(format_docs(next(bridge_hits))),
+                                                    rollout_cfg.max_obs_tokens), 2))
+        pieces.append((_encode(tokenizer, f"{ANSWER_THOUGHT}<answer> {row['golden_answers'][0]} </answer>"), 1))
+        ids = np.concatenate([np.asarray(p, np.int32) for p, _ in pieces])
+        kinds = np.concatenate([np.full(len(p), k, np.int8) for p, k in pieces])
+        examples.append(SFTExample(ids, kinds == 1, kinds == 2))
+    return examples
+
+
+def sft_config(config, settings: Mapping):
+    """The run's config with the ``sft`` fields the lab's pre-training uses."""
+    c = config.copy_and_resolve_references()
+    c.sft.lr, c.sft.batch_size = float(settings["sft_lr"]), settings["sft_batch_size"]
+    c.sft.max_seq_len, c.sft.warmup_steps = settings["sft_max_seq_len"], 20
+    c.seed = settings["seed"]
+    return c
+
+
+def pretrain_policy(config, settings: Mapping, tokenizer, retriever, rows: Sequence[dict], directory: Path,
+                    check_rows: Sequence | None = None, log=print) -> dict:
+    """SFT a fresh decoder on ``rows``' trajectories, save it (HF dir + tokenizer) to ``directory``.
+
+    Returns the build record (losses, timings, the greedy protocol check), also written to
+    ``directory/lab_build.json``.
+    """
+    import jax
+
+    from llds_jax.models import save_pretrained
+    from llds_jax.parallel.mesh import make_mesh
+    from llds_jax.parallel.placement import shard_model
+    from llds_jax.rollout.multi_turn import pad_token_id
+    from llds_jax.train.sft import SFTStep, collate_sft
+
+    settings = check_policy_settings(settings)
+    c = sft_config(config, settings)
+    mesh = make_mesh(tuple(c.mesh.shape))
+    hf = hf_config(settings, tokenizer)
+    with jax.set_mesh(mesh):
+        model = shard_model(init_decoder(hf, settings["seed"]), mesh)
+    step = SFTStep(model, c, mesh)
+    rng = np.random.default_rng(settings["seed"] + 1)
+    clock, losses = time.perf_counter(), []
+    batch = settings["sft_batch_size"]
+    for index in range(settings["sft_steps"]):
+        chosen = [rows[i] for i in rng.choice(len(rows), size=batch, replace=len(rows) < batch)]
+        examples = lab_trajectories(chosen, tokenizer, retriever, c.rollout)
+        metrics = step(collate_sft(examples, c.sft.max_seq_len, pad_token_id(tokenizer)))
+        losses.append(float(metrics["sft/loss"]))
+        if index % 50 == 0 or index == settings["sft_steps"] - 1:
+            log(f"lab policy SFT step {index}: loss {losses[-1]:.3f} ({time.perf_counter() - clock:.0f}s)")
+    record = dict(settings=settings, hf_config=hf, sft_loss_first=losses[0], sft_loss_last=losses[-1],
+                  sft_loss_every_10=losses[::10], sft_seconds=time.perf_counter() - clock)
+    trained = step.model()
+    directory.mkdir(parents=True, exist_ok=True)
+    save_pretrained(trained, directory)
+    tokenizer.save_pretrained(str(directory))
+    if check_rows:
+        record["check"] = protocol_check(trained, tokenizer, retriever, c, check_rows)
+        log(f"lab policy greedy check: {record['check']}")
+    (directory / "lab_build.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def protocol_check(model, tokenizer, retriever, config, records) -> dict:
+    """Greedy EM per hop count through the real evaluation rollout (so 'partial accuracy' is measured)."""
+    import jax
+
+    from llds_jax.eval.run import evaluate
+
+    grouped: dict[str, list] = {}
+    for record in records:
+        grouped.setdefault(record.data_source, []).append(record)
+    result = evaluate(model, tokenizer, grouped, retriever, config.rollout, greedy=True,
+                      key=jax.random.key(0), batch_size=min(16, len(records)))
+    return {source: {k: float(v) for k, v in scores.items()} for source, scores in result.summary.items()}

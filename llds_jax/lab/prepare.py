@@ -1,0 +1,141 @@
+"""Build (or find cached) the lab's world, tokenizer and policy, and point the config at them.
+
+``llds_jax.main`` calls :func:`prepare` when a config has a ``lab`` section, before any mode
+runs, so ``python -m llds_jax.main --config=configs/lab_grpo.py`` works from a fresh clone. The
+trainer itself knows nothing of the lab: it gets a corpus path, question files and an HF model
+directory, like any run.
+
+Config values written ``lab:<artifact>`` are replaced by the built artifact's path
+(``lab:corpus``, ``lab:train``, ``lab:dev``, ``lab:policy``); any other value is left alone,
+so a user can point one field elsewhere. Artifacts live under ``lab.dir`` (default
+``<LLDS_JAX_CACHE>/lab``) in directories named by a hash of exactly the settings they depend on:
+changing the policy's SFT steps rebuilds the policy but reuses the world. Each is built in a
+temporary directory and renamed, so an interrupted build is never mistaken for a finished one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import ml_collections
+
+from llds_jax.lab.policy import DEFAULT_POLICY, check_policy_settings
+from llds_jax.lab.world import (
+    DEFAULT_WORLD,
+    check_world_settings,
+    generate_world,
+    question_files,
+    write_world,
+)
+from llds_jax.utils.assets import cache_dir
+
+LAB_VERSION = 1  # bump when a builder's output changes for the same settings
+SENTINELS = ("lab:corpus", "lab:train", "lab:dev", "lab:policy")
+
+
+def default_lab_config() -> ml_collections.ConfigDict:
+    """The ``lab`` section: where artifacts go and the settings of each."""
+    return ml_collections.ConfigDict(dict(
+        dir="",  # "" → <LLDS_JAX_CACHE>/lab
+        world=dict(DEFAULT_WORLD),
+        tokenizer=dict(vocab_size=2048),
+        policy=dict(DEFAULT_POLICY),
+    ))
+
+
+def _digest(*parts) -> str:
+    return hashlib.sha1(json.dumps([LAB_VERSION, *parts], sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _built(target: Path, build: Callable[[Path], object]) -> Path:
+    """``target`` if it exists, else ``build(tmp)`` renamed to ``target`` (a racing builder's copy wins)."""
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _non_empty(files) -> tuple[str, ...]:
+    return tuple(f for f in files if Path(f).stat().st_size > 0)
+
+
+def _replace(config, path: str, sentinel: str, value) -> None:
+    section, field = path.split(".")
+    current = config[section][field]
+    if current == sentinel or (isinstance(current, (tuple, list)) and tuple(current) == (sentinel,)):
+        config[section][field] = value
+
+
+def prepare(config: ml_collections.ConfigDict, log=print) -> ml_collections.ConfigDict:
+    """Build what is missing, then return ``config`` with its ``lab:*`` values replaced by paths."""
+    from transformers import AutoTokenizer
+
+    lab = config.lab
+    world_settings = check_world_settings(lab.world.to_dict())
+    policy_settings = check_policy_settings(lab.policy.to_dict())
+    vocab_size = lab.tokenizer.vocab_size
+    root = Path(lab.dir).expanduser() if lab.dir else cache_dir() / "lab"
+
+    world_dir = _built(root / f"world-{_digest(world_settings)}",
+                       lambda d: write_world(generate_world(world_settings), d))
+    train_files = _non_empty(question_files(world_dir, "train"))
+    dev_files = _non_empty(question_files(world_dir, "dev"))
+    corpus = str(world_dir / "corpus.jsonl")
+
+    def build_tokenizer(directory: Path) -> None:
+        from llds_jax.lab.tokenizer import train_tokenizer
+
+        train_tokenizer(generate_world(world_settings), vocab_size, directory)
+
+    tokenizer_dir = _built(root / f"tokenizer-{_digest(world_settings, vocab_size)}", build_tokenizer)
+
+    # The SFT trajectories see the run's retrieval cut and feedback limits, so those join the hash.
+    retrieval_view = dict(topk=config.rollout.topk, max_obs_tokens=config.rollout.max_obs_tokens,
+                          max_prompt_tokens=config.rollout.max_prompt_tokens,
+                          max_doc_tokens=config.retrieval.max_doc_tokens)
+    policy_key = _digest(world_settings, vocab_size, policy_settings, retrieval_view)
+
+    def build_policy(directory: Path) -> None:
+        from llds_jax.data.prompts import load_questions
+        from llds_jax.lab.policy import pretrain_policy
+        from llds_jax.lab.world import read_questions
+        from llds_jax.retrieval.factory import build_retriever
+
+        log(f"lab: pre-training the tiny policy ({policy_settings['sft_steps']} SFT steps) into {directory}")
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        retrieval = config.retrieval.copy_and_resolve_references()
+        retrieval.corpus_path, retrieval.method, retrieval.url, retrieval.index_path = corpus, "bm25", "", ""
+        retriever = build_retriever(retrieval, tokenizer)
+        rows = [row for f in train_files for row in read_questions(f)]
+        check = []
+        if policy_settings["check_questions"]:
+            per_source = max(1, policy_settings["check_questions"] // len(dev_files))
+            check = load_questions(dev_files, per_source)
+        pretrain_policy(config, policy_settings, tokenizer, retriever, rows, directory, check, log=log)
+
+    policy_dir = _built(root / f"policy-{policy_key}", build_policy)
+    log(f"lab: world {world_dir.name}, tokenizer {tokenizer_dir.name}, policy {policy_dir.name} under {root}")
+
+    _replace(config, "retrieval.corpus_path", "lab:corpus", corpus)
+    _replace(config, "data.train", "lab:train", train_files)
+    _replace(config, "sft.data", "lab:train", train_files)
+    _replace(config, "eval.data", "lab:dev", ",".join(dev_files))
+    _replace(config, "model.source", "lab:policy", str(policy_dir))
+    return config
