@@ -1,8 +1,9 @@
 """A small byte-level BPE tokenizer trained on the lab world and the Search-R1 protocol text.
 
-Why our own: the tiny policy's cost is dominated by its embedding and output projection when
-the vocabulary is a real model's 50k–150k entries; a few thousand entries learned on the world's
-names, the prompt template and the tags keep sequences short and the model small. Byte-level, so
+Why our own: a tiny policy with a real model's 50k–150k-entry vocabulary would be mostly
+embedding and output projection; a couple of thousand entries learned on the world's names, the
+prompt template and the tags keep it small (sequence length stays about Qwen2.5's: the
+pre-tokenizer splits at words). Byte-level, so
 any text the policy samples still encodes and decodes losslessly. Saved as an HF directory
 (``tokenizer.json`` + ``tokenizer_config.json``) that ``AutoTokenizer.from_pretrained`` loads; it
 has no chat template, so the rollout uses the plain prompt (SPEC §2). ``<|endoftext|>`` is EOS

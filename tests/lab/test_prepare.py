@@ -1,0 +1,33 @@
+"""The lab cache: a finished artifact is reused, an interrupted build leaves nothing behind."""
+
+import pytest
+
+from llds_jax.lab.prepare import _built, _digest
+
+
+def test_a_built_artifact_is_reused_without_calling_the_builder(tmp_path):
+    calls = []
+
+    def build(directory):
+        calls.append(directory)
+        (directory / "done").write_text("x")
+
+    target = tmp_path / "world-abc"
+    assert _built(target, build) == target and (target / "done").read_text() == "x"
+    _built(target, build)
+    assert len(calls) == 1, f"builder ran {len(calls)} times for an existing artifact"
+
+
+def test_a_failed_build_leaves_no_artifact_and_no_temporary_directory(tmp_path):
+    def build(directory):
+        (directory / "half").write_text("x")
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _built(tmp_path / "policy-abc", build)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_digest_changes_with_any_setting_and_not_with_key_order():
+    assert _digest({"a": 1, "b": 2}) == _digest({"b": 2, "a": 1})
+    assert _digest({"a": 1, "b": 2}) != _digest({"a": 1, "b": 3})
