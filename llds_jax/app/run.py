@@ -159,7 +159,8 @@ def train(config) -> dict:
     clock = time.perf_counter()
     try:
         history = rl_loop(learner, tokenizer, retriever, prompts, writer, config, start_step=start_step,
-                          on_step_end=on_step_end, monitor=make_monitor(config, learner.llds_coef))
+                          on_step_end=on_step_end,
+                          monitor=make_monitor(config, learner.llds_coef, writer.rows_before(start_step)))
     finally:
         guard.uninstall()
     timings["rl_s"] = time.perf_counter() - clock
@@ -235,8 +236,7 @@ def _summary(history, eval_summary, timings, compile_counts, workdir) -> dict:
     return {
         "workdir": str(workdir), "rl_steps": len(history),
         "reward_per_step": series("reward/mean"), "llds_value_per_step": series("llds/value"),
-        "llds_first_minibatch_per_step": series("llds/value_first_minibatch"),
-        "searches_per_step": series("rollout/searches_mean"), "step_seconds": series("time/step_s"),
+        "searches_per_step": series("rollout/searches"), "step_seconds": series("time/step_s"),
         "rollout_seconds": series("time/rollout_s"), "update_seconds": series("time/update_s"),
         "skipped_updates": float(np.sum(series("update/skipped"))) if history else 0.0,
         "compile_counts": compile_counts, "eval": eval_summary, "timings_s": {k: round(v, 1) for k, v in timings.items()},

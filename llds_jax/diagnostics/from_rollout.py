@@ -2,8 +2,7 @@
 
 The trainer holds, per step, the ``RolloutBatch`` (``llds_jax.rollout.trajectory``), the
 advantages, π_old log-probs of every token (computed once before the updates) and,
-optionally, π_new log-probs (one extra no-grad forward after the updates) and token
-entropies. All token arrays are ``[N, L]`` aligned with ``rollout.input_ids``: position
+optionally, π_new log-probs (one extra no-grad forward after the updates). All token arrays are ``[N, L]`` aligned with ``rollout.input_ids``: position
 ``t`` holds the value for the token *at* ``t``, as ``rollout.sampler_logprobs`` does.
 
 First-action correctness needs "the documents the first search retrieved". The rollout
@@ -23,7 +22,7 @@ from llds_jax.diagnostics.step_metrics import ResponseBatch
 
 
 def per_action_sums_np(token_values: np.ndarray, action_index: np.ndarray, num_actions: int) -> np.ndarray:
-    """``[N, A]`` sums of ``token_values`` over each action's tokens (host twin of ``per_action.per_action_sums``)."""
+    """``[N, A]`` sums of ``token_values`` over each action's tokens (actions ≥ A are dropped)."""
     values = np.asarray(token_values, np.float64)
     index = np.asarray(action_index)
     return np.stack([np.where(index == k, values, 0.0).sum(axis=1) for k in range(num_actions)], axis=1)
@@ -57,7 +56,6 @@ def response_batch_from_rollout(
     old_logprobs: np.ndarray,
     num_action_slots: int,
     new_logprobs: np.ndarray | None = None,
-    token_entropy: np.ndarray | None = None,
 ) -> ResponseBatch:
     """Everything :func:`step_diagnostics` needs, from arrays the trainer already has.
 
@@ -71,21 +69,12 @@ def response_batch_from_rollout(
     if new_logprobs is not None:
         delta = per_action_sums_np(np.where(mask, np.asarray(new_logprobs, np.float64), 0.0) - old, index,
                                    num_action_slots)
-    entropy_sum = None
-    if token_entropy is not None:
-        entropy_sum = np.where(mask, np.asarray(token_entropy, np.float64), 0.0).sum(axis=1)
     return ResponseBatch(
         advantage=np.asarray(advantage, np.float64),
         reward=np.asarray(reward, np.float64),
         old_logp_per_action=per_action_sums_np(old, index, num_action_slots),
         tokens_per_action=per_action_sums_np(mask, index, num_action_slots),
         delta_logp_per_action=delta,
-        entropy_sum=entropy_sum,
-        response_length=np.asarray(rollout.lengths) - np.asarray(rollout.prompt_lengths),
-        num_searches=np.asarray(rollout.searches),
-        num_valid_actions=np.asarray(rollout.valid_actions),
-        num_actions=np.asarray(rollout.turns),
-        finished=np.asarray(rollout.finished),
         group_id=np.asarray(rollout.group_ids),
         first_search_docs=first_search_feedback(rollout),
     )

@@ -36,21 +36,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-# Names the trainer's console metrics use for the same quantities; read when the
-# canonical key (llds_jax.diagnostics) is absent, by the monitor and by the report.
-KEY_ALIASES = {
-    "grad/norm_preclip": ("grad/norm",),
-    "diag/entropy": ("policy/entropy",),
-    "diag/searches/mean": ("rollout/searches_mean",),
-    "diag/valid_action_rate": ("rollout/valid_action_rate",),
-}
-
-
-def lookup(metrics: Mapping[str, float], key: str):
-    """``metrics[key]``, else the first of its :data:`KEY_ALIASES` present, else None."""
-    if metrics.get(key) is not None:
-        return metrics[key]
-    return next((metrics[a] for a in KEY_ALIASES.get(key, ()) if metrics.get(a) is not None), None)
+from llds_jax.diagnostics import keys
 
 
 class Phase(enum.IntEnum):
@@ -68,9 +54,9 @@ class Action(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True)
 class MonitorConfig:
-    likelihood_key: str = "diag/ll_correct/all"
-    grad_norm_key: str = "grad/norm_preclip"
-    entropy_key: str = "diag/entropy"
+    likelihood_key: str = keys.LL_CORRECT
+    grad_norm_key: str = keys.GRAD_NORM
+    entropy_key: str = keys.POLICY_ENTROPY
     window: int = 50
     decay_t: float = 4.0
     patience: int = 5
@@ -151,9 +137,9 @@ class DeathSpiralMonitor:
 
     def update(self, step: int, metrics: Mapping[str, float]) -> MonitorReport:
         cfg = self.config
-        _append_finite(self._likelihood, lookup(metrics, cfg.likelihood_key), lambda v: (step, v))
-        _append_finite(self._grad_norm, lookup(metrics, cfg.grad_norm_key))
-        _append_finite(self._entropy, lookup(metrics, cfg.entropy_key))
+        _append_finite(self._likelihood, metrics.get(cfg.likelihood_key), lambda v: (step, v))
+        _append_finite(self._grad_norm, metrics.get(cfg.grad_norm_key))
+        _append_finite(self._entropy, metrics.get(cfg.entropy_key))
 
         slope, t_stat = window_slope(self._likelihood) if len(self._likelihood) == cfg.window else (math.nan, math.nan)
         grad_surge = surge_ratio(self._grad_norm, cfg.surge_window)
@@ -186,19 +172,28 @@ class DeathSpiralMonitor:
         return MonitorReport(step, self.phase, self.phase is not previous, action, self.llds_lambda,
                              slope, t_stat, grad_surge, entropy_surge, message)
 
-    def warm_up(self, rows: Iterable[Mapping[str, float]]) -> None:
-        """Refill the windows from a resumed run's recorded rows (each with ``step``), taking no action.
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """The metric keys :meth:`update` and :meth:`warm_up` read (besides ``step``)."""
+        cfg = self.config
+        return cfg.likelihood_key, cfg.grad_norm_key, cfg.entropy_key, keys.LLDS_LAMBDA
 
-        λ is not replayed: the trainer restores it from its checkpoint and passes it to the
-        constructor. Use ``report.load_metrics(workdir / "metrics.jsonl")`` for the rows.
+    def warm_up(self, rows: Iterable[Mapping[str, float]]) -> None:
+        """Replay a resumed run's recorded rows (each with ``step``) through :meth:`update`, acting on nothing.
+
+        Windows, streaks and phase end as the uninterrupted run left them: each row's recorded
+        ``llds/lambda`` is the λ its step ran with, so a ``raise_lambda`` in the history restarts
+        the likelihood window where it did. The actions the replay returns are dropped (the run
+        acted on them before it stopped), and λ ends as given to the constructor — the
+        checkpoint's, which the trainer restores. Rows: ``MetricsWriter.rows_before(step)``.
         """
-        active = self.config
-        self.config = dataclasses.replace(active, on_phase_two="log", on_phase_three="log")
-        try:
-            for row in rows:
-                self.update(int(row["step"]), row)
-        finally:
-            self.config = active
+        in_force = self.llds_lambda
+        for row in rows:
+            recorded = row.get(keys.LLDS_LAMBDA)
+            if recorded is not None and math.isfinite(float(recorded)):
+                self.llds_lambda = float(recorded)
+            self.update(int(row["step"]), row)
+        self.llds_lambda = in_force
 
     def _raise_lambda(self, message: str) -> tuple[Action, str]:
         cfg = self.config

@@ -20,22 +20,11 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from llds_jax.diagnostics.monitor import (  # noqa: E402
-    KEY_ALIASES,
-    MonitorConfig,
-    MonitorReport,
-    Phase,
-    lookup,
-    phase_spans,
-    replay,
-)
-from llds_jax.errors import InputError  # noqa: E402
+from llds_jax.diagnostics import keys
+from llds_jax.diagnostics.monitor import MonitorConfig, MonitorReport, Phase, phase_spans, replay
+from llds_jax.errors import InputError
 
 PHASE_COLOURS = {Phase.STEADY_DECAY: "#f5b041", Phase.ACCELERATION: "#e74c3c"}
 _ACTION_KEY = re.compile(r"^diag/ll_(correct|incorrect)/action(\d+)$")
@@ -52,24 +41,24 @@ class Panel:
     log_y: bool = False
 
 
-def panels_for(keys: set[str]) -> list[Panel]:
+def panels_for(present: set[str]) -> list[Panel]:
     def by_action(kind: str) -> tuple[str, ...]:
-        matches = [k for k in keys if (m := _ACTION_KEY.match(k)) and m[1] == kind]
+        matches = [k for k in present if (m := _ACTION_KEY.match(k)) and m[1] == kind]
         return tuple(sorted(matches, key=lambda k: int(_ACTION_KEY.match(k)[2])))
 
     return [
-        Panel("reward", "Reward (EM)", ("reward/mean",), "mean reward"),
+        Panel("reward", "Reward (EM)", (keys.REWARD_MEAN,), "mean reward"),
         Panel("likelihood", "Log-likelihood under π_old: correct (A>0) vs incorrect (A<0)",
-              ("diag/ll_correct/all", "diag/ll_incorrect/all"), "nats / token"),
+              (keys.LL_CORRECT, keys.LL_INCORRECT), "nats / token"),
         Panel("likelihood_correct_by_action", "Correct responses: log-likelihood by action index",
               by_action("correct"), "nats / token"),
         Panel("likelihood_incorrect_by_action", "Incorrect responses: log-likelihood by action index",
               by_action("incorrect"), "nats / token"),
-        Panel("lld_rate", "LLD rate: correct responses with Δ ≤ 0", ("diag/lld_rate",), "fraction"),
-        Panel("grad_norm", "Gradient norm before clipping", ("grad/norm_preclip",), "global norm", log_y=True),
-        Panel("entropy", "Token entropy (action tokens)", ("diag/entropy",), "nats"),
+        Panel("lld_rate", "LLD rate: correct responses with Δ ≤ 0", (keys.LLD_RATE,), "fraction"),
+        Panel("grad_norm", "Gradient norm before clipping", (keys.GRAD_NORM,), "global norm", log_y=True),
+        Panel("entropy", "Token entropy of π_old (action tokens)", (keys.POLICY_ENTROPY,), "nats"),
         Panel("searches", "Searches per trajectory and valid-action rate",
-              ("diag/searches/mean", "diag/valid_action_rate"), "count / fraction"),
+              (keys.SEARCHES, keys.VALID_ACTION_RATE), "count / fraction"),
     ]
 
 
@@ -91,11 +80,19 @@ class Run:
 
 
 def load_metrics(path: str | Path, phase: str = "rl") -> list[dict[str, float]]:
+    """:func:`read_rows`, failing when the file has no ``phase`` rows."""
+    rows = read_rows(path, phase)
+    if not rows:
+        raise InputError(f"{path}: no {phase!r} metric rows")
+    return rows
+
+
+def read_rows(path: str | Path, phase: str = "rl") -> list[dict[str, float]]:
     """Rows of ``metrics.jsonl`` sorted by step; after a resume the last row of a step wins.
 
     Rows tagged with another ``phase`` (``sft`` warm-up, ``eval``) have their own step
-    counters and are left out; untagged rows are kept. Canonical keys are filled in from
-    :data:`KEY_ALIASES` so the monitor and the plots read one name.
+    counters and are left out; untagged rows are kept. Files of older trainers are read with
+    today's key names (``keys.RENAMED``), so the monitor and the plots read one name.
     """
     path = Path(path)
     by_step: dict[int, dict] = {}
@@ -111,11 +108,7 @@ def load_metrics(path: str | Path, phase: str = "rl") -> list[dict[str, float]]:
                 raise InputError(f"{path}:line {line_number}: field 'step': missing or not a number")
             if row.get("phase", phase) != phase:
                 continue
-            for key in KEY_ALIASES:
-                row[key] = lookup(row, key)
-            by_step[int(row["step"])] = row
-    if not by_step:
-        raise InputError(f"{path}: no {phase!r} metric rows")
+            by_step[int(row["step"])] = keys.upgrade_row(row)
     return [by_step[step] for step in sorted(by_step)]
 
 
@@ -128,13 +121,24 @@ def load_run(workdir: str | Path, monitor: MonitorConfig = MonitorConfig()) -> R
     return Run(workdir.name or str(workdir), rows, replay(rows, monitor))
 
 
+def _pyplot():
+    """matplotlib on the file-only backend, imported on first drawing (the trainer imports this module)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def write_report(runs: Sequence[Run], out_dir: str | Path) -> Path:
     """PNG per panel plus ``overview.png`` and ``summary.md``; returns the summary path."""
+    plt = _pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    keys = set().union(*(row.keys() for run in runs for row in run.rows))
+    present = set().union(*(row.keys() for run in runs for row in run.rows))
     drawn = []
-    for panel in panels_for(keys):
+    for panel in panels_for(present):
         if not any(np.isfinite(run.series(k)).any() for run in runs for k in panel.keys):
             continue
         figure, axis = plt.subplots(figsize=(8, 4.2), constrained_layout=True)
@@ -166,6 +170,7 @@ def report_main(config) -> Path:
 
 
 def _draw_panel(axis, panel: Panel, runs: Sequence[Run]) -> None:
+    plt = _pyplot()
     single = len(runs) == 1
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for run_index, run in enumerate(runs):
@@ -203,6 +208,7 @@ def _draw_panel(axis, panel: Panel, runs: Sequence[Run]) -> None:
 
 
 def _draw_overview(panels: Sequence[Panel], runs: Sequence[Run], path: Path) -> None:
+    plt = _pyplot()
     columns = 2
     rows = max(1, math.ceil(len(panels) / columns))
     figure, axes = plt.subplots(rows, columns, figsize=(14, 3.6 * rows), constrained_layout=True, squeeze=False)
@@ -225,8 +231,8 @@ def _summary_markdown(runs: Sequence[Run], panels: Sequence[Panel]) -> str:
              "ll correct first→last | LLD rate last | grad norm median→max |",
              "|---|---|---|---|---|---|---|---|"]
     for run in runs:
-        reward, ll = run.series("reward/mean"), run.series("diag/ll_correct/all")
-        grad, lld = run.series("grad/norm_preclip"), run.series("diag/lld_rate")
+        reward, ll = run.series(keys.REWARD_MEAN), run.series(keys.LL_CORRECT)
+        grad, lld = run.series(keys.GRAD_NORM), run.series(keys.LLD_RATE)
         onsets = [run.onset(phase) for phase in (Phase.STEADY_DECAY, Phase.ACCELERATION)]
         lines.append(
             f"| {run.name} | {int(run.steps[0])}–{int(run.steps[-1])} | "

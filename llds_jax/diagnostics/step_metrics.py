@@ -4,7 +4,10 @@ Everything here runs on host numpy arrays the trainer already holds after a step
 extra rollout); the only optional extra cost is Δ, which needs one forward pass of the
 updated policy over the step's rollouts. The result is a flat ``{key: float}`` dict with
 the keys documented in :mod:`llds_jax.diagnostics`; a statistic with no samples this step
-(e.g. no correct response) is ``nan`` so every step has the same keys.
+(e.g. no correct response) is ``nan`` so every step has the same keys. Behaviour statistics
+(searches, lengths, valid-action and finished rates) are the rollout's own (``rollout/*``), and
+the entropy the update's (``policy/entropy``): each metric has one name
+(:mod:`llds_jax.diagnostics.keys`).
 
 Definitions (paper §4–5, SPEC §8):
 
@@ -47,12 +50,6 @@ class ResponseBatch:
     old_logp_per_action: ArrayLike  # [B, A] Σ logπ_old over the action's tokens
     tokens_per_action: ArrayLike  # [B, A] action-token counts
     delta_logp_per_action: ArrayLike | None = None  # [B, A] Σ (logπ_new − logπ_old), after the updates
-    entropy_sum: ArrayLike | None = None  # [B] Σ token entropy over action tokens (nats)
-    response_length: ArrayLike | None = None  # [B] response tokens including feedback
-    num_searches: ArrayLike | None = None  # [B] valid <search> calls
-    num_valid_actions: ArrayLike | None = None  # [B] actions that parsed as search or answer
-    num_actions: ArrayLike | None = None  # [B] actions taken
-    finished: ArrayLike | None = None  # [B] ended with an <answer>
     group_id: ArrayLike | None = None  # [B] prompt id; GRPO group membership
     # [B] identities (doc ids, or one feedback-ids tuple) of what the first search retrieved; None = no search
     first_search_docs: Sequence[Sequence[object] | None] | None = None
@@ -67,8 +64,7 @@ class ResponseBatch:
             )
         if self.delta_logp_per_action is not None and np.shape(self.delta_logp_per_action) != slots:
             raise ValueError(f"delta_logp_per_action {np.shape(self.delta_logp_per_action)} != {slots}")
-        for name in ("reward", "entropy_sum", "response_length", "num_searches", "num_valid_actions",
-                     "num_actions", "finished", "group_id", "first_search_docs"):
+        for name in ("reward", "group_id", "first_search_docs"):
             value = getattr(self, name)
             if value is not None and len(value) != batch:
                 raise ValueError(f"{name} has {len(value)} rows, advantage has {batch}")
@@ -92,7 +88,6 @@ def step_diagnostics(batch: ResponseBatch) -> dict[str, float]:
         delta = np.asarray(batch.delta_logp_per_action, np.float64).sum(axis=1)
         metrics["diag/delta_correct/all"] = _mean(delta[correct])
         metrics["diag/delta_incorrect/all"] = _mean(delta[incorrect])
-    metrics.update(behaviour_statistics(batch))
     if batch.first_search_docs is not None and batch.group_id is not None:
         rate, eligible = first_action_correctness(batch.first_search_docs, batch.group_id, advantage)
         metrics["diag/first_action_correct_rate"] = rate
@@ -141,25 +136,6 @@ def lld_rates(delta_logp_per_action: ArrayLike, tokens_per_action: ArrayLike, co
         present = correct & (tokens[:, k] > 0)
         out[f"diag/lld_rate/action{k}"] = _mean(delta[present, k] <= 0)
         out[f"diag/delta_correct/action{k}"] = _mean(delta[present, k])
-    return out
-
-
-def behaviour_statistics(batch: ResponseBatch) -> dict[str, float]:
-    """Entropy, lengths, searches, valid-action and finished rates (paper Fig. 4)."""
-    tokens = np.asarray(batch.tokens_per_action, np.float64).sum(axis=1)
-    out = {"diag/action_tokens/mean": _mean(tokens)}
-    if batch.entropy_sum is not None:
-        total = tokens.sum()
-        out["diag/entropy"] = float(np.sum(batch.entropy_sum) / total) if total > 0 else np.nan
-    if batch.response_length is not None:
-        out["diag/response_length/mean"] = _mean(np.asarray(batch.response_length, np.float64))
-    if batch.num_searches is not None:
-        out["diag/searches/mean"] = _mean(np.asarray(batch.num_searches, np.float64))
-    if batch.num_valid_actions is not None and batch.num_actions is not None:
-        taken = float(np.sum(batch.num_actions))
-        out["diag/valid_action_rate"] = float(np.sum(batch.num_valid_actions)) / taken if taken else np.nan
-    if batch.finished is not None:
-        out["diag/finished_rate"] = _mean(np.asarray(batch.finished, np.float64))
     return out
 
 

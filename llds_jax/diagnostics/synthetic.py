@@ -14,6 +14,8 @@ import dataclasses
 
 import numpy as np
 
+from llds_jax.diagnostics import keys
+
 
 @dataclasses.dataclass(frozen=True)
 class SpiralShape:
@@ -66,19 +68,19 @@ def _rows(rng, t, likelihood, grad_norm, entropy, reward, lld_rate, shape: Spira
     ll_second = likelihood - 0.05 + 0.5 * (likelihood - likelihood[0]) + rng.normal(0, shape.likelihood_noise, n)
     grad = grad_norm * np.exp(rng.normal(0, shape.grad_noise, n))
     columns = {
-        "reward/mean": np.clip(reward + rng.normal(0, 0.03, n), 0, 1),
-        "diag/ll_correct/all": ll_correct,
-        "diag/ll_incorrect/all": ll_incorrect,
+        keys.REWARD_MEAN: np.clip(reward + rng.normal(0, 0.03, n), 0, 1),
+        keys.LL_CORRECT: ll_correct,
+        keys.LL_INCORRECT: ll_incorrect,
         "diag/ll_correct/action0": ll_first,
         "diag/ll_correct/action1": ll_second,
         "diag/ll_incorrect/action0": ll_first - 0.3 + rng.normal(0, shape.likelihood_noise, n),
         "diag/ll_incorrect/action1": ll_second - 0.3 + rng.normal(0, shape.likelihood_noise, n),
-        "diag/lld_rate": np.clip(lld_rate + rng.normal(0, 0.05, n), 0, 1),
-        "grad/norm_preclip": grad,
-        "diag/entropy": entropy * np.exp(rng.normal(0, 0.03, n)),
-        "diag/searches/mean": np.clip(1.0 + rng.normal(0, 0.05, n), 0, None),
-        "diag/valid_action_rate": np.clip(0.97 + rng.normal(0, 0.01, n), 0, 1),
-        "diag/response_length/mean": 400 + rng.normal(0, 10, n),
-        "llds/value": np.abs(rng.normal(0.002, 0.001, n)),
+        keys.LLD_RATE: np.clip(lld_rate + rng.normal(0, 0.05, n), 0, 1),
+        keys.GRAD_NORM: grad,
+        keys.POLICY_ENTROPY: entropy * np.exp(rng.normal(0, 0.03, n)),
+        keys.SEARCHES: np.clip(1.0 + rng.normal(0, 0.05, n), 0, None),
+        keys.VALID_ACTION_RATE: np.clip(0.97 + rng.normal(0, 0.01, n), 0, 1),
+        "rollout/response_tokens": 400 + rng.normal(0, 10, n),
+        keys.LLDS_VALUE: np.abs(rng.normal(0.002, 0.001, n)),
     }
     return [{"step": int(step), **{k: float(v[i]) for k, v in columns.items()}} for i, step in enumerate(t)]

@@ -56,14 +56,14 @@ def add_diagnostics(
 
     # Ratio statistics and KL to pi_old: how far this update has moved from the sampler.
     ratio = jax.lax.stop_gradient(policy.ratio)
-    sink.add_mean("ratio_mean", ratio, token_mask)
-    sink.add_mean("clip_frac", (policy.clipped_high | policy.clipped_low).astype(jnp.float32), token_mask)
-    sink.add_mean("clip_frac_high", policy.clipped_high.astype(jnp.float32), token_mask)
-    sink.add_mean("clip_frac_low", policy.clipped_low.astype(jnp.float32), token_mask)
-    sink.add_mean("kl_old_k1", old_logp - logp, token_mask)
-    sink.add_mean("kl_old_k3", k3_kl(logp, old_logp), token_mask)
-    sink.maxima["ratio_max"] = jnp.where(on, ratio, -jnp.inf).max()
-    sink.minima["ratio_min"] = jnp.where(on, ratio, jnp.inf).min()
+    sink.add_mean("ratio/mean", ratio, token_mask)
+    sink.add_mean("ratio/clip_frac", (policy.clipped_high | policy.clipped_low).astype(jnp.float32), token_mask)
+    sink.add_mean("ratio/clip_frac_high", policy.clipped_high.astype(jnp.float32), token_mask)
+    sink.add_mean("ratio/clip_frac_low", policy.clipped_low.astype(jnp.float32), token_mask)
+    sink.add_mean("kl/old_k1", old_logp - logp, token_mask)
+    sink.add_mean("kl/old_k3", k3_kl(logp, old_logp), token_mask)
+    sink.maxima["ratio/max"] = jnp.where(on, ratio, -jnp.inf).max()
+    sink.minima["ratio/min"] = jnp.where(on, ratio, jnp.inf).min()
 
     # LLDS activity: how much of the preserved set (A >= 0) the gate switches on.
     gate, preserved = llds.gate, llds.preserved
@@ -71,9 +71,9 @@ def add_diagnostics(
     preserved_actions = (starts * preserved).sum()
     gated_actions = (starts * gate).sum()
     preserved_rows = (preserved.max(axis=-1) * row_weight).sum()
-    sink.add_mean("llds/gated_token_frac", gate, preserved * token_mask)
-    sink.add_ratio("llds/gated_action_frac", gated_actions, preserved_actions)
-    sink.add_ratio("llds/gated_response_frac", (gate.max(axis=-1) * row_weight).sum(), preserved_rows)
+    sink.add_mean("llds/gate_frac_tokens", gate, preserved * token_mask)
+    sink.add_ratio("llds/gate_frac_actions", gated_actions, preserved_actions)
+    sink.add_ratio("llds/gate_frac_responses", (gate.max(axis=-1) * row_weight).sum(), preserved_rows)
     sink.add_ratio("llds/gated_actions_per_preserved_response", gated_actions, preserved_rows)
     sink.add_ratio(
         "llds/preserved_response_frac", preserved_rows, ((token_mask.max(axis=-1) > 0) * row_weight).sum()

@@ -40,6 +40,8 @@ from llds_jax.rl.metrics import TermSink, add_diagnostics
 from llds_jax.rl.policy_losses import POLICY_LOSSES
 
 LOSS_KEYS = ("pg", "kl_ref", "entropy", "llds")
+# The loss terms under their metrics.jsonl names (llds_jax/diagnostics/keys.py).
+_METRIC_NAMES = {"pg": "loss/pg", "kl_ref": "kl/mean", "entropy": "policy/entropy", "llds": "llds/loss"}
 
 
 class LossMasks(NamedTuple):
@@ -181,7 +183,7 @@ def objective_terms(batch: PolicyBatch, cfg, constants: BatchConstants | None = 
         shared.llds_coef,
     )
     sink.add_ratio("llds", llds.weighted.sum(), own.denominators["llds"])
-    sink.add_ratio("llds/penalty", llds.penalty.sum(), own.denominators["llds"])
+    sink.add_ratio("llds/value", llds.penalty.sum(), own.denominators["llds"])
     sink.maxima["llds/answer_coef"] = answer_coefficient(cfg, shared.mean_searches, shared.llds_coef)
 
     add_diagnostics(
@@ -233,8 +235,8 @@ def finalize(terms: ObjectiveTerms, cfg) -> tuple[jax.Array, dict[str, jax.Array
     """(loss, metrics) from pooled terms. `metrics['llds/loss']` already includes lambda."""
     means = {key: _ratio(terms.sums[key], terms.denoms[key]) for key in terms.sums}
     loss = _combine(terms.sums, terms.denoms, cfg)
-    metrics = {("pg_loss" if k == "pg" else "llds/loss" if k == "llds" else k): v for k, v in means.items()}
-    metrics["loss"] = loss
+    metrics = {_METRIC_NAMES.get(k, k): v for k, v in means.items()}
+    metrics["loss/total"] = loss
     for key, value in {**terms.maxima, **terms.minima}.items():
         metrics[key] = jnp.where(jnp.isfinite(value), value, 0.0)
     return loss, metrics

@@ -33,25 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from llds_jax.diagnostics import keys
 from llds_jax.parallel import distributed
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
 from llds_jax.rl.advantages import compute_advantages
 from llds_jax.train.state import TrainState, init_train_state, train_state_shardings
 from llds_jax.train.step import StepSizes, TrainBatch, build_update_fns, train_batch_shardings
-
-# objective metric → metrics.jsonl key (diagnostics contract, llds_jax/diagnostics/__init__.py)
-_MEAN_KEYS = {
-    "loss": "loss/total", "pg_loss": "loss/pg", "kl_ref": "kl/mean", "entropy": "policy/entropy",
-    "llds/loss": "llds/loss", "llds/penalty": "llds/value", "clip_frac": "ratio/clip_frac",
-    "clip_frac_high": "ratio/clip_frac_high", "clip_frac_low": "ratio/clip_frac_low", "ratio_mean": "ratio/mean",
-    "kl_old_k3": "kl/old_k3", "llds/gated_action_frac": "llds/gate_frac_actions",
-    "llds/gated_response_frac": "llds/gate_frac_responses", "llds/gated_token_frac": "llds/gate_frac_tokens",
-    "llds/preserved_response_frac": "llds/preserved_response_frac", "grad/norm": "grad/norm_preclip",
-    "grad/clip_scale": "grad/clip_scale", "optim/lr": "optim/lr",
-    "logp_old/pos_mean": "logp_old/pos_mean", "logp_old/neg_mean": "logp_old/neg_mean",
-    "delta_logp/pos_mean": "delta_logp/pos_mean", "delta_logp/neg_mean": "delta_logp/neg_mean",
-}
 
 
 def padded_length(config) -> int:
@@ -66,19 +54,22 @@ def pad_columns(array: np.ndarray, length: int, value) -> np.ndarray:
     return np.pad(array, ((0, 0), (0, length - array.shape[1])), constant_values=value)
 
 
-def summarize_update(per_mini: dict[str, np.ndarray]) -> dict[str, float]:
-    """Per-mini-batch arrays → one flat dict for the step (means; extrema; first/last LLDS)."""
-    out = {key: float(np.mean(per_mini[src])) for src, key in _MEAN_KEYS.items() if src in per_mini}
-    out["ratio/max"] = float(np.max(per_mini["ratio_max"]))
-    out["ratio/min"] = float(np.min(per_mini["ratio_min"]))
-    out["grad/norm_preclip_max"] = float(np.max(per_mini["grad/norm"]))
-    out["update/skipped"] = float(np.sum(per_mini["update/skipped"]))
-    out["update/mini_batches"] = float(len(per_mini["loss"]))
-    out["llds/value_first_minibatch"] = float(per_mini["llds/penalty"][0])
-    out["llds/value_last_minibatch"] = float(per_mini["llds/penalty"][-1])
-    out["llds/lambda"] = float(per_mini["llds/lambda"][0])  # the state's λ (a monitor may have raised it)
-    out["old_logp/recompute_gap"] = float(per_mini["delta_logp/abs_max"][0])  # π_old vs the loss forward at θ_old
-    out["delta_logp/abs_max"] = float(np.max(per_mini["delta_logp/abs_max"]))
+_REDUCE_MINI_BATCHES = {"mean": np.mean, "max": np.max, "min": np.min, "sum": np.sum,
+                        "first": lambda a: a[0], "last": lambda a: a[-1], "count": len}
+
+
+def summarize_update(per_mini: dict[str, np.ndarray], with_entropy: bool = True) -> dict[str, float]:
+    """Per-mini-batch arrays → the step's update metrics, as ``diagnostics.keys.UPDATE_METRICS`` says.
+
+    ``with_entropy=False`` (no entropy term: the update fills ``policy/entropy`` with zeros)
+    leaves the entropy out rather than logging a constant 0.
+    """
+    out = {}
+    for metric in keys.UPDATE_METRICS:
+        if metric.name == keys.POLICY_ENTROPY and not with_entropy:
+            continue
+        values = np.asarray(per_mini[metric.from_update or metric.name])
+        out[metric.name] = float(_REDUCE_MINI_BATCHES[metric.mini_batches](values))
     return out
 
 
@@ -91,7 +82,8 @@ def logprob_gap(sampler_logp: np.ndarray, trainer_logp: np.ndarray, action_mask:
     mask = action_mask[:, 1:] > 0
     a, b = sampler_logp[:, 1:][mask], trainer_logp[:, : mask.shape[1]][mask]
     if a.size < 2:
-        return {"logprob_gap/abs_mean": float("nan"), "logprob_gap/corr": float("nan")}
+        return {"logprob_gap/abs_mean": float("nan"), "logprob_gap/abs_max": float("nan"),
+                "logprob_gap/corr": float("nan")}
     corr = float(np.corrcoef(a, b)[0, 1]) if a.std() > 0 and b.std() > 0 else float("nan")
     return {"logprob_gap/abs_mean": float(np.abs(a - b).mean()), "logprob_gap/abs_max": float(np.abs(a - b).max()),
             "logprob_gap/corr": corr}
@@ -253,7 +245,7 @@ class Learner:
             per_mini = distributed.fetch_to_host(per_mini)  # replicated: read from a local shard
             update_s = time.perf_counter() - clock
         old_host = distributed.local_rows(old_logp, rows)
-        metrics = summarize_update(per_mini)
+        metrics = summarize_update(per_mini, with_entropy=self.config.rl.entropy_coef > 0)
         tokens = distributed.sum_over_hosts({"action": float(np.sum(arrays["action_mask"])),
                                              "all": float(np.sum(arrays["attention_mask"]))})
         metrics.update({

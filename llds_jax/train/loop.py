@@ -19,7 +19,7 @@ same numbers (the monitor decides alike everywhere); only process 0 writes them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -27,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from llds_jax.data.prompts import PromptIterator
-from llds_jax.diagnostics import DeathSpiralMonitor, MonitorConfig, step_diagnostics
+from llds_jax.diagnostics import DeathSpiralMonitor, MonitorConfig, keys, step_diagnostics
 from llds_jax.diagnostics.from_rollout import response_batch_from_rollout
 from llds_jax.diagnostics.monitor import Action
 from llds_jax.parallel import distributed
@@ -59,17 +59,13 @@ def rollout_arrays(rollout, ma_search_count: str = "batch_written") -> dict[str,
 
 
 def rollout_metrics(rollout, rewards: np.ndarray) -> dict[str, float]:
-    stats = rollout.stats()
+    """Reward, the rollout's own ``stats()`` (under its names) and the rollout's timings."""
     timings = rollout.timings
     return {
-        "reward/mean": float(rewards.mean()), "reward/max": float(rewards.max()),
+        keys.REWARD_MEAN: float(rewards.mean()), "reward/max": float(rewards.max()),
         "reward/group_solved_frac": float(np.mean([rewards[rollout.group_ids == g].max() > 0
                                                    for g in np.unique(rollout.group_ids)])),
-        "rollout/searches_mean": stats["rollout/searches"], "rollout/turns_mean": stats["rollout/turns"],
-        "rollout/valid_action_rate": stats["rollout/valid_action_rate"],
-        "rollout/finished_rate": stats["rollout/finished"], "rollout/truncated_rate": stats["rollout/truncated"],
-        "rollout/response_tokens_mean": stats["rollout/response_tokens"],
-        "rollout/action_tokens_mean": stats["rollout/action_tokens"],
+        **rollout.stats(),
         "time/rollout_s": float(timings.get("total_s", 0.0)),
         "time/retrieval_s": float(timings.get("retrieval_s", 0.0)),
         "time/decode_s": float(timings.get("decode_s", 0.0)),
@@ -105,30 +101,19 @@ def host_prompt_share(learner: Learner, num_prompts: int, n_samples: int) -> sli
     return slice(rows.start // n_samples, rows.stop // n_samples)
 
 
-def _combine_how(key: str) -> str:
-    if key.endswith(("max", "/max_preclip")):
-        return "max"
-    if key.endswith("min"):
-        return "min"
-    if key == "throughput/rollout_tokens_per_s" or "/num_" in key:  # rates and counts add up over hosts
-        return "sum"
-    if key.startswith("time/"):
-        return "max"  # a step waits for its slowest host
-    return "mean"
-
-
 def combine_over_hosts(metrics: dict[str, float]) -> dict[str, float]:
     """One step's host metrics combined over processes (identity on one host; a collective otherwise).
 
-    Per-row means (reward, rollout stats, diagnostics) are averaged over hosts — exact, since
-    hosts hold equal row counts; ``*max``/``*min`` take the extremum, ``time/*`` the slowest host,
-    counts (``*/num_*``) and rollout throughput the sum. Device metrics of the update are already
-    global (equal everywhere). Means of host-local ratios whose denominators differ per host
-    (e.g. ``diag/ll_correct/all``: over each host's correct responses) are approximate.
+    Each key as its ``hosts`` column in ``diagnostics.keys.TABLE`` says: per-row means (reward,
+    rollout stats, diagnostics) are averaged — exact, since hosts hold equal row counts —
+    extrema take the extremum, ``time/*`` the slowest host, counts and rollout throughput the
+    sum; device metrics of the update are already global. Means of host-local ratios whose
+    denominators differ per host (e.g. ``diag/ll_correct/all``: over each host's correct
+    responses) are approximate.
     """
     if jax.process_count() == 1:
         return metrics
-    return distributed.reduce_over_hosts(metrics, _combine_how)
+    return distributed.reduce_over_hosts(metrics, keys.host_reduction)
 
 
 def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, writer: MetricsWriter, config, *,
@@ -173,9 +158,7 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
             old_logprobs=token_aligned(extra["old_logp"], rollout.input_ids.shape[1]),
             num_action_slots=slots, new_logprobs=new_logp)
         metrics.update(step_diagnostics(diag_batch))
-        if config.rl.entropy_coef > 0:  # π_old's token-mean entropy = mini-batch 1's (π_θ = π_old there)
-            metrics["diag/entropy"] = float(extra["per_mini_batch"]["entropy"][0])
-        metrics["time/step_s"] = time.perf_counter() - started
+        metrics[keys.STEP_SECONDS] = time.perf_counter() - started
         metrics["data/epoch"] = float(batch.epoch)
         metrics = combine_over_hosts(metrics)
         if monitor is not None:
@@ -190,8 +173,8 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
         writer.write(step, metrics, phase="rl")
         if distributed.is_main_process():
             write_samples(writer.workdir, step, batch.records, rollout, rewards, config.train.samples_per_step)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", llds=f"{metrics['llds/value']:.2e}",
-                        search=f"{metrics['rollout/searches_mean']:.2f}")
+        bar.set_postfix(reward=f"{metrics[keys.REWARD_MEAN]:.3f}", llds=f"{metrics[keys.LLDS_VALUE]:.2e}",
+                        search=f"{metrics[keys.SEARCHES]:.2f}")
         history.append(metrics)
         stop = on_step_end(step, metrics, extra["per_mini_batch"]) if on_step_end is not None else None
         if stop == "stop" or (monitor is not None and report.action is Action.STOP):
@@ -200,11 +183,24 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
     return history
 
 
-def make_monitor(config, llds_lambda: float | None = None) -> DeathSpiralMonitor | None:
-    """The configured monitor, or None; ``llds_lambda`` is the λ in force (a resumed run's may be raised)."""
+def make_monitor(config, llds_lambda: float | None = None,
+                 history: Iterable[Mapping[str, Any]] = ()) -> DeathSpiralMonitor | None:
+    """The configured monitor, or None; restored from ``history`` when the run resumes.
+
+    ``llds_lambda`` is the λ in force (a resumed run's may have been raised); ``history`` the
+    recorded RL rows of the steps before the resumed one (``MetricsWriter.rows_before``),
+    replayed through :meth:`DeathSpiralMonitor.warm_up` so the windows and the phase are what an
+    uninterrupted run would have. On several hosts process 0's rows are replayed on every host
+    (a collective), so every host's monitor decides alike even if only process 0 can read them.
+    """
     section = config.get("monitor")
     if section is None or not section.get("enabled", True):
         return None
     settings = {k: v for k, v in section.to_dict().items() if k != "enabled"}
     llds_lambda = config.rl.llds_coef if llds_lambda is None else llds_lambda
-    return DeathSpiralMonitor(MonitorConfig.from_mapping(settings), llds_lambda=llds_lambda)
+    monitor = DeathSpiralMonitor(MonitorConfig.from_mapping(settings), llds_lambda=llds_lambda)
+    rows = [{k: row.get(k) for k in ("step", *monitor.reads)} for row in history]
+    if jax.process_count() > 1:
+        rows = distributed.allgather_json(rows)[0]
+    monitor.warm_up(rows)
+    return monitor

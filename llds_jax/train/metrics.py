@@ -1,7 +1,7 @@
 """Per-step metrics: ``<workdir>/metrics.jsonl``, TensorBoard event files, and one console line.
 
 ``metrics.jsonl`` is the contract with ``llds_jax.diagnostics.report``: one JSON object per
-line, flat ``/``-separated keys (``reward/mean``, ``llds/value``, ``time/rollout_s``), plus
+line, flat ``/``-separated keys (every one listed in ``llds_jax.diagnostics.keys.TABLE``), plus
 ``step`` and ``phase`` (``sft``/``rl``/``eval``). Values are plain floats; NaN/inf are written
 as ``null`` so the file stays strict JSON (a non-finite loss is itself reported by the
 ``update/skipped`` counter). The file is appended to, so a resumed run continues it.
@@ -21,20 +21,22 @@ from typing import Any
 
 import numpy as np
 
+from llds_jax.diagnostics import keys
+
 # (key, short label, format) shown on the console, in this order, when present.
 CONSOLE_KEYS = (
-    ("loss/total", "loss", ".4f"),
-    ("reward/mean", "reward", ".3f"),
-    ("llds/value", "llds", ".2e"),
-    ("rollout/searches_mean", "search", ".2f"),
-    ("rollout/valid_action_rate", "valid", ".2f"),
-    ("policy/entropy", "ent", ".3f"),
-    ("grad/norm", "gnorm", ".3f"),
-    ("optim/lr", "lr", ".1e"),
+    (keys.LOSS_TOTAL, "loss", ".4f"),
+    (keys.REWARD_MEAN, "reward", ".3f"),
+    (keys.LLDS_VALUE, "llds", ".2e"),
+    (keys.SEARCHES, "search", ".2f"),
+    (keys.VALID_ACTION_RATE, "valid", ".2f"),
+    (keys.POLICY_ENTROPY, "ent", ".3f"),
+    (keys.GRAD_NORM, "gnorm", ".3f"),
+    (keys.OPTIM_LR, "lr", ".1e"),
     ("time/rollout_s", "t_roll", ".1f"),
     ("time/logprobs_s", "t_lp", ".1f"),
     ("time/update_s", "t_upd", ".1f"),
-    ("time/step_s", "t_step", ".1f"),
+    (keys.STEP_SECONDS, "t_step", ".1f"),
 )
 
 
@@ -96,6 +98,18 @@ class MetricsWriter:
         if self._console is not None:
             self._console(console_line(int(step), phase, flat))
         return flat
+
+    def rows_before(self, step: int, phase: str = "rl") -> list[dict]:
+        """This workdir's recorded ``phase`` rows of the steps before ``step`` (what a resumed monitor replays).
+
+        The last row of a step wins (a killed run may have logged steps past its checkpoint; those
+        are redone and excluded here); [] when nothing is recorded yet.
+        """
+        from llds_jax.diagnostics.report import read_rows
+
+        if not self.path.is_file():
+            return []
+        return [row for row in read_rows(self.path, phase) if row["step"] < step]
 
     def close(self) -> None:
         if self._file is not None:

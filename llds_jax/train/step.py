@@ -240,7 +240,7 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
             updates=state.updates + finite.astype(jnp.int32),
             skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32),
         )
-        metrics.update({"loss/objective": loss, "grad/norm": grad_norm, "update/skipped": (~finite).astype(jnp.float32),
+        metrics.update({"loss/objective": loss, "grad/norm_preclip": grad_norm, "update/skipped": (~finite).astype(jnp.float32),
                         "grad/clip_scale": scale})
         return state, metrics
 

@@ -126,7 +126,17 @@ def test_warm_up_after_resume_restores_the_phase_without_acting():
     assert report.ll_t_stat == pytest.approx(uninterrupted.ll_t_stat) and report.action is Action.NONE
 
 
-def test_monitor_reads_the_trainers_console_key_names_too():
-    rows = [{("grad/norm" if k == "grad/norm_preclip" else "policy/entropy" if k == "diag/entropy" else k): v
-             for k, v in row.items()} for row in death_spiral_run(0)]
-    assert first_step_in(replay(rows), Phase.ACCELERATION) == first_step_in(replay(death_spiral_run(0)), Phase.ACCELERATION)
+def test_warm_up_replays_a_lambda_raise_so_the_window_restarts_where_it_did():
+    """A raise in the history cleared the likelihood window: the replay must clear it at the same step."""
+    config = MonitorConfig(on_phase_two="raise_lambda")
+    rows = death_spiral_run(4)
+    live = DeathSpiralMonitor(config, llds_lambda=0.1)
+    for row in rows[:110]:
+        row["llds/lambda"] = live.llds_lambda  # what the trainer logs: the λ the step ran with
+        live.update(row["step"], row)
+    raised_at = [r["step"] for r in rows[1:110] if r["llds/lambda"] != rows[r["step"] - 1]["llds/lambda"]]
+    assert raised_at, "the spiral must trigger at least one λ raise in 110 steps"
+    resumed = DeathSpiralMonitor(config, llds_lambda=live.llds_lambda)
+    resumed.warm_up(rows[:110])
+    assert (list(resumed._likelihood), resumed.phase, resumed.llds_lambda) == (
+        list(live._likelihood), live.phase, live.llds_lambda)

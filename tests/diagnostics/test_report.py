@@ -67,10 +67,14 @@ def test_compare_form_overlays_runs_and_lists_each(tmp_path):
     assert table_rows[1].split("|")[3].strip() == "—", "the stable run must show no phase II onset"
 
 
-def test_sft_rows_are_left_out_and_console_key_names_are_understood(tmp_path):
-    workdir = write_run(tmp_path / "run", [{"step": 0, "grad/norm": 0.5, "policy/entropy": 1.2}])
+def test_sft_rows_are_left_out_and_old_key_names_are_read_as_todays(tmp_path):
+    old_row = {"step": 0, "grad/norm_preclip": 0.5, "policy/entropy": 0.0, "diag/entropy": 1.2,
+               "rollout/searches_mean": 1.5, "diag/searches/mean": 1.5, "llds/value_first_minibatch": 0.0}
+    workdir = write_run(tmp_path / "run", [old_row])
     (row,) = load_metrics(workdir / "metrics.jsonl")
-    assert row["grad/norm_preclip"] == 0.5 and row["diag/entropy"] == 1.2 and row["phase"] == "rl"
+    assert row["phase"] == "rl"
+    assert (row["grad/norm_preclip"], row["policy/entropy"], row["rollout/searches"]) == (0.5, 1.2, 1.5), row
+    assert not {"diag/entropy", "rollout/searches_mean", "diag/searches/mean", "llds/value_first_minibatch"} & set(row)
 
 
 def test_bad_metrics_line_fails_with_file_and_line(tmp_path):

@@ -149,7 +149,7 @@ def test_data_parallel_shard_map_with_psummed_constants_equals_the_whole_batch()
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-6, atol=1e-9)
     _, metrics = rl.finalize(terms, cfg)
-    for key in ("llds/loss", "llds/answer_coef", "ratio_max", "ratio_min", "llds/gated_action_frac"):
+    for key in ("llds/loss", "llds/answer_coef", "ratio/max", "ratio/min", "llds/gate_frac_actions"):
         np.testing.assert_allclose(float(metrics[key]), float(want_metrics[key]), rtol=1e-6, err_msg=key)
 
 

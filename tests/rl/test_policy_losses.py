@@ -132,4 +132,4 @@ def test_gspo_objective_with_sequence_mean_aggregation_is_pure_entropy_bonus_on_
     rows = (np.asarray(b["action_mask"]).sum(-1) > 0) & (np.asarray(b["row_weight"]) > 0)
     want_pg = -np.mean((b["rewards"] - 0.5)[rows])
     np.testing.assert_allclose(float(loss), want_pg - cfg.entropy_coef, rtol=1e-6, atol=1e-7)
-    assert float(metrics["ratio_max"]) == 1.0 and float(metrics["ratio_min"]) == 1.0
+    assert float(metrics["ratio/max"]) == 1.0 and float(metrics["ratio/min"]) == 1.0

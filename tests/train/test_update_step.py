@@ -70,17 +70,18 @@ def test_one_step_on_mesh_equals_single_device(mesh_shape, well_conditioned_refe
     ref_metrics, ref_extra = reference_history[0]
     # Mini-batch 1 sees the initial params on every mesh: its metrics must agree to 1e-5.
     mb1, ref_mb1 = extra["per_mini_batch"], ref_extra["per_mini_batch"]
-    for key in ("loss", "pg_loss"):  # differences of O(1) per-token terms (|A| ~ 1): scale 1
+    for key in ("loss/total", "loss/pg"):  # differences of O(1) per-token terms (|A| ~ 1): scale 1
         _assert_close(f"mini-batch 1 {key}", mb1[key][0], ref_mb1[key][0], floor=1.0)
-    for key in ("kl_ref", "entropy", "grad/norm", "ratio_max", "clip_frac", "llds/penalty", "delta_logp/abs_max"):
+    for key in ("kl/mean", "policy/entropy", "grad/norm_preclip", "ratio/max", "ratio/clip_frac", "llds/value",
+                "delta_logp/abs_max"):
         _assert_close(f"mini-batch 1 {key}", mb1[key][0], ref_mb1[key][0], floor=0.1)
     _assert_close("old_logp", extra["old_logp"], ref_extra["old_logp"])
 
     lr = tiny_train_config().optim.lr
-    updates = len(ref_mb1["grad/norm"])
+    updates = len(ref_mb1["grad/norm_preclip"])
     # Per update, an entry's step differs by ≤ lr · |δg| / eps, with |δg| ≤ ε₃₂ · (pre-clip grad norm):
     # one rounding unit at the gradient's own scale (clipping scales g and δg alike).
-    grad_scale = float(np.max(ref_mb1["grad/norm"]))
+    grad_scale = float(np.max(ref_mb1["grad/norm_preclip"]))
     step_bound = updates * lr * min(2.0, F32_EPS * grad_scale / WELL_CONDITIONED_EPS)
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(extra["params"]),
                                  jax.tree.leaves(ref_extra["params"])):
@@ -89,13 +90,13 @@ def test_one_step_on_mesh_equals_single_device(mesh_shape, well_conditioned_refe
     # Mini-batch 2 reads π_θ after one (now well-conditioned) update: its LLDS penalty is a
     # 1-Lipschitz hinge of log π differences, so it moves by at most the log-prob rounding
     # (the old_logp tolerance) plus what the params' bounded difference can move log π.
-    penalty, ref_penalty = extra["per_mini_batch"]["llds/penalty"][1], ref_mb1["llds/penalty"][1]
+    penalty, ref_penalty = extra["per_mini_batch"]["llds/value"][1], ref_mb1["llds/value"][1]
     logp_rounding = 2e-5 * float(np.max(np.abs(ref_extra["old_logp"])))
     assert abs(penalty - ref_penalty) <= logp_rounding, (
-        f"mini-batch 2 llds/penalty {penalty:.6e} vs {ref_penalty:.6e}: differs by "
+        f"mini-batch 2 llds/value {penalty:.6e} vs {ref_penalty:.6e}: differs by "
         f"{abs(penalty - ref_penalty):.3e} > {logp_rounding:.3e}")
-    _assert_close("mini-batch 2 grad/norm", extra["per_mini_batch"]["grad/norm"][1],
-                  ref_mb1["grad/norm"][1], rtol=1e-4)
+    _assert_close("mini-batch 2 grad/norm_preclip", extra["per_mini_batch"]["grad/norm_preclip"][1],
+                  ref_mb1["grad/norm_preclip"][1], rtol=1e-4)
     assert metrics.keys() == ref_metrics.keys()
 
 
@@ -124,7 +125,7 @@ def test_llds_is_zero_in_first_mini_batch_and_nonzero_later(single_device):
     _, history = single_device
     for step, (_metrics, extra) in enumerate(history):
         per_mini = extra["per_mini_batch"]
-        penalties, gaps = per_mini["llds/penalty"], per_mini["delta_logp/abs_max"]
+        penalties, gaps = per_mini["llds/value"], per_mini["delta_logp/abs_max"]
         assert len(penalties) == 2
         assert penalties[0] == 0.0, f"step {step}: LLDS in mini-batch 1 is {penalties[0]}; π_θ must equal π_old"
         assert penalties[1] > 1e-5, f"step {step}: LLDS in mini-batch 2 is {penalties[1]}; params did not move?"
@@ -170,8 +171,8 @@ def test_raised_llds_lambda_applies_without_recompiling_and_survives_a_checkpoin
     metrics, extra = learner.update(arrays, arrays["rewards"], arrays["group_ids"])
     per_mini = extra["per_mini_batch"]
     assert metrics["llds/lambda"] == pytest.approx(0.4)
-    assert per_mini["llds/penalty"][1] > 0
-    np.testing.assert_allclose(per_mini["llds/loss"][1], 0.4 * per_mini["llds/penalty"][1], rtol=1e-5)
+    assert per_mini["llds/value"][1] > 0
+    np.testing.assert_allclose(per_mini["llds/loss"][1], 0.4 * per_mini["llds/value"][1], rtol=1e-5)
     assert learner.compile_counts()["update"] == 1, "changing λ must not recompile the update"
 
     with Checkpointer(tmp_path) as ckpt:
