@@ -330,12 +330,18 @@ def while_loops(hlo: str) -> list[str]:
     return loops
 
 
+# XLA:TPU's own bookkeeping custom calls (index packing, bitcasts): no kernel behind them.
+BOOKKEEPING_CALLS = frozenset({"ConcatBitcast", "GatherScatterIndicesBitpacked", "AssumeGatherIndicesInBound"})
+
+
 def custom_calls(hlo: str) -> dict[str, int]:
-    """Custom-call targets and how often they occur: kernels (Pallas/Mosaic, cuBLAS, cuDNN) whose
-    flops and bytes HloCostAnalysis does not see, so a program with them is under-counted."""
+    """Kernel custom calls and how often they occur (Pallas/Mosaic ``tpu_custom_call``, cuBLAS,
+    cuDNN): HloCostAnalysis does not see their flops or bytes, so a program with them is
+    under-counted. XLA:TPU's bookkeeping calls (BOOKKEEPING_CALLS) are left out."""
     counts: dict[str, int] = {}
     for target in re.findall(r' custom-call\(.*?custom_call_target="([^"]+)"', hlo):
-        counts[target] = counts.get(target, 0) + 1
+        if target not in BOOKKEEPING_CALLS:
+            counts[target] = counts.get(target, 0) + 1
     return counts
 
 

@@ -168,3 +168,14 @@ def test_bad_flags_are_refused_with_the_values():
         roofline.parse_args(["--live", "4096", "--slots", "512"])
     with pytest.raises(SystemExit):
         roofline.parse_args(["--update-shape", "16by256"])
+
+
+def test_kernel_custom_calls_are_reported_and_xla_tpu_bookkeeping_calls_are_not():
+    # Lines as XLA:TPU prints them (from a compiled decode step and a splash-attention log-prob pass).
+    hlo = "\n".join([
+        '  %custom-call.377 = bf16[8,3,2048,64]{3,2,1,0} custom-call(%p), custom_call_target="ConcatBitcast"',
+        '  %custom-call.12 = s32[8,2]{1,0} custom-call(%i), custom_call_target="GatherScatterIndicesBitpacked"',
+        '  %custom-call.40 = f32[4,9,256,64]{3,2,1,0} custom-call(%q, %k, %v), custom_call_target="tpu_custom_call"',
+        '  %custom-call.41 = f32[4,9,256,64]{3,2,1,0} custom-call(%q, %k, %v), custom_call_target="tpu_custom_call"',
+    ])
+    assert roofline.custom_calls(hlo) == {"tpu_custom_call": 2}
