@@ -430,7 +430,8 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
     exact = not known_many and (attention_trips == 1 or not any("(trips=?)" in loop for loop in loops))
     kernels = custom_calls(hlo)
     if not exact:
-        note = "; ".join(filter(None, [note, "a loop body runs more than once but is counted once"]))
+        counted_once = known_many or [f"attention key blocks ({attention_trips} trips)"]
+        note = "; ".join(filter(None, [note, "counted once but run more often: " + ", ".join(counted_once)]))
     if kernels:
         exact = False
         note = "; ".join(filter(None, [note, "custom calls not costed: " +
@@ -529,8 +530,10 @@ def run(args) -> dict:
                     batch, length = args.logprob_shape if program == "logprobs" else args.update_shape
                     mine.append(measure_program(model, target, precision, program, device, chips[target],
                                                 batch=batch, length=length, remat=args.remat))
-                print(f"compiled {model} {program} for {target} ({mine[-1].compile_seconds:.0f} s)", file=sys.stderr,
-                      flush=True)
+                for row in mine[-len(args.slots) if program == "decode" else -1:]:  # progress: a long run is not all-or-nothing
+                    print(f"compiled {model} {program} {row.shape} for {target} in {row.compile_seconds:.0f} s: "
+                          f"{_si(row.xla_flops, 'FLOP')} ({row.flops_ratio:.2f}x ideal), {_si(row.xla_bytes, 'B')} "
+                          f"({row.bytes_ratio:.2f}x ideal)", file=sys.stderr, flush=True)
             rows += mine
             if dep := slot_dependence(mine, shapes, args.batch):
                 dependence[f"{model} {target}"] = dep
