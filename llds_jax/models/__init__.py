@@ -36,11 +36,11 @@ Model (``Decoder(config, rngs=nnx.Rngs(seed))``; ``model.config``)
         positions default to the number of valid slots before each token, i.e. exactly the
         numbering of the uncached forward over the concatenated real tokens.
         Cached logits equal the uncached forward to <= 1e-4 (fp32, tested).
-    KVCache(k, v [layers,B,S,KVH,Dh], valid [B,S] bool, end [B] int32) is a registered
+    KVCache(k, v: per-layer tuples of [B,KVH,S,Dh], valid [B,S] bool, end [B] int32) is a registered
         dataclass pytree; cache.next_positions() -> [B]. init_cache(config, batch, max_len,
         dtype=None) -> empty cache (laid out by the rules table under jax.set_mesh).
         Writes beyond max_len are dropped: size the cache for the longest row.
-    CACHE_LOGICAL_AXES: a KVCache of logical-axis tuples; cache_shardings(config, batch,
+    cache_logical_axes(num_layers): a KVCache of logical-axis tuples (k, v: one per layer); cache_shardings(config, batch,
         max_len, mesh, rules=None, dtype=None) -> KVCache of NamedShardings for jit boundaries.
 
 Functional use inside jit (params as arguments, never closed over):
@@ -73,16 +73,16 @@ Every Param carries ``logical_axes`` metadata; see ``llds_jax.parallel`` for pla
 
 from llds_jax.models.config import ConfigError, DecoderConfig
 from llds_jax.models.decoder import (
-    CACHE_LOGICAL_AXES,
     Decoder,
     KVCache,
+    cache_logical_axes,
     cache_shardings,
     init_cache,
     positions_from_mask,
 )
 
 __all__ = [
-    "CACHE_LOGICAL_AXES",
+    "cache_logical_axes",
     "cache_shardings",
     "ConfigError",
     "Decoder",

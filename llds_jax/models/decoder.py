@@ -8,7 +8,8 @@ Two entry points share that block:
 * ``__call__`` / ``hidden_states``: full-sequence forward, positions from the mask.
 * ``forward_cached``: writes new tokens' keys/values into a ``KVCache`` at per-row
   offsets and attends over the cache, covering prefill of a left-padded batch,
-  one-token decode, and appending a chunk (tool feedback) to a live cache.
+  one-token decode, and appending a chunk (tool feedback) to a live cache. It always
+  unrolls the layers (see there), whatever ``scan_layers`` says.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llds_jax.models import layers as L
-from llds_jax.models.attention import AttentionMask, attend, resolve_backend, target_platform
+from llds_jax.models.attention import (
+    CACHED_BLOCK,
+    DEFAULT_BLOCK,
+    AttentionMask,
+    attend,
+    resolve_backend,
+    target_platform,
+)
 from llds_jax.models.config import DecoderConfig
 from llds_jax.parallel.rules import ShardingRules, constrain, logical_to_sharding
 
@@ -33,37 +41,47 @@ INIT_STD = 0.02  # HF initializer_range default for these families
 class KVCache:
     """Decode state for ``Decoder.forward_cached``.
 
-    k, v: [layers, batch, slots, kv_heads, head_dim]. ``valid`` [batch, slots] marks slots
-    holding real tokens (left padding and holes are False). ``end`` [batch] is the next
-    slot to write per row. Slot order is time order: a token sees valid slots at or
-    before its own slot. Writes past the last slot are dropped, so size ``max_len`` for
-    the longest row.
+    k, v: one array per layer, each [batch, kv_heads, slots, head_dim] — per layer so a
+    step updates and reads each layer's buffer in place (a stacked [layers, ...] array
+    is sliced, i.e. copied, per layer), heads-major so attention reads a block of slots
+    without transposing the cache. ``valid`` [batch, slots] marks slots holding real
+    tokens (left padding and holes are False). ``end`` [batch] is the next slot to write
+    per row. Slot order is time order: a token sees valid slots at or before its own
+    slot. Writes past the last slot are dropped, so size ``max_len`` for the longest row.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     valid: jax.Array
     end: jax.Array
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.valid.shape[1]
 
     def next_positions(self) -> jax.Array:
         """RoPE position of the next real token per row: the count of valid slots."""
         return jnp.sum(self.valid, axis=-1, dtype=jnp.int32)
 
 
-KV_AXES = ("layers", "batch", "cache_seq", "act_kv_heads", None)
-CACHE_LOGICAL_AXES = KVCache(k=KV_AXES, v=KV_AXES, valid=("batch", "cache_seq"), end=("batch",))
+KV_AXES = ("batch", "act_kv_heads", "cache_seq", None)  # one layer's k or v
+
+
+def cache_logical_axes(num_layers: int) -> KVCache:
+    """A KVCache of logical-axis tuples (one per layer for k and v)."""
+    return KVCache(k=(KV_AXES,) * num_layers, v=(KV_AXES,) * num_layers, valid=("batch", "cache_seq"),
+                   end=("batch",))
 
 
 def init_cache(config: DecoderConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
     """An empty cache; under ``jax.set_mesh`` it is laid out by the rules table."""
     dtype = jnp.dtype(dtype or config.dtype)
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-    return KVCache(k=constrain(jnp.zeros(shape, dtype), KV_AXES), v=constrain(jnp.zeros(shape, dtype), KV_AXES),
-                   valid=constrain(jnp.zeros((batch, max_len), bool), CACHE_LOGICAL_AXES.valid),
+    shape = (batch, config.num_kv_heads, max_len, config.head_dim)
+
+    def empty():
+        return tuple(constrain(jnp.zeros(shape, dtype), KV_AXES) for _ in range(config.num_layers))
+
+    return KVCache(k=empty(), v=empty(), valid=constrain(jnp.zeros((batch, max_len), bool), ("batch", "cache_seq")),
                    end=jnp.zeros((batch,), jnp.int32))
 
 
@@ -72,7 +90,8 @@ def cache_shardings(config: DecoderConfig, batch: int, max_len: int, mesh: jax.s
     """A KVCache of NamedShardings (for ``jax.jit(in_shardings=/out_shardings=)``)."""
     shapes = jax.eval_shape(lambda: init_cache(config, batch, max_len, dtype))
     return jax.tree.map(lambda axes, leaf: logical_to_sharding(axes, mesh, rules, leaf.shape),
-                        CACHE_LOGICAL_AXES, shapes, is_leaf=lambda x: isinstance(x, tuple))
+                        cache_logical_axes(config.num_layers), shapes,
+                        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, str | None) for a in x))
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
@@ -122,9 +141,10 @@ class DecoderLayers(nnx.Module):
 
 
 def _block(config: DecoderConfig, weights: dict[str, jax.Array], x: jax.Array, cos, sin,
-           mask: AttentionMask, write_kv):
+           mask: AttentionMask, write_kv, *, kv_heads_major: bool = False):
     """One pre-norm transformer block. ``write_kv(k, v) -> (k_all, v_all, extra)``
-    decides whether attention reads the chunk itself or the cache it was written to;
+    decides whether attention reads the chunk itself or the cache it was written to
+    (``kv_heads_major``: k_all, v_all are [B, KVH, S, Dh], the cache's layout);
     ``mask`` says which of those keys each query sees, in O(T + S) (no [T, S] array)."""
     dtype = config.compute_dtype
     w = {name: value.astype(dtype) for name, value in weights.items()}
@@ -141,7 +161,9 @@ def _block(config: DecoderConfig, weights: dict[str, jax.Array], x: jax.Array, c
     k = constrain(L.apply_rope(k, cos, sin), ("batch", "seq", "act_kv_heads", None))
     v = constrain(v, ("batch", "seq", "act_kv_heads", None))
     k_all, v_all, extra = write_kv(k, v)
-    attn = attend(q, k_all, v_all, mask, resolve_backend(config.attention, target_platform()))
+    backend = resolve_backend(config.attention, target_platform())
+    block = CACHED_BLOCK if kv_heads_major else DEFAULT_BLOCK
+    attn = attend(q, k_all, v_all, mask, backend, block, kv_heads_major=kv_heads_major)
     x = x + jnp.einsum("bthk,hkd->btd", attn, w["o_proj"])
     x = constrain(x, ("batch", "seq", "act_embed"))
     h = L.rms_norm(x, w["mlp_norm"], config.rms_eps)
@@ -162,8 +184,7 @@ def _remat(config: DecoderConfig, fn):
 
 def _run_layers(config: DecoderConfig, stacked: dict, carry, layer_fn):
     """Apply ``layer_fn(weights, carry, layer_index) -> carry`` over layers: one scanned
-    block, or an unrolled loop. State that every layer updates in place (the KV cache)
-    travels in the carry, so XLA updates its buffer rather than stacking a copy."""
+    block, or an unrolled loop (full-sequence forwards; the cached forward always unrolls)."""
     layer_fn = _remat(config, layer_fn)
     if config.scan_layers:
         layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
@@ -259,23 +280,27 @@ class Decoder(nnx.Module):
         valid = cache.valid.at[rows, slots].set(token_mask, mode="drop")
         mask = AttentionMask.cached(slots, valid)  # a key is seen iff valid and at or before the query's slot
         cos, sin = self._rope(positions)
+        stacked = self.layers.stacked()
+        x = self.embed_tokens(tokens)
+        new_k, new_v = [], []
+        # Unrolled, not scanned: each layer's cache is its own buffer, updated in place, and
+        # its weights are static slices of the stacked arrays, which XLA hoists out of a
+        # decode loop (a scan would copy every layer's weights out of the stack every step).
+        for layer in range(self.config.num_layers):
+            weights = jax.tree.map(lambda a, i=layer: a[i], stacked)
 
-        def layer_fn(weights, carry, layer):
-            x, k_cache, v_cache = carry
+            def write_kv(k, v, layer=layer):
+                k_all = cache.k[layer].at[rows, :, slots].set(k.astype(cache.k[layer].dtype), mode="drop")
+                v_all = cache.v[layer].at[rows, :, slots].set(v.astype(cache.v[layer].dtype), mode="drop")
+                k_all, v_all = constrain(k_all, KV_AXES), constrain(v_all, KV_AXES)
+                return k_all.astype(k.dtype), v_all.astype(v.dtype), (k_all, v_all)
 
-            def write_kv(k, v):
-                k_all = k_cache.at[layer, rows, slots].set(k.astype(k_cache.dtype), mode="drop")
-                v_all = v_cache.at[layer, rows, slots].set(v.astype(v_cache.dtype), mode="drop")
-                return k_all[layer].astype(k.dtype), v_all[layer].astype(v.dtype), (k_all, v_all)
-
-            x, (k_cache, v_cache) = _block(self.config, weights, x, cos, sin, mask, write_kv)
-            return x, constrain(k_cache, KV_AXES), constrain(v_cache, KV_AXES)
-
-        x, new_k, new_v = _run_layers(
-            self.config, self.layers.stacked(), (self.embed_tokens(tokens), cache.k, cache.v), layer_fn)
+            x, (k_layer, v_layer) = _block(self.config, weights, x, cos, sin, mask, write_kv, kv_heads_major=True)
+            new_k.append(k_layer)
+            new_v.append(v_layer)
         hidden = L.rms_norm(x, self.final_norm[...], self.config.rms_eps)
         last_real = jnp.max(jnp.where(token_mask, jnp.arange(length)[None, :] + 1, 0), axis=-1)
-        new_cache = KVCache(k=new_k, v=new_v, valid=valid, end=cache.end + last_real.astype(jnp.int32))
+        new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid, end=cache.end + last_real.astype(jnp.int32))
         if all_logits:
             return self.logits_from_hidden(hidden), new_cache
         last_hidden = jnp.take_along_axis(hidden, jnp.maximum(last_real - 1, 0)[:, None, None], axis=1)

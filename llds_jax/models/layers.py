@@ -13,12 +13,14 @@ import math
 import jax
 import jax.numpy as jnp
 
+from llds_jax.models.reductions import row_sum
 from llds_jax.parallel.rules import constrain
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    mean_square = row_sum(x32 * x32, keepdims=True) / x.shape[-1]  # batch-invariant rounding (reductions.py)
+    normed = x32 * jax.lax.rsqrt(mean_square + eps)
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 

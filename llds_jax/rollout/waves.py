@@ -14,7 +14,7 @@ cache never grows past ``cache_slot_limit(max_context)`` slots, and the last gro
 copies it, so ``cache_slots_at_peak`` slots are alive for a moment — plus the larger of
 the prefill workspace (activations of one layer and the fp32 attention scores of one key
 block for a chunk of ``prefill_chunk`` or ``max_prompt_tokens`` tokens) and the
-sampler's per-row vocabulary arrays. It is a closed-form first guess; ``train/plan.py``
+sampler's per-row vocabulary arrays. It is a closed-form first guess; ``plan/run.py``
 compiles the real programs and checks them against the device.
 
 Waves change nothing in the results (each row's randomness and cache layout are its

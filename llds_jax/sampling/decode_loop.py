@@ -115,10 +115,10 @@ def new_cache(config, batch: int, max_len: int) -> KVCache:
 def grow_cache(cache: KVCache, max_len: int) -> KVCache:
     """The same cache with ``max_len`` slots (new slots empty and invalid).
 
-    Why grow instead of allocating ``max_context`` slots up front: every decode step costs
-    time proportional to the cache's slot count (attention reads every slot, and the
-    cached forward rewrites the whole cache buffer per step), so a multi-turn session
-    keeps the cache one bucket above what its rows hold and pays one copy per growth.
+    Why grow instead of allocating ``max_context`` slots up front: memory. A decode step
+    reads only the key blocks below the furthest row (its time follows the live length),
+    but the buffer is allocated whole, so a session keeps the cache one bucket above
+    what its rows hold and pays one copy per growth.
     """
     extra = max_len - cache.max_len
     if extra < 0:
@@ -127,7 +127,8 @@ def grow_cache(cache: KVCache, max_len: int) -> KVCache:
     def pad(x, axis):
         return jnp.pad(x, [(0, extra) if i == axis else (0, 0) for i in range(x.ndim)])
 
-    return KVCache(k=pad(cache.k, 2), v=pad(cache.v, 2), valid=pad(cache.valid, 1), end=cache.end)
+    return KVCache(k=tuple(pad(k, 2) for k in cache.k), v=tuple(pad(v, 2) for v in cache.v),
+                   valid=pad(cache.valid, 1), end=cache.end)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))

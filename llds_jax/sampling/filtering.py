@@ -11,13 +11,17 @@ step is the most expensive thing here after the model itself.
 
 ``temperature <= 0`` means greedy. The log-prob returned for a token is under the
 distribution it was drawn from (temperature-scaled and filtered); for greedy it is the
-plain log-softmax of the logits, i.e. the model's own log-prob at temperature 1.
+plain log-softmax of the logits, i.e. the model's own log-prob at temperature 1. Its
+normaliser is summed so that a row's log-prob does not depend on the batch it was drawn
+in (``models.reductions``): a rollout in waves of any size gets the same numbers.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from llds_jax.models.reductions import log_softmax
 
 _NEG_INF = -jnp.inf
 
@@ -57,11 +61,11 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k, top_p
     def draw(logits):
         filtered = filter_logits(logits, temperature, top_k, top_p)
         tokens = jax.random.categorical(key, filtered, axis=-1)
-        return tokens, jax.nn.log_softmax(filtered, axis=-1)
+        return tokens, log_softmax(filtered)
 
     def argmax(logits):
         logits = logits.astype(jnp.float32)
-        return jnp.argmax(logits, axis=-1), jax.nn.log_softmax(logits, axis=-1)
+        return jnp.argmax(logits, axis=-1), log_softmax(logits)
 
     tokens, logprobs = jax.lax.cond(greedy, argmax, draw, logits)
     tokens = tokens.astype(jnp.int32)

@@ -31,11 +31,14 @@ fed), so a caller may run its rows in waves of any size:
 * layout: every row's tokens sit from slot 0 on (prompts right-padded, also when they
   are prefilled in chunks of ``prefill_chunk`` tokens), and the cache has at least
   :data:`MIN_CACHE_SLOTS` slots — the cached attention reads keys in blocks of
-  ``DEFAULT_BLOCK`` and takes the whole cache as one block when it is smaller, so a
+  ``CACHED_BLOCK`` and takes the whole cache as one block when it is smaller, so a
   smaller cache would sum a row's attention over a length that depends on the longest
-  row beside it (measured: logits differ by ~1e-7 between a 256- and a 512-slot cache);
-* batch width: XLA:CPU's per-row results do not depend on it (asserted by the rollout's
-  wave test), and each wave uses one batch width, padded with inert rows.
+  row beside it (measured with 512-slot blocks: logits differ by ~1e-7 between a 256- and a
+  512-slot cache);
+* batch width: per-row results do not depend on it — matrix products are row-invariant
+  on XLA:CPU and the row reductions (RMSNorm, softmax sums, the sampler's log-softmax)
+  use ``models.reductions.row_sum``, whose rounding ignores the row count (asserted by
+  the rollout's wave test); each wave uses one batch width, padded with inert rows.
 """
 
 from __future__ import annotations
@@ -50,18 +53,17 @@ import numpy as np
 from flax import nnx
 
 from llds_jax.models import KVCache
-from llds_jax.models.attention import DEFAULT_BLOCK
+from llds_jax.models.attention import CACHED_BLOCK
 from llds_jax.sampling import decode_loop
 from llds_jax.sampling.generate import MIN_LENGTH_BUCKET, bucket
 
 # The smallest cache a session allocates: one attention key block (see the module docstring).
-MIN_CACHE_SLOTS = DEFAULT_BLOCK
-# An append is padded to at least this many batch x token positions. XLA:CPU switches
-# kernels for row-wise reductions and small matmuls with the number of rows (measured with
-# the tiny models: RMSNorm's mean differs in the last bit between 32 and 64 rows, and
-# between 2,048 and 4,096), so a 2-row wave appending 16 tokens would round differently
-# from a 16-row one. Keeping every call at 64..2,048 positions (this floor, plus
-# ``prefill_chunk`` x rows per wave at the top) keeps rows bit-identical across wave sizes.
+MIN_CACHE_SLOTS = CACHED_BLOCK
+# An append is padded to at least this many batch x token positions. The row reductions
+# are batch-invariant (``models.reductions``), but XLA:CPU still switches matmul kernels
+# for very small row counts (measured: without this floor a 2-row wave rounded 5 of its
+# sampler log-probs 1 ulp away from the all-rows run). Keeping every call at 64 positions
+# or more keeps rows bit-identical across wave sizes (the rollout's wave test).
 MIN_EXTEND_TOKENS = 64
 NO_TRAJECTORY = np.uint32(2**32 - 1)  # the id of a padding row's key (its draws are discarded)
 

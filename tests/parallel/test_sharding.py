@@ -161,7 +161,8 @@ def test_cache_shardings_match_what_init_cache_produces_under_the_mesh():
     expected = cache_shardings(cfg, batch=4, max_len=16, mesh=mesh)
     with jax.set_mesh(mesh):
         cache = jax.jit(lambda: init_cache(cfg, 4, 16))()
-    assert expected.k.spec == P(None, "data", None, "tensor", None)
-    for name in ("k", "v", "valid"):
-        got, want = getattr(cache, name).sharding, getattr(expected, name)
-        assert got.is_equivalent_to(want, getattr(cache, name).ndim), f"{name}: {got} vs {want}"
+    assert len(expected.k) == cfg.num_layers and expected.k[0].spec == P("data", "tensor", None, None)
+    for name in ("k", "v"):
+        for layer, (array, want) in enumerate(zip(getattr(cache, name), getattr(expected, name), strict=True)):
+            assert array.sharding.is_equivalent_to(want, array.ndim), f"{name}[{layer}]: {array.sharding} vs {want}"
+    assert cache.valid.sharding.is_equivalent_to(expected.valid, 2), f"valid: {cache.valid.sharding} vs {expected.valid}"

@@ -100,10 +100,7 @@ def test_the_fixture_exercises_searches_answers_invalid_actions_and_different_ca
     assert pairs.max() > 512 and pairs.min() + 16 < 512, batch.lengths
 
 
-@pytest.mark.parametrize("waves", [4, pytest.param(2, marks=pytest.mark.xfail(strict=True, reason=(
-    "open: with 2-row waves, 2 sampler log-probs of row 1 (cols 452-453) differ from all-rows by 1 ulp "
-    "(tokens, masks, answers and counts are identical); the XLA:CPU kernel that rounds differently at "
-    "2 rows is not yet found (RMSNorm/matmul size classes are handled by MIN_EXTEND_TOKENS)")))])
+@pytest.mark.parametrize("waves", [4, 2])
 def test_trajectories_are_identical_whatever_the_wave_size(rollouts, waves):
     diff = differences(rollouts[0], rollouts[waves])
     assert not diff, f"waves of {waves} vs all rows at once:\n" + "\n".join(diff)

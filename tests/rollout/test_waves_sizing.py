@@ -51,8 +51,9 @@ def test_an_explicit_row_count_wins_and_an_impossible_budget_names_the_fields():
 
 
 def test_cache_limit_is_one_key_block_at_least_and_the_context_rounded_up():
-    assert cache_slot_limit(300) == 512 and cache_slot_limit(3000) == 3008 and cache_slot_limit(4096) == 4096
-    assert cache_slots_at_peak(4096) == 6144 and cache_slots_at_peak(512) == 512
+    assert cache_slot_limit(50) == 128 and cache_slot_limit(300) == 304 and cache_slot_limit(3000) == 3008
+    assert cache_slot_limit(4096) == 4096
+    assert cache_slots_at_peak(4096) == 6144 and cache_slots_at_peak(512) == 768 and cache_slots_at_peak(128) == 128
 
 
 def test_wave_plan_pads_the_last_wave_to_the_wave_width():

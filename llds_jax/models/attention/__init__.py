@@ -24,25 +24,19 @@ import functools
 
 import jax
 
-from llds_jax.models.attention.blockwise import DEFAULT_BLOCK, blockwise_attention
+from llds_jax.models.attention.blockwise import CACHED_BLOCK, DEFAULT_BLOCK, blockwise_attention
 from llds_jax.models.attention.cudnn import cudnn_attention, cudnn_available
 from llds_jax.models.attention.mask import AttentionMask
 from llds_jax.models.attention.naive import MASKED_SCORE, naive_attention
 from llds_jax.models.attention.splash import splash_attention
 from llds_jax.models.config import ATTENTION_BACKENDS, ConfigError
+from llds_jax.models.reductions import target_platform
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
-__all__ = ["ATTENTION_BACKENDS", "DEFAULT_BLOCK", "MASKED_SCORE", "AttentionMask", "attend",
+__all__ = ["ATTENTION_BACKENDS", "CACHED_BLOCK", "DEFAULT_BLOCK", "MASKED_SCORE", "AttentionMask", "attend",
            "blockwise_attention", "cudnn_attention", "naive_attention", "resolve_backend",
            "splash_attention", "target_platform"]
-
-
-def target_platform() -> str:
-    """The platform being compiled for: the ambient mesh's devices, else JAX's default backend."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-    return device.platform if device is not None else jax.default_backend()
 
 
 @functools.cache
@@ -65,14 +59,17 @@ def resolve_backend(requested: str, platform: str) -> str:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, backend: str,
-           block_size: int = DEFAULT_BLOCK) -> jax.Array:
-    """Grouped-query attention with a resolved ``backend``: q [B, T, H, Dh], k, v [B, S, KVH, Dh]."""
+           block_size: int = DEFAULT_BLOCK, *, kv_heads_major: bool = False) -> jax.Array:
+    """Grouped-query attention with a resolved ``backend``: q [B, T, H, Dh], k, v [B, S, KVH, Dh]
+    (``kv_heads_major``: [B, KVH, S, Dh], a KV cache's layout, which the blockwise kernel reads as is)."""
+    if backend not in ("xla_blockwise", "splash", "cudnn", "naive"):
+        raise ValueError(f"attend: backend={backend!r} is not resolved (see resolve_backend)")
+    if backend == "xla_blockwise" or (not mask.self_attention and backend != "naive"):
+        return blockwise_attention(q, k, v, mask, block_size, kv_heads_major=kv_heads_major)
+    if kv_heads_major:
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     if backend == "naive":
         return naive_attention(q, k, v, mask)
-    if backend == "splash" and mask.self_attention:
+    if backend == "splash":
         return splash_attention(q, k, v, mask, block_size)
-    if backend == "cudnn" and mask.self_attention:
-        return cudnn_attention(q, k, v, mask, block_size)
-    if backend not in ("xla_blockwise", "splash", "cudnn"):
-        raise ValueError(f"attend: backend={backend!r} is not resolved (see resolve_backend)")
-    return blockwise_attention(q, k, v, mask, block_size)
+    return cudnn_attention(q, k, v, mask, block_size)

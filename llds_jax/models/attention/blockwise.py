@@ -12,6 +12,12 @@ so one-token decode over a large cache reads the blocks rows have reached, not t
 whole cache. When S is not a multiple of the block the last block is shifted back to
 end at S (no padded copy of the cache) and its already-covered keys are masked out.
 
+Layout: the loop works heads-major — q as [B, KVH, G, T, Dh], keys and values as
+[B, KVH, S, Dh] — because that is the layout a batched dot wants (batch dims leading,
+the contracted and the kept axes contiguous). A KV cache is stored heads-major
+(``kv_heads_major=True``), so a key block is one strided read of the live slots and
+no step transposes the cache; a full-sequence forward transposes its k and v once.
+
 Numerics: scores fp32 (``s / sqrt(Dh)`` as in the oracle), masked scores the oracle's
 finite MASKED_SCORE, so a query with at least one visible key matches the oracle to
 fp32 rounding. A query with no visible key (a left pad in a full-sequence forward) gets
@@ -29,40 +35,51 @@ import jax.numpy as jnp
 
 from llds_jax.models.attention.mask import AttentionMask
 from llds_jax.models.attention.naive import MASKED_SCORE
+from llds_jax.models.reductions import row_sum
 from llds_jax.parallel.rules import constrain
 
 DEFAULT_BLOCK = 512
+# The key block of a cached forward (prefill into a cache, decode, appends). Smaller than
+# DEFAULT_BLOCK because a one-token decode step reads every slot of the blocks below the
+# furthest row: its cost follows the live length in steps of this many slots.
+CACHED_BLOCK = 128
 _STAT_AXES = ("batch", "act_kv_heads", None, "seq")  # m, l, lse: [B, KVH, G, T]
+_KV_AXES = ("batch", "act_kv_heads", None, None)  # keys / values heads-major: [B, KVH, S, Dh]
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
-                        block_size: int = DEFAULT_BLOCK) -> jax.Array:
-    """Same contract as ``naive_attention``: q [B, T, H, Dh]; k, v [B, S, KVH, Dh] → [B, T, H, Dh]."""
+                        block_size: int = DEFAULT_BLOCK, *, kv_heads_major: bool = False) -> jax.Array:
+    """Same contract as ``naive_attention``: q [B, T, H, Dh]; k, v [B, S, KVH, Dh] → [B, T, H, Dh].
+
+    ``kv_heads_major``: k and v come as [B, KVH, S, Dh] (a KV cache's layout).
+    """
     if block_size < 1:
         raise ValueError(f"block_size={block_size}: must be a positive number of keys")
     batch, length, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    grouped = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
-    block = min(block_size, k.shape[1])
-    out = _flash(grouped, k, v, mask.query_index, mask.key_valid, block)
-    return out.reshape(batch, length, heads, head_dim)
+    if not kv_heads_major:
+        k, v = (constrain(x.transpose(0, 2, 1, 3), _KV_AXES) for x in (k, v))
+    kv_heads, slots = k.shape[1], k.shape[2]
+    grouped = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim).transpose(0, 2, 3, 1, 4)
+    block = min(block_size, slots)
+    out = _flash(grouped, k, v, mask.query_index, mask.key_valid, block)  # [B, KVH, G, T, Dh]
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)
 
 
 def _key_block(i, block: int, k, v, key_valid):
     """Block i of the keys; the last one is shifted back to end at S, and keys an
     earlier block already covered are flagged invalid so none is counted twice."""
-    slots = k.shape[1]
+    slots = k.shape[2]
     start = jnp.minimum(i * block, slots - block)
     ids = start + jnp.arange(block, dtype=jnp.int32)
-    k_blk = jax.lax.dynamic_slice_in_dim(k, start, block, axis=1)
-    v_blk = jax.lax.dynamic_slice_in_dim(v, start, block, axis=1)
+    k_blk = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2)
+    v_blk = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2)
     valid = jax.lax.dynamic_slice_in_dim(key_valid, start, block, axis=1) & (ids >= i * block)[None, :]
     return start, ids, k_blk, v_blk, valid
 
 
 def _masked_scores(grouped, k_blk, ids, valid, query_index):
     """fp32 scores [B, KVH, G, T, block] with invisible keys at MASKED_SCORE."""
-    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k_blk, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bkgtd,bksd->bkgts", grouped, k_blk, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(grouped.shape[-1])
     visible = valid[:, None, :] & (ids[None, None, :] <= query_index[:, :, None])  # [B, T, block]
     return jnp.where(visible[:, None, None], scores, MASKED_SCORE)
@@ -74,7 +91,7 @@ def _num_blocks(query_index, slots: int, block: int):
 
 
 def _forward(grouped, k, v, query_index, key_valid, block: int):
-    batch, length, kv_heads, groups, head_dim = grouped.shape
+    batch, kv_heads, groups, length, head_dim = grouped.shape
     stat_shape = (batch, kv_heads, groups, length)
     m = constrain(jnp.full(stat_shape, -jnp.inf, jnp.float32), _STAT_AXES)
     total = constrain(jnp.zeros(stat_shape, jnp.float32), _STAT_AXES)
@@ -87,13 +104,12 @@ def _forward(grouped, k, v, query_index, key_valid, block: int):
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         probs = jnp.exp(scores - m_new[..., None])
         rescale = jnp.exp(m - m_new)
-        total = rescale * total + jnp.sum(probs, axis=-1)
-        update = jnp.einsum("bkgts,bskd->bkgtd", probs.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
+        total = rescale * total + row_sum(probs)
+        update = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
         return m_new, total, rescale[..., None] * acc + update
 
-    m, total, acc = jax.lax.fori_loop(0, _num_blocks(query_index, k.shape[1], block), step, (m, total, acc))
-    out = (acc / total[..., None]).transpose(0, 3, 1, 2, 4).astype(grouped.dtype)  # [B, T, KVH, G, Dh]
-    return out, m + jnp.log(total)
+    m, total, acc = jax.lax.fori_loop(0, _num_blocks(query_index, k.shape[2], block), step, (m, total, acc))
+    return (acc / total[..., None]).astype(grouped.dtype), m + jnp.log(total)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -109,8 +125,7 @@ def _flash_fwd(grouped, k, v, query_index, key_valid, block: int):
 def _flash_bwd(block: int, residuals, d_out):
     grouped, k, v, query_index, key_valid, out, lse = residuals
     scale = 1.0 / math.sqrt(grouped.shape[-1])
-    d_out = d_out.transpose(0, 2, 3, 1, 4)  # [B, KVH, G, T, Dh]
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.transpose(0, 2, 3, 1, 4).astype(jnp.float32), axis=-1)
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, KVH, G, T]
     d_q = jnp.zeros(grouped.shape, jnp.float32)
     d_k = jnp.zeros(k.shape, jnp.float32)
     d_v = jnp.zeros(v.shape, jnp.float32)
@@ -119,19 +134,19 @@ def _flash_bwd(block: int, residuals, d_out):
         d_q, d_k, d_v = carry
         start, ids, k_blk, v_blk, valid = _key_block(i, block, k, v, key_valid)
         probs = jnp.exp(_masked_scores(grouped, k_blk, ids, valid, query_index) - lse[..., None])
-        d_v_blk = jnp.einsum("bkgts,bkgtd->bskd", probs.astype(d_out.dtype), d_out,
+        d_v_blk = jnp.einsum("bkgts,bkgtd->bksd", probs.astype(d_out.dtype), d_out,
                              preferred_element_type=jnp.float32)
-        d_probs = jnp.einsum("bkgtd,bskd->bkgts", d_out, v_blk, preferred_element_type=jnp.float32)
+        d_probs = jnp.einsum("bkgtd,bksd->bkgts", d_out, v_blk, preferred_element_type=jnp.float32)
         d_scores = (probs * (d_probs - delta[..., None]) * scale).astype(grouped.dtype)
-        d_q = d_q + jnp.einsum("bkgts,bskd->btkgd", d_scores, k_blk, preferred_element_type=jnp.float32)
-        d_k_blk = jnp.einsum("bkgts,btkgd->bskd", d_scores, grouped, preferred_element_type=jnp.float32)
+        d_q = d_q + jnp.einsum("bkgts,bksd->bkgtd", d_scores, k_blk, preferred_element_type=jnp.float32)
+        d_k_blk = jnp.einsum("bkgts,bkgtd->bksd", d_scores, grouped, preferred_element_type=jnp.float32)
         d_k = jax.lax.dynamic_update_slice_in_dim(
-            d_k, jax.lax.dynamic_slice_in_dim(d_k, start, block, axis=1) + d_k_blk, start, axis=1)
+            d_k, jax.lax.dynamic_slice_in_dim(d_k, start, block, axis=2) + d_k_blk, start, axis=2)
         d_v = jax.lax.dynamic_update_slice_in_dim(
-            d_v, jax.lax.dynamic_slice_in_dim(d_v, start, block, axis=1) + d_v_blk, start, axis=1)
+            d_v, jax.lax.dynamic_slice_in_dim(d_v, start, block, axis=2) + d_v_blk, start, axis=2)
         return d_q, d_k, d_v
 
-    d_q, d_k, d_v = jax.lax.fori_loop(0, _num_blocks(query_index, k.shape[1], block), step, (d_q, d_k, d_v))
+    d_q, d_k, d_v = jax.lax.fori_loop(0, _num_blocks(query_index, k.shape[2], block), step, (d_q, d_k, d_v))
     return d_q.astype(grouped.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, None
 
 
