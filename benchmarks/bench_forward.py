@@ -2,8 +2,10 @@
 
 Both run on this CPU in the same process, on identical weights (ours are written with
 ``save_pretrained`` and loaded by transformers), same batch, same dtype (fp32). torch is
-timed at each ``--torch-threads`` count and its best is reported (its OpenMP pool
-degrades badly on an oversubscribed machine). The log-prob row is what training needs:
+timed at each ``--torch-threads`` count (one side each); every side runs in alternation
+(A, B, C, A, B, C per repeat) and the ratio against the fastest torch side is reported too.
+Refuses to run on a loaded machine unless ``--allow-noisy`` (benchmarks/_harness.py);
+``--json`` prints one JSON object. The log-prob row is what training needs:
 per-token log π of the given ids plus entropy; ours via ``hidden_states`` + chunked
 ``token_logprobs``, torch via full logits + ``log_softmax`` (transformers' usual path). The decode row prefills half the length and
 decodes 32 tokens one at a time (ours: ``forward_cached`` + ``KVCache``; torch:
@@ -18,12 +20,12 @@ import argparse
 import os
 import tempfile
 
+import _harness  # benchmarks/ is on sys.path when run as a script
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
-from _timing import median_seconds  # benchmarks/ is on sys.path when run as a script
 from flax import nnx
 
 from llds_jax.models import from_pretrained, init_cache, save_pretrained
@@ -59,13 +61,16 @@ def _torch_fns(model, ids, mask):
     return forward, logprobs
 
 
-def _time_with_threads(fn, repeats: int, threads: int) -> float:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return median_seconds(fn, repeats)
-    finally:
-        torch.set_num_threads(previous)
+def _with_threads(fn, threads: int):
+    """``fn`` run with torch's intra-op pool at ``threads`` (restored afterwards)."""
+    def run():
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(previous)
+    return run
 
 
 def _decode_fns(model, torch_model, batch: int, prompt: int, steps: int):
@@ -94,27 +99,24 @@ def _decode_fns(model, torch_model, batch: int, prompt: int, steps: int):
     return ours, theirs
 
 
-def bench(name: str, model, batch: int, length: int, repeats: int, torch_threads: list[int],
-          decode_steps: int = 32) -> list[tuple]:
+def bench(session, name: str, model, batch: int, length: int, repeats: int, torch_threads: list[int],
+          decode_steps: int = 32) -> None:
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.config.vocab_size, (batch, length)).astype(np.int32)
     mask = np.ones((batch, length), np.int32)
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)
         torch_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-    rows = []
     cases = list(zip(("forward", "log-probs+entropy"), _ours_fns(model, ids, mask), _torch_fns(torch_model, ids, mask)))
     cases.append((f"prefill {length // 2} + {decode_steps} decode", *_decode_fns(model, torch_model, batch,
                                                                                  length // 2, decode_steps)))
     for what, ours_fn, torch_fn in cases:
-        t_ours = median_seconds(ours_fn, repeats)
-        # torch's OpenMP pool degrades badly on an oversubscribed box: report its best thread count
-        t_torch, threads = min((_time_with_threads(torch_fn, repeats, n), n) for n in torch_threads)
+        session.log(f"{name} {what} ...")
+        sides = {_harness.OURS: ours_fn}
+        sides.update({f"torch_{n}_threads": _with_threads(torch_fn, n) for n in torch_threads})
+        times = _harness.alternate(sides, repeats)
         per_row = length // 2 + decode_steps if what.startswith("prefill") else length
-        tokens = batch * per_row
-        rows.append((name, what, f"{batch}x{per_row}", tokens / t_ours, tokens / t_torch, threads,
-                     t_torch / t_ours))
-    return rows
+        session.add_case(f"{name} {what}, {batch}x{per_row}", times, tokens=batch * per_row)
 
 
 def main():
@@ -125,9 +127,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--torch-threads", default=f"1,{os.cpu_count()}",
                         help="torch thread counts to try; the fastest is reported")
+    parser.add_argument("--decode-steps", type=int, default=32)
+    _harness.add_arguments(parser)
     args = parser.parse_args()
+    session = _harness.start("bench_forward", args)
     torch_threads = sorted({int(n) for n in args.torch_threads.split(",")})
-    rows = []
     for name in args.models.split(","):
         if name == "tiny":
             model = tiny_model("qwen2", vocab_size=2048, hidden_size=256, num_layers=4, intermediate_size=1024,
@@ -136,15 +140,9 @@ def main():
             model = from_pretrained(smollm2_gguf_path())
         else:
             raise SystemExit(f"--models: unknown model {name!r} (tiny, smollm2)")
-        rows += bench(name, model, args.batch, args.length, args.repeats, torch_threads)
-    print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
-          f"jax {jax.__version__} ({jax.devices()[0].platform}, {len(jax.devices())} device(s)); "
-          f"torch {torch.__version__} (best of {torch_threads} threads); fp32 both; median of {args.repeats}")
-    header = ("model", "measure", "batch", "llds_jax tok/s", "torch tok/s", "torch threads", "speed-up")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for name, what, shape, ours, theirs, threads, ratio in rows:
-        print(f"| {name} | {what} | {shape} | {ours:,.0f} | {theirs:,.0f} | {threads} | {ratio:.2f}x |")
+        bench(session, name, model, args.batch, args.length, args.repeats, torch_threads, args.decode_steps)
+    session.settings.update(jax_platform=jax.devices()[0].platform, jax_devices=len(jax.devices()), dtype="float32")
+    session.finish()
 
 
 if __name__ == "__main__":

@@ -16,19 +16,22 @@ Reports, in one run on one machine:
 * encoder passages/s, JAX vs PyTorch, both fp32, wall and CPU time (the CPU figure is the
   one to trust on a shared machine);
 * bytes per passage of each index on disk, projected to 21M wiki-18 passages at 768-d (E5-base).
+
+Refuses to run on a loaded machine unless ``--allow-noisy`` (benchmarks/_harness.py); the
+encoder sides alternate batch by batch. ``--json`` prints one JSON object (the harness record,
+these results under ``results``); otherwise the encoder table, then the results as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import _harness  # benchmarks/ is on sys.path when run as a script
 import numpy as np
 
 from llds_jax.retrieval import BM25Retriever, Corpus, DenseRetriever
@@ -123,13 +126,18 @@ class TorchSearchR1Retriever:
         return [[Hit(*self.corpus.row(int(r)), score=float(s)) for r, s in zip(rr, ss)] for rr, ss in zip(rows, scores)]
 
 
-def encoder_throughput(encode, passages: list[str], batch: int) -> dict:
-    encode(passages[:batch])  # compile / warm up
-    wall, cpu = time.perf_counter(), time.process_time()
+def encoder_times(encoders: dict, passages: list[str], batch: int) -> dict[str, _harness.SideTimes]:
+    """Wall and CPU seconds of encoding all ``passages``, the encoders alternating batch by batch."""
+    for encode in encoders.values():
+        encode(passages[:batch])  # compile / warm up
+    times = {name: _harness.SideTimes([0.0], [0.0]) for name in encoders}
     for i in range(0, len(passages), batch):
-        encode(passages[i : i + batch])
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    return {"passages_per_s": len(passages) / wall, "passages_per_cpu_s": len(passages) / cpu}
+        for name, encode in encoders.items():
+            wall, cpu = time.perf_counter(), _harness.cpu_seconds()
+            encode(passages[i : i + batch])
+            times[name].cpu_s[0] += _harness.cpu_seconds() - cpu
+            times[name].wall_s[0] += time.perf_counter() - wall
+    return times
 
 
 def first_rows_cut(corpus_path: Path, index_dir: Path, rows: int, shard_size: int, work_dir: Path) -> tuple[Path, Path]:
@@ -213,13 +221,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
     parser.add_argument("--max_rows", type=int, default=0,
                         help="use only the first N rows (a multiple of 1024) of corpus and embeddings")
+    _harness.add_arguments(parser)
     args = parser.parse_args(argv)
+    session = _harness.start("bench_retrieval", args)
+    session.settings = {k: str(v) if isinstance(v, Path) else v for k, v in session.settings.items()}
     if args.max_rows:
         args.corpus, args.index_dir = first_rows_cut(args.corpus, args.index_dir, args.max_rows, 1024,
                                                      args.index_dir.parent / "cuts")
 
-    report: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": {
-        "cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_at_start": os.getloadavg()}}
+    report: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv])}
     corpus = Corpus(args.corpus)
     questions = answerable_questions(corpus, args.questions, args.num_questions)
     report["corpus"] = {"path": str(args.corpus), "rows": len(corpus)}
@@ -252,20 +262,22 @@ def main(argv=None) -> dict:
 
     if dense_factories:
         passages = list(corpus.iter_contents(0, args.encoder_passages))
-        report["encoder"] = {
-            "jax_fp32": encoder_throughput(embedder.encode_passages, passages, 64),
-            "torch_fp32": encoder_throughput(retrievers["searchr1_torch_Flat"].encode, passages, 64),
-        }
+        times = encoder_times({_harness.OURS: embedder.encode_passages,
+                               "torch": retrievers["searchr1_torch_Flat"].encode}, passages, 64)
+        session.add_case(f"MiniLM encoder fp32, {len(passages)} passages in batches of 64", times,
+                         tokens=len(passages), unit="passages")
 
     memory = {"corpus_offsets": 8.0, "bm25": directory_bytes(bm25_dir) / len(corpus)}
     for factory in dense_factories:
         memory[factory] = faiss_file(args.index_dir, factory).stat().st_size / len(corpus)
     report["bytes_per_passage"] = memory
-    report["machine"]["load_avg_at_end"] = os.getloadavg()
-    print(json.dumps(report, indent=2))
+    session.results = report
+    record = session.finish()
+    if not args.json:
+        print(json.dumps(report, indent=2))
     if args.out:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-    return report
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+    return record
 
 
 if __name__ == "__main__":

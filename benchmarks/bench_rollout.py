@@ -17,17 +17,20 @@ Three measurements, one process:
 
     .venv/bin/python benchmarks/bench_rollout.py --questions 8 --n-samples 4 --max-turns 3 \
         --max-action-tokens 64
+
+Every measurement records wall and CPU seconds; append and re-prefill alternate per repeat.
+Refuses to run on a loaded machine unless ``--allow-noisy`` (benchmarks/_harness.py);
+``--json`` prints one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import time
 from pathlib import Path
 
+import _harness  # benchmarks/ is on sys.path when run as a script
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,40 +53,50 @@ def load_questions(path: Path, count: int) -> list[str]:
     return [row["question"] for row in rows]
 
 
-def shares(timings: dict[str, float]) -> str:
+def shares(timings: dict[str, float]) -> dict[str, float]:
+    """Share of the rollout's wall time per phase (from ``RolloutBatch.timings``)."""
     total = timings["total_s"]
-    parts = [f"{k.removesuffix('_s')} {100 * v / total:.0f}%" for k, v in timings.items() if k != "total_s"]
-    return ", ".join(parts)
+    return {k.removesuffix("_s"): v / total for k, v in timings.items() if k != "total_s"}
 
 
-def rollout_with_model(model, tokenizer, questions, retriever, cfg):
-    run_rollouts(model, tokenizer, questions, retriever, cfg, key=jax.random.key(0))  # compile
-    start = time.perf_counter()
-    batch = run_rollouts(model, tokenizer, questions, retriever, cfg, key=jax.random.key(1))
-    wall = time.perf_counter() - start
-    print(f"[model] {batch.size} trajectories in {wall:.2f} s = {batch.size / wall:.2f} traj/s; "
-          f"{shares(batch.timings)}")
+def rollout_with_model(session, model, tokenizer, questions, retriever, cfg, repeats: int):
+    last = {}
+
+    def run():
+        last["batch"] = run_rollouts(model, tokenizer, questions, retriever, cfg, key=jax.random.key(1))
+
+    times = _harness.alternate({_harness.OURS: run}, repeats)  # warm-up call compiles
+    batch = last["batch"]
     stats = batch.stats()
-    print(f"        turns {stats['rollout/turns']:.2f}, searches {stats['rollout/searches']:.2f}, "
-          f"action tokens {stats['rollout/action_tokens']:.0f}, response tokens {stats['rollout/response_tokens']:.0f}, "
-          f"decoded {int(batch.action_mask.sum())} tokens = {batch.action_mask.sum() / batch.timings['decode_s']:.0f} "
-          f"tok/s in decode")
+    session.add_case("rollout, SmolLM2-135M + BM25", times, tokens=batch.size, unit="trajectories",
+                     phase_shares=shares(batch.timings), turns=stats["rollout/turns"],
+                     searches=stats["rollout/searches"], action_tokens=stats["rollout/action_tokens"],
+                     decoded_tokens=int(batch.action_mask.sum()),
+                     decode_tokens_per_s=float(batch.action_mask.sum() / batch.timings["decode_s"]))
 
 
-def rollout_scripted_search(tokenizer, questions, retriever, cfg):
+def rollout_scripted_search(session, tokenizer, questions, retriever, cfg, repeats: int):
     n = len(questions) * cfg.n_samples
     turns = [tokenizer.encode(f"<search> {q} </search>", add_special_tokens=False) for q in questions]
     streams = [[turns[row // cfg.n_samples]] * (cfg.max_turns + 1) for row in range(n)]
-    policy = ScriptedPolicy(streams, action_stop_table(vocab_bytes(tokenizer)))
-    start = time.perf_counter()
-    batch = run_rollouts(policy, tokenizer, questions, retriever, cfg)
-    wall = time.perf_counter() - start
-    print(f"[all-search, no model] {batch.size} trajectories, {int(batch.searches.sum())} searches in "
-          f"{cfg.max_turns} batched calls: {wall:.2f} s; {shares(batch.timings)}")
+    last = {}
+
+    def run():
+        policy = ScriptedPolicy(streams, action_stop_table(vocab_bytes(tokenizer)))
+        last["batch"] = run_rollouts(policy, tokenizer, questions, retriever, cfg)
+
+    times = _harness.alternate({"scripted_policy": run}, repeats, warmup=False)
+    batch = last["batch"]
+    session.add_case(f"all-search rollout, no model ({cfg.max_turns} batched retrieval calls)", times,
+                     tokens=batch.size, unit="trajectories", searches=int(batch.searches.sum()),
+                     phase_shares=shares(batch.timings))
 
 
-def append_and_reprefill_seconds(graphdef, params, batch: int, history: int, chunk: int, repeats: int):
-    """Median seconds to (a) append ``chunk`` tokens to a cache holding ``history``, (b) prefill both afresh."""
+def append_and_reprefill_times(graphdef, params, batch: int, history: int, chunk: int, repeats: int):
+    """Seconds to (a) append ``chunk`` tokens to a cache holding ``history``, (b) prefill both afresh.
+
+    Alternating per repeat; the live cache (a) appends to is built untimed before each call.
+    """
     config = nnx.merge(graphdef, params).config
     rng = np.random.default_rng(history)
     cache_len = bucket(history + chunk, 16)
@@ -101,25 +114,26 @@ def append_and_reprefill_seconds(graphdef, params, batch: int, history: int, chu
 
     append(prefill(hist_ids)[1])  # compile both shapes
     prefill(full_ids)
-    t_append, t_full = [], []
-    for _ in range(repeats):
-        live = prefill(hist_ids)[1]
-        start = time.perf_counter()
-        append(live)
-        t_append.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        prefill(full_ids)
-        t_full.append(time.perf_counter() - start)
-    return statistics.median(t_append), statistics.median(t_full)
+    times = {"append": _harness.SideTimes(), "re-prefill": _harness.SideTimes()}
+    for side in _harness.alternation_order(list(times), repeats):
+        live = prefill(hist_ids)[1] if side == "append" else None
+        wall, cpu = time.perf_counter(), _harness.cpu_seconds()
+        if side == "append":
+            append(live)
+        else:
+            prefill(full_ids)
+        times[side].cpu_s.append(_harness.cpu_seconds() - cpu)
+        times[side].wall_s.append(time.perf_counter() - wall)
+    return times
 
 
-def continuation_vs_reprefill(model, batch: int, chunk: int, histories: list[int], repeats: int):
+def continuation_vs_reprefill(session, model, batch: int, chunk: int, histories: list[int], repeats: int):
     graphdef, params = nnx.split(model)
-    print(f"[append vs re-prefill] batch {batch}, feedback chunk {chunk} tokens, median of {repeats}")
     for history in histories:
-        a, f = append_and_reprefill_seconds(graphdef, params, batch, history, chunk, repeats)
-        print(f"        history {history:5d}: append {1000 * a:8.1f} ms, re-prefill {1000 * f:8.1f} ms "
-              f"({f / a:.1f}x)")
+        session.log(f"append vs re-prefill, history {history} ...")
+        times = append_and_reprefill_times(graphdef, params, batch, history, chunk, repeats)
+        session.add_case(f"append {chunk} tokens to a {history}-token cache vs re-prefill, batch {batch}", times,
+                         reprefill_over_append=times["re-prefill"].median_s / times["append"].median_s)
 
 
 def main():
@@ -134,13 +148,15 @@ def main():
     parser.add_argument("--histories", default="256,512,1024")
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rollout-repeats", type=int, default=1, help="timed rollouts (after one warm-up)")
+    _harness.add_arguments(parser)
     args = parser.parse_args()
-    print(f"jax {jax.__version__} ({jax.default_backend()}), cpus={os.cpu_count()}, "
-          f"load avg {os.getloadavg()[0]:.1f}")
+    session = _harness.start("bench_rollout", args)
 
     start = time.perf_counter()
     retriever = BM25Retriever.build(Corpus(args.corpus))
-    print(f"BM25 over {len(retriever.corpus)} passages built in {time.perf_counter() - start:.1f} s")
+    session.settings["bm25_build_s"] = time.perf_counter() - start
+    session.settings["passages"] = len(retriever.corpus)
     gguf = smollm2_gguf_path()
     tokenizer = load_gguf_tokenizer(gguf)
     model = from_pretrained(gguf)
@@ -148,12 +164,13 @@ def main():
     cfg = default_config()
     cfg.update(dict(n_samples=args.n_samples, max_turns=args.max_turns, max_action_tokens=args.max_action_tokens,
                     max_context=args.max_context))
-    print(f"{len(questions)} questions x {cfg.n_samples} samples, max_turns {cfg.max_turns} (+ final turn), "
-          f"≤ {cfg.max_action_tokens} tokens/action, T={cfg.temperature}, top-p {cfg.top_p}")
-    rollout_with_model(model, tokenizer, questions, retriever, cfg)
-    rollout_scripted_search(tokenizer, questions, retriever, cfg)
-    continuation_vs_reprefill(model, batch=len(questions) * cfg.n_samples, chunk=args.chunk,
+    session.settings.update(temperature=cfg.temperature, top_p=cfg.top_p)
+    session.log(f"{len(questions)} questions x {cfg.n_samples} samples, max_turns {cfg.max_turns} (+ final turn) ...")
+    rollout_with_model(session, model, tokenizer, questions, retriever, cfg, args.rollout_repeats)
+    rollout_scripted_search(session, tokenizer, questions, retriever, cfg, args.rollout_repeats)
+    continuation_vs_reprefill(session, model, batch=len(questions) * cfg.n_samples, chunk=args.chunk,
                               histories=[int(h) for h in args.histories.split(",")], repeats=args.repeats)
+    session.finish()
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 Same weights on both sides (ours are loaded from what transformers saved, or both from the
 SmolLM2 GGUF), same left-padded batch, same number of new tokens (EOS disabled so every
 row generates all of them), same decoding (greedy, or T=1 / top-p 0.95 sampling), in one
-process, alternating the two sides. Reported: generated tokens per second of the whole
-``generate`` call (prefill included on both sides), median of ``--repeats`` after a warm-up
-call (JAX compiles there).
+process, alternating the two sides (A, B, A, B per repeat). Reported per side: generated tokens
+per second of the whole ``generate`` call (prefill included on both sides), median wall and CPU
+seconds of ``--repeats`` after a warm-up call (JAX compiles there). Refuses to run on a loaded
+machine unless ``--allow-noisy`` (benchmarks/_harness.py); ``--json`` prints one JSON object.
 
     .venv/bin/python benchmarks/bench_sampler.py --models tiny,smollm2 --batch 8,32 \
         --prompt-len 64 --new-tokens 64
@@ -18,15 +19,14 @@ the rollout's session grows its cache instead of allocating ``max_context`` slot
 from __future__ import annotations
 
 import argparse
-import os
+import statistics
 import tempfile
-import time
 
+import _harness  # benchmarks/ is on sys.path when run as a script
 import jax
 import numpy as np
 import torch
 import transformers
-from _timing import median_seconds  # benchmarks/ is on sys.path when run as a script
 
 from llds_jax.models import from_pretrained
 from llds_jax.sampling import generate
@@ -81,13 +81,10 @@ def run_case(hf_model, model, batch, prompt_len, new_tokens, sampled: bool, repe
                                 min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None, **torch_knobs)
         assert out.shape[1] == prompt_len + new_tokens
 
-    t_ours = median_seconds(ours, repeats)
-    t_theirs = median_seconds(theirs, repeats)
-    tokens = batch * new_tokens
-    return tokens / t_ours, tokens / t_theirs
+    return _harness.alternate({_harness.OURS: ours, "transformers": theirs}, repeats), batch * new_tokens
 
 
-def decode_ms_per_step_vs_slots(slots: list[int], batch: int = 8, steps: int = 32):
+def decode_seconds_vs_slots(session, slots: list[int], repeats: int, batch: int = 8, steps: int = 32):
     from flax import nnx
 
     from llds_jax.models.testing import tiny_model
@@ -100,21 +97,29 @@ def decode_ms_per_step_vs_slots(slots: list[int], batch: int = 8, steps: int = 3
     sampling = SamplingParams.create(temperature=0.0, top_k=0, top_p=1.0, stop_token_ids=[],
                                      stop_table=resolve_stop_table((), None, model.config.vocab_size))
     prompt = jax.numpy.ones((batch, 16), jax.numpy.int32)
-    print(f"decode step vs cache slots: random 8-layer Llama d256 vocab 8192, batch {batch}, {steps} steps")
-    for count in slots:
-        def run(count=count):
-            cache = decode_loop.new_cache(model.config, batch, count)
-            logits, cache = decode_loop.extend(graphdef, params, prompt, jax.numpy.ones_like(prompt, bool), cache)
-            jax.block_until_ready(logits)
-            start = time.perf_counter()
+    session.log(f"decode step vs cache slots: random 8-layer Llama d256 vocab 8192, batch {batch}, {steps} steps")
+
+    def prefilled(count):
+        cache = decode_loop.new_cache(model.config, batch, count)
+        logits, cache = decode_loop.extend(graphdef, params, prompt, jax.numpy.ones_like(prompt, bool), cache)
+        return jax.block_until_ready((logits, cache))
+
+    def decode_fn(count):
+        def run():  # the prefill is part of the timed call on every side alike; it does not depend on slots
+            logits, cache = prefilled(count)
             state = decode_loop.decode(graphdef, params, logits, cache, jax.numpy.zeros((batch,), bool),
                                        jax.numpy.full((batch,), steps), jax.random.key(0), sampling, width=steps)
             jax.block_until_ready(state.tokens)
-            return time.perf_counter() - start
+        return run
 
-        run()
-        best = min(run() for _ in range(2))
-        print(f"  {count:5d} slots: {1000 * best / steps:7.1f} ms/step", flush=True)
+    times = _harness.alternate({f"{count}_slots": decode_fn(count) for count in slots}, repeats)
+    prefill = _harness.alternate({f"{count}_slots": lambda c=count: prefilled(c) for count in slots}, repeats)
+    for side, t in times.items():
+        t.wall_s = [w - statistics.median(prefill[side].wall_s) for w in t.wall_s]
+        t.cpu_s = [c - statistics.median(prefill[side].cpu_s) for c in t.cpu_s]
+    session.add_case(f"decode step vs cache slots (8-layer Llama d256, batch {batch}, {steps} steps, "
+                     "prefill median subtracted)", times, tokens=batch * steps,
+                     ms_per_step={side: 1000 * t.median_s / steps for side, t in times.items()})
 
 
 def main():
@@ -126,24 +131,28 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sampled", action="store_true", help="also run T=1 / top-p 0.95 sampling")
     parser.add_argument("--slots", default="", help="e.g. 128,1024,4096: decode step time vs cache slots only")
+    _harness.add_arguments(parser)
     args = parser.parse_args()
+    session = _harness.start("bench_sampler", args)
+    session.settings["torch_threads"] = torch.get_num_threads()
     if args.slots:
-        decode_ms_per_step_vs_slots([int(s) for s in args.slots.split(",")])
+        decode_seconds_vs_slots(session, [int(s) for s in args.slots.split(",")], args.repeats)
+        session.finish()
         return
-    print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
-          f"threads={torch.get_num_threads()}, cpus={os.cpu_count()}, load avg {os.getloadavg()[0]:.1f}")
-    print(f"prompt ≤ {args.prompt_len} (left-padded), {args.new_tokens} new tokens, fp32 both sides")
-    print(f"{'model':8} {'decoding':8} {'batch':>5} {'llds_jax tok/s':>15} {'torch tok/s':>12} {'speed-up':>9}")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
+            if name not in ("tiny", "smollm2"):
+                raise SystemExit(f"--models: unknown model {name!r} (tiny, smollm2)")
             hf_model, model = tiny_pair(tmp) if name == "tiny" else smollm2_pair()
             for batch in (int(b) for b in args.batch.split(",")):
                 for sampled in ([False, True] if args.sampled else [False]):
-                    ours, theirs = run_case(hf_model, model, batch, args.prompt_len, args.new_tokens, sampled,
-                                            args.repeats)
-                    mode = "top-p" if sampled else "greedy"
-                    print(f"{name:8} {mode:8} {batch:5d} {ours:15.1f} {theirs:12.1f} {ours / theirs:8.2f}x",
-                          flush=True)
+                    mode = "top-p 0.95" if sampled else "greedy"
+                    session.log(f"{name} {mode} batch {batch} ...")
+                    times, tokens = run_case(hf_model, model, batch, args.prompt_len, args.new_tokens, sampled,
+                                             args.repeats)
+                    session.add_case(f"{name} {mode} generate, batch {batch}, prompt <= {args.prompt_len}, "
+                                     f"{args.new_tokens} new tokens", times, tokens=tokens)
+    session.finish()
 
 
 if __name__ == "__main__":

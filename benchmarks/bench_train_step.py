@@ -6,7 +6,9 @@ denominators (token-mean), PPO-clip (ε 0.2) + k3 KL to a frozen reference (0.00
 bonus (0.001) + LLDS with the action gate (λ 0.1), global-norm clip 1.0, AdamW (lr 1e-6,
 wd 0.01). π_old and π_ref log-probs are computed beforehand and excluded from the timing on
 both sides: what is timed is the update phase, reported as tokens/s (every non-padding token
-of the batch goes through forward + backward once per step).
+of the batch goes through forward + backward once per step). The two sides alternate (A, B, A, B
+per step) after one untimed step each; refuses to run on a loaded machine unless
+``--allow-noisy`` (benchmarks/_harness.py); ``--json`` prints one JSON object.
 
     python benchmarks/bench_train_step.py                      # tiny + SmolLM2-135M, 16×256 tokens
     python benchmarks/bench_train_step.py --models=tiny --steps=5
@@ -19,13 +21,12 @@ micro-batch, which at these sizes is the fast path for torch.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import _harness  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -65,18 +66,28 @@ def jax_config():
     return c
 
 
-def bench_jax(model, arrays, steps: int) -> dict:
+def jax_update_fn(model, arrays):
+    """One call = the jitted update phase of ``Learner.update`` (π_old/π_ref computed once, outside)."""
     from llds_jax.parallel.mesh import make_mesh
     from llds_jax.train.learner import Learner
 
-    config = jax_config()
-    learner = Learner.create(model, config, make_mesh((1, 1, 1)))
-    times = []
-    for _ in range(steps + 1):
-        metrics, _ = learner.update(arrays, arrays["rewards"], arrays["group_ids"])
-        times.append(metrics["time/update_s"])
-    return {"compile_and_first_s": times[0], "update_s": float(np.median(times[1:])),
-            "loss": metrics["loss/total"], "llds": metrics["llds/value"]}
+    learner = Learner.create(model, jax_config(), make_mesh((1, 1, 1)))
+    advantages = learner.advantages(arrays["rewards"], arrays["group_ids"])
+    with jax.set_mesh(learner.mesh):
+        batch = learner.device_batch(arrays, advantages)
+        old_logp = learner.fns.policy_logprobs(learner.state.params, batch.input_ids, batch.attention_mask)
+        ref_logp = None
+        if learner.fns.reference_logprobs is not None:
+            ref_logp = learner.fns.reference_logprobs(learner.state.ref_params, batch.input_ids,
+                                                      batch.attention_mask)
+        batch = jax.block_until_ready(batch._replace(old_logp=old_logp, ref_logp=ref_logp))
+
+    def update():
+        with jax.set_mesh(learner.mesh):
+            learner.state, per_mini = learner.fns.update(learner.state, batch)  # donates the old state
+            jax.block_until_ready((learner.state, per_mini))
+
+    return update
 
 
 def torch_step(model, ref_logp, old_logp, arrays, advantages, optimizer, clip=0.2, kl_coef=1e-3, ent_coef=1e-3,
@@ -114,7 +125,8 @@ def torch_step(model, ref_logp, old_logp, arrays, advantages, optimizer, clip=0.
         optimizer.step()
 
 
-def bench_torch(hf_dir, arrays, advantages, steps: int) -> dict:
+def torch_update_fn(hf_dir, arrays, advantages):
+    """One call = one PyTorch GRPO + LLDS update on the same batch (π_old = π_ref precomputed)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -126,12 +138,7 @@ def bench_torch(hf_dir, arrays, advantages, steps: int) -> dict:
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         old = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.01)
-    times = []
-    for _ in range(steps + 1):
-        clock = time.perf_counter()
-        torch_step(model, old.clone(), old.clone(), arrays, advantages, optimizer)
-        times.append(time.perf_counter() - clock)
-    return {"first_s": times[0], "update_s": float(np.median(times[1:]))}
+    return lambda: torch_step(model, old.clone(), old.clone(), arrays, advantages, optimizer)
 
 
 def load_model(name: str):
@@ -150,36 +157,31 @@ def load_model(name: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="tiny,smollm2")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per side (after one untimed step)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    _harness.add_arguments(parser)
     args = parser.parse_args()
+    session = _harness.start("bench_train_step", args)
     torch.set_num_threads(args.threads)
     from llds_jax.models import save_pretrained
+    from llds_jax.rl.advantages import compute_advantages
 
-    results = {}
     for name in args.models.split(","):
         model = load_model(name)
         arrays = batch_arrays(model.config.vocab_size)
         tokens = int(arrays["attention_mask"].sum())
         params = sum(x.size for x in jax.tree.leaves(model))
+        adv = np.asarray(compute_advantages(arrays["rewards"], arrays["group_ids"].astype(np.int32),
+                                            np.ones(N, bool)))
+        session.log(f"{name}: params={params / 1e6:.1f}M, batch {N}x{T} ({tokens} tokens) ...")
         with tempfile.TemporaryDirectory() as hf_dir:
             save_pretrained(model, hf_dir)
-            from llds_jax.rl.advantages import compute_advantages
-
-            adv = np.asarray(compute_advantages(arrays["rewards"], arrays["group_ids"].astype(np.int32),
-                                                np.ones(N, bool)))
-            ours = bench_jax(model, arrays, args.steps)
-            theirs = bench_torch(hf_dir, arrays, adv.astype(np.float32), args.steps)
-        row = {"params": params, "tokens_per_step": tokens, "jax_update_s": ours["update_s"],
-               "torch_update_s": theirs["update_s"], "jax_tokens_per_s": tokens / ours["update_s"],
-               "torch_tokens_per_s": tokens / theirs["update_s"], "speedup": theirs["update_s"] / ours["update_s"],
-               "jax_compile_and_first_s": ours["compile_and_first_s"]}
-        results[name] = row
-        print(f"{name:8s} params={params / 1e6:.1f}M  batch {N}×{T} ({tokens} tokens), {N // MINI} mini-batches × "
-              f"{MINI // MICRO} micro | JAX {row['jax_tokens_per_s']:.0f} tok/s ({ours['update_s']:.2f}s) | "
-              f"torch {row['torch_tokens_per_s']:.0f} tok/s ({theirs['update_s']:.2f}s) | "
-              f"JAX/torch = {row['speedup']:.2f}×", flush=True)
-    print(json.dumps(results, indent=1))
+            theirs = torch_update_fn(hf_dir, arrays, adv.astype(np.float32))
+        ours = jax_update_fn(model, arrays)
+        times = _harness.alternate({_harness.OURS: ours, "torch": theirs}, args.steps)
+        session.add_case(f"{name} GRPO+LLDS update {N}x{T}, {N // MINI} mini-batches x {MINI // MICRO} micro",
+                         times, tokens=tokens, params=params)
+    session.finish()
 
 
 if __name__ == "__main__":
