@@ -86,6 +86,7 @@ def base_config() -> ml_collections.ConfigDict:
         save_every=100,
         tensorboard=True,
         delta_diagnostics=True,    # one extra no-grad forward after the updates: Δ = logπ_new − logπ_old (LLD rate)
+        delta_every=1,             # ... on every k-th RL step only (steps 0, k, 2k, ...): the forward costs ≈ 1/3 of an update
         samples_per_step=4,        # trajectories' text/answer/reward appended to <workdir>/samples.jsonl
         export_hf=True,            # write <workdir>/hf/step_<N> (transformers-loadable) at the end
         max_nonfinite_updates=5,   # stop (with a checkpoint) after this many skipped non-finite updates in a row; 0 = never
@@ -249,6 +250,7 @@ def _check_train(config) -> None:
         raise TrainConfigError(f"train.max_nonfinite_updates={limit!r} must be an integer ≥ 0 (0 = never stop)")
     for path in ("train.save_every", "train.samples_per_step"):
         _non_negative(config, path)
+    _positive(config, "train.delta_every")
 
 
 def _check_sft(config) -> None:

@@ -72,7 +72,7 @@ MONITOR_PHASE = "monitor/phase"
 STEP_SECONDS = "time/step_s"
 
 _ENTROPY_WHEN = "rl.entropy_coef > 0 (the entropy is only computed then)"
-_DELTA_WHEN = "train.delta_diagnostics (one extra no-grad forward after the updates)"
+_DELTA_WHEN = "train.delta_diagnostics, on steps divisible by train.delta_every (one extra no-grad forward after the updates)"
 _MONITOR_WHEN = "monitor.enabled"
 
 TABLE: tuple[Metric, ...] = (

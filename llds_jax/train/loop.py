@@ -149,7 +149,7 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
         update_metrics, extra = learner.update(arrays, rewards, rollout.group_ids)
         metrics.update(update_metrics)
         new_logp = None
-        if config.train.delta_diagnostics:
+        if config.train.delta_diagnostics and step % config.train.get("delta_every", 1) == 0:
             clock = time.perf_counter()
             new_logp = token_aligned(learner.logprobs_now(arrays), rollout.input_ids.shape[1])
             metrics["time/delta_logprobs_s"] = time.perf_counter() - clock

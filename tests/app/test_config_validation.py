@@ -30,6 +30,7 @@ BAD_VALUES = [
     ("rl", "rl.llds_gate", "acton", "rl.llds_gate = 'acton' is not one of"),
     ("optim", "optim.clip_norm", 0.0, "optim.clip_norm=0.0"),
     ("train", "train.mini_batch_size", 3, "train.mini_batch_size=3"),
+    ("train", "train.delta_every", 0, "train.delta_every=0"),
     ("sft", "sft.batch_size", 0, "sft.batch_size=0"),
     ("eval", "eval.batch_size", 0, "eval.batch_size=0"),
     ("monitor", "monitor.on_phase_two", "panic", "on_phase_two='panic'"),
