@@ -93,17 +93,32 @@ def alternation_order(sides: list[str], repeats: int) -> list[str]:
     return [side for _ in range(repeats) for side in sides]
 
 
-def alternate(sides: dict[str, Callable[[], object]], repeats: int, warmup: bool = True) -> dict[str, SideTimes]:
-    """Time every side ``repeats`` times in alternation, after one untimed call each (compilation, caches)."""
+def alternate(sides: dict[str, Callable[..., object]], repeats: int, warmup: bool = True,
+              setup: dict[str, Callable[[], object]] | None = None) -> dict[str, SideTimes]:
+    """Time every side ``repeats`` times in alternation, after one untimed call each (compilation, caches).
+
+    ``setup[side]``, when given, runs untimed before each call of that side and its result is the
+    call's argument (e.g. a freshly prefilled cache the timed call consumes).
+    """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    setup = setup or {}
+
+    def call(name):
+        fn = sides[name]
+        if name not in setup:
+            return fn
+        argument = setup[name]()
+        return lambda: fn(argument)
+
     if warmup:
-        for fn in sides.values():
-            fn()
+        for name in sides:
+            call(name)()
     times = {name: SideTimes() for name in sides}
     for name in alternation_order(list(sides), repeats):
+        fn = call(name)
         wall, cpu = time.perf_counter(), cpu_seconds()
-        sides[name]()
+        fn()
         times[name].cpu_s.append(cpu_seconds() - cpu)
         times[name].wall_s.append(time.perf_counter() - wall)
     return times

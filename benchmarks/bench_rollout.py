@@ -56,7 +56,7 @@ def load_questions(path: Path, count: int) -> list[str]:
 def shares(timings: dict[str, float]) -> dict[str, float]:
     """Share of the rollout's wall time per phase (from ``RolloutBatch.timings``)."""
     total = timings["total_s"]
-    return {k.removesuffix("_s"): v / total for k, v in timings.items() if k != "total_s"}
+    return {k.removesuffix("_s"): v / total for k, v in timings.items() if k.endswith("_s") and k != "total_s"}
 
 
 def rollout_with_model(session, model, tokenizer, questions, retriever, cfg, repeats: int):
@@ -114,17 +114,8 @@ def append_and_reprefill_times(graphdef, params, batch: int, history: int, chunk
 
     append(prefill(hist_ids)[1])  # compile both shapes
     prefill(full_ids)
-    times = {"append": _harness.SideTimes(), "re-prefill": _harness.SideTimes()}
-    for side in _harness.alternation_order(list(times), repeats):
-        live = prefill(hist_ids)[1] if side == "append" else None
-        wall, cpu = time.perf_counter(), _harness.cpu_seconds()
-        if side == "append":
-            append(live)
-        else:
-            prefill(full_ids)
-        times[side].cpu_s.append(_harness.cpu_seconds() - cpu)
-        times[side].wall_s.append(time.perf_counter() - wall)
-    return times
+    return _harness.alternate({"append": append, "re-prefill": lambda: prefill(full_ids)}, repeats, warmup=False,
+                              setup={"append": lambda: prefill(hist_ids)[1]})
 
 
 def continuation_vs_reprefill(session, model, batch: int, chunk: int, histories: list[int], repeats: int):

@@ -19,7 +19,6 @@ the rollout's session grows its cache instead of allocating ``max_context`` slot
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 
 import _harness  # benchmarks/ is on sys.path when run as a script
@@ -97,6 +96,7 @@ def decode_seconds_vs_slots(session, slots: list[int], repeats: int, batch: int 
     sampling = SamplingParams.create(temperature=0.0, top_k=0, top_p=1.0, stop_token_ids=[],
                                      stop_table=resolve_stop_table((), None, model.config.vocab_size))
     prompt = jax.numpy.ones((batch, 16), jax.numpy.int32)
+    keys = decode_loop.row_keys(jax.random.key(0), np.arange(batch))
     session.log(f"decode step vs cache slots: random 8-layer Llama d256 vocab 8192, batch {batch}, {steps} steps")
 
     def prefilled(count):
@@ -104,21 +104,17 @@ def decode_seconds_vs_slots(session, slots: list[int], repeats: int, batch: int 
         logits, cache = decode_loop.extend(graphdef, params, prompt, jax.numpy.ones_like(prompt, bool), cache)
         return jax.block_until_ready((logits, cache))
 
-    def decode_fn(count):
-        def run():  # the prefill is part of the timed call on every side alike; it does not depend on slots
-            logits, cache = prefilled(count)
-            state = decode_loop.decode(graphdef, params, logits, cache, jax.numpy.zeros((batch,), bool),
-                                       jax.numpy.full((batch,), steps), jax.random.key(0), sampling, width=steps)
-            jax.block_until_ready(state.tokens)
-        return run
+    def decode(prefilled_state):  # timed: the decode steps only; the prefill is the untimed setup
+        logits, cache = prefilled_state
+        state = decode_loop.decode(graphdef, params, logits, cache, jax.numpy.zeros((batch,), bool),
+                                   jax.numpy.full((batch,), steps), keys, jax.numpy.zeros((batch,), jax.numpy.int32),
+                                   sampling, width=steps)
+        jax.block_until_ready(state.tokens)
 
-    times = _harness.alternate({f"{count}_slots": decode_fn(count) for count in slots}, repeats)
-    prefill = _harness.alternate({f"{count}_slots": lambda c=count: prefilled(c) for count in slots}, repeats)
-    for side, t in times.items():
-        t.wall_s = [w - statistics.median(prefill[side].wall_s) for w in t.wall_s]
-        t.cpu_s = [c - statistics.median(prefill[side].cpu_s) for c in t.cpu_s]
-    session.add_case(f"decode step vs cache slots (8-layer Llama d256, batch {batch}, {steps} steps, "
-                     "prefill median subtracted)", times, tokens=batch * steps,
+    times = _harness.alternate({f"{count}_slots": decode for count in slots}, repeats,
+                               setup={f"{count}_slots": lambda c=count: prefilled(c) for count in slots})
+    session.add_case(f"decode step vs cache slots (8-layer Llama d256, batch {batch}, {steps} steps)", times,
+                     tokens=batch * steps,
                      ms_per_step={side: 1000 * t.median_s / steps for side, t in times.items()})
 
 

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,20 @@ def test_alternation_interleaves_sides_per_repeat_never_all_of_one_first():
     assert calls == ["a", "b", "a", "b", "a", "b"], calls  # one warm-up call each, then A, B per repeat
     assert [len(times[s].wall_s) for s in "ab"] == [2, 2]
     assert [len(times[s].cpu_s) for s in "ab"] == [2, 2]
+
+
+def test_setup_runs_untimed_before_each_call_and_feeds_it():
+    calls = []
+
+    def slow_setup():
+        calls.append("setup")
+        time.sleep(0.2)
+        return len(calls)
+
+    times = harness.alternate({"a": lambda n: calls.append(("a", n)), "b": lambda: calls.append("b")}, repeats=2,
+                              setup={"a": slow_setup})
+    assert calls == ["setup", ("a", 1), "b", "setup", ("a", 4), "b", "setup", ("a", 7), "b"], calls
+    assert max(times["a"].wall_s) < 0.2, times["a"].wall_s  # the 0.2 s sleep is setup, not the timed call
 
 
 def test_cpu_seconds_count_the_work_done_on_a_side():
