@@ -78,11 +78,13 @@ from llds_jax.models.decoder import (
     cache_logical_axes,
     cache_shardings,
     init_cache,
+    params_in_compute_dtype,
     positions_from_mask,
 )
 
 __all__ = [
     "cache_logical_axes",
+    "params_in_compute_dtype",
     "cache_shardings",
     "ConfigError",
     "Decoder",

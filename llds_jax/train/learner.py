@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from llds_jax.diagnostics import keys
+from llds_jax.models import params_in_compute_dtype
 from llds_jax.parallel import distributed
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
@@ -169,11 +170,17 @@ class Learner:
         inputs per host). So every host all-gathers the current params (a collective: call on
         every host together) and samples from a copy on its first local device — one extra
         params-sized transfer and copy per step, fine up to a few B params per host.
+
+        The params come in the compute dtype (bf16 on accelerators): cast once per step, not
+        per token inside the decode loop (``models.params_in_compute_dtype``).
         """
-        if jax.process_count() == 1:
-            return self.policy()
-        local = jax.device_put(distributed.fetch_to_host(self.state.params), jax.local_devices()[0])
-        return self.graphdef, local
+        graphdef, params = self.policy()
+        if jax.process_count() > 1:
+            params = jax.device_put(distributed.fetch_to_host(params), jax.local_devices()[0])
+        compute = jnp.dtype(nnx.merge(graphdef, params).config.compute_dtype)
+        if all(x.dtype == compute for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)):
+            return graphdef, params
+        return graphdef, params_in_compute_dtype(params, compute.name)
 
     # -- one training step's update phase ---------------------------------------------------
     def host_rows(self) -> slice:
