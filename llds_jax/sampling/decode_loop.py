@@ -154,6 +154,7 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: 
     docstring). Returns the final :class:`DecodeState`; its cache holds every sampled token.
     """
     model = nnx.merge(graphdef, params)
+    layer_weights = model.layer_weights()  # sliced once, outside the loop (see Decoder.layer_weights)
     batch = logits.shape[0]
     pad_id = jnp.asarray(pad_id, jnp.int32)
     budget = jnp.minimum(budget.astype(jnp.int32), width)
@@ -187,7 +188,8 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: 
         finish = jnp.where(id_hit, FinishReason.STOP_TOKEN,
                            jnp.where(string_hit, FinishReason.STOP_STRING, FinishReason.CAP))
         now_done = active & (id_hit | string_hit | capped)
-        next_logits, cache = model.forward_cached(token[:, None], s.cache, token_mask=active[:, None])
+        next_logits, cache = model.forward_cached(token[:, None], s.cache, token_mask=active[:, None],
+                                                  layer_weights=layer_weights)
         return DecodeState(
             tokens=s.tokens.at[:, s.step].set(token),
             logprobs=s.logprobs.at[:, s.step].set(logprob),
