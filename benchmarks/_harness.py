@@ -51,14 +51,24 @@ def cpu_seconds() -> float:
 
 
 def git_commit() -> str | None:
-    """HEAD of the checkout the scripts run from, with ``-dirty`` when tracked files differ."""
+    """HEAD of the checkout the scripts run from, with ``-dirty`` when tracked files differ.
+
+    ``GIT_OPTIONAL_LOCKS=0``: ``git status`` otherwise refreshes the index under ``index.lock``
+    and fails while another git process (a commit in the same checkout) holds it, which made
+    records come out without a commit. If only the dirty check fails, the head is still kept.
+    """
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
+    git = lambda *args: subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True,
+                                       env=env).stdout.strip()
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+        head = git("rev-parse", "HEAD")
+    except (OSError, subprocess.CalledProcessError) as error:
+        print(f"warning: no git commit for the record: {error}", file=sys.stderr)
         return None
+    try:
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return head + "-unknown-state"
     return head + ("-dirty" if dirty else "")
 
 
