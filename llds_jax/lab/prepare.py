@@ -25,7 +25,8 @@ from pathlib import Path
 
 import ml_collections
 
-from llds_jax.lab.policy import DEFAULT_POLICY, check_policy_settings
+from llds_jax.errors import InputError
+from llds_jax.lab.policy import DEFAULT_POLICY, GATE_FIELDS, check_policy_settings
 from llds_jax.lab.world import (
     DEFAULT_WORLD,
     check_world_settings,
@@ -35,8 +36,37 @@ from llds_jax.lab.world import (
 )
 from llds_jax.utils.assets import cache_dir
 
-LAB_VERSION = 1  # bump when a builder's output changes for the same settings
+LAB_VERSION = 2  # bump when a builder's output changes for the same settings
 SENTINELS = ("lab:corpus", "lab:train", "lab:dev", "lab:policy")
+
+
+class PolicyBelowGateError(InputError):
+    """The built policy's greedy check is below ``lab.policy.min_build_em``: RL on it would be noise."""
+
+
+def check_build_gate(policy_dir: Path, min_em: float) -> None:
+    """Fail naming ``lab_build.json``'s EM and the settings to change when one-hop EM < ``min_em``.
+
+    Why a gate: a policy that does not copy names out of passages gets reward only by guessing,
+    most GRPO groups have zero advantage, and a run on it says nothing about the death spiral.
+    """
+    if min_em <= 0:
+        return
+    record_path = policy_dir / "lab_build.json"
+    record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    check = record.get("check")
+    if not check or "nq" not in check:
+        raise PolicyBelowGateError(
+            f"lab.policy.min_build_em={min_em} needs a greedy one-hop check, but {record_path} has none "
+            "(set lab.policy.check_questions > 0 and lab.world.two_hop_fraction < 1, or min_build_em=0)")
+    em = {source: round(scores["em"], 4) for source, scores in check.items()}
+    if check["nq"]["em"] < min_em:
+        raise PolicyBelowGateError(
+            f"the lab policy reads too little for RL: {record_path} has greedy EM {em} (one-hop 'nq' "
+            f"{check['nq']['em']:.3f} < lab.policy.min_build_em={min_em}). Change lab.policy.sft_steps / sft_lr / "
+            "sft_batch_size / layers / hidden, or rollout.topk / retrieval.max_doc_tokens (shorter context), "
+            "or lower lab.policy.min_build_em; the policy is cached, so delete that directory or change a setting "
+            "to rebuild")
 
 
 def default_lab_config() -> ml_collections.ConfigDict:
@@ -110,7 +140,8 @@ def prepare(config: ml_collections.ConfigDict, log=print) -> ml_collections.Conf
     retrieval_view = dict(topk=config.rollout.topk, max_obs_tokens=config.rollout.max_obs_tokens,
                           max_prompt_tokens=config.rollout.max_prompt_tokens,
                           max_doc_tokens=config.retrieval.max_doc_tokens)
-    policy_key = _digest(world_settings, vocab_size, policy_settings, retrieval_view)
+    built_settings = {k: v for k, v in policy_settings.items() if k not in GATE_FIELDS}
+    policy_key = _digest(world_settings, vocab_size, built_settings, retrieval_view)
 
     def build_policy(directory: Path) -> None:
         from llds_jax.data.prompts import load_questions
@@ -132,6 +163,7 @@ def prepare(config: ml_collections.ConfigDict, log=print) -> ml_collections.Conf
 
     policy_dir = _built(root / f"policy-{policy_key}", build_policy)
     log(f"lab: world {world_dir.name}, tokenizer {tokenizer_dir.name}, policy {policy_dir.name} under {root}")
+    check_build_gate(policy_dir, float(policy_settings["min_build_em"]))
 
     _replace(config, "retrieval.corpus_path", "lab:corpus", corpus)
     _replace(config, "data.train", "lab:train", train_files)

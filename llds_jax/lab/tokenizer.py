@@ -30,7 +30,7 @@ def protocol_texts(world: World) -> Iterable[str]:
     """Text in the exact shapes the rollout will produce: prompts, tagged actions, feedback docs."""
     for question in world.train:
         yield protocol.user_prompt(question.question)
-        yield f"<think> I need to search. </think>\n<search> {question.question} </search>"
+        yield f"<think> I need to search. </think>\n<search> {question.entity or question.question} </search>"
         yield f"<think> I found the answer. </think>\n<answer> {question.answer} </answer>"
     for index, (title, text) in enumerate(world.passages):
         yield protocol.search_feedback(f"Doc {index % 3 + 1}(Title: {title}) {text}\n")

@@ -62,6 +62,7 @@ class Question:
     hops: int
     bridge: str  # the entity the second search must name ("" for one hop)
     kind: str
+    entity: str = ""  # the entity the question names (what the first search should ask for)
 
     @property
     def data_source(self) -> str:
@@ -69,7 +70,7 @@ class Question:
 
     def row(self) -> dict:
         return dict(id=self.id, question=self.question, golden_answers=[self.answer], data_source=self.data_source,
-                    metadata=dict(hops=self.hops, bridge=self.bridge, kind=self.kind))
+                    metadata=dict(hops=self.hops, bridge=self.bridge, kind=self.kind, entity=self.entity))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,11 @@ def check_world_settings(settings: Mapping) -> dict:
     if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0.0 <= fraction <= 1.0:
         raise WorldConfigError(f"lab.world.two_hop_fraction={fraction!r} must be a number in [0, 1]")
     return merged
+
+
+def with_article(noun: str) -> str:
+    """``a potter`` / ``an astronomer``: the indefinite article that agrees with the noun's first letter."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 class _Names:
@@ -147,49 +153,49 @@ def generate_world(settings: Mapping) -> World:
     for city in cities:
         passages.append((city, f"{city} is a city in {city_country[city]}."))
     for company in companies:
-        passages.append((company, f"{company} is a {company_industry[company]} company based in "
+        passages.append((company, f"{company} is {with_article(company_industry[company])} company based in "
                                   f"{company_city[company]}."))
     for person in people:
-        passages.append((person, f"{person} is a {person_job[person]} born in {person_city[person]}. "
+        passages.append((person, f"{person} is {with_article(person_job[person])} born in {person_city[person]}. "
                                  f"{person} works for {person_company[person]}."))
 
-    def one_hop(kind: str) -> tuple[str, str, str]:
+    def one_hop(kind: str) -> tuple[str, str, str, str]:  # question, answer, bridge, named entity
         if kind == "person_city":
             p = str(rng.choice(people))
-            return f"Where was {p} born?", person_city[p], ""
+            return f"Where was {p} born?", person_city[p], "", p
         if kind == "person_occupation":
             p = str(rng.choice(people))
-            return f"What is the occupation of {p}?", person_job[p], ""
+            return f"What is the occupation of {p}?", person_job[p], "", p
         if kind == "person_company":
             p = str(rng.choice(people))
-            return f"Which company does {p} work for?", person_company[p], ""
+            return f"Which company does {p} work for?", person_company[p], "", p
         if kind == "city_country":
             c = str(rng.choice(cities))
-            return f"In which country is {c}?", city_country[c], ""
+            return f"In which country is {c}?", city_country[c], "", c
         if kind == "company_city":
             c = str(rng.choice(companies))
-            return f"Where is {c} based?", company_city[c], ""
+            return f"Where is {c} based?", company_city[c], "", c
         country = str(rng.choice(countries))
-        return f"What is the capital of {country}?", capital[country], ""
+        return f"What is the capital of {country}?", capital[country], "", country
 
-    def two_hop(kind: str) -> tuple[str, str, str]:
+    def two_hop(kind: str) -> tuple[str, str, str, str]:
         if kind == "person_country":
             p = str(rng.choice(people))
-            return f"In which country was {p} born?", city_country[person_city[p]], person_city[p]
+            return f"In which country was {p} born?", city_country[person_city[p]], person_city[p], p
         if kind == "person_company_city":
             p = str(rng.choice(people))
             return (f"In which city is the company that {p} works for based?",
-                    company_city[person_company[p]], person_company[p])
+                    company_city[person_company[p]], person_company[p], p)
         c = str(rng.choice(companies))
-        return f"In which country is {c} based?", city_country[company_city[c]], company_city[c]
+        return f"In which country is {c} based?", city_country[company_city[c]], company_city[c], c
 
     def questions(count: int, split: str) -> tuple[Question, ...]:
         out = []
         for i in range(count):
             hops = 2 if rng.random() < s["two_hop_fraction"] else 1
             kind = str(rng.choice(TWO_HOP_KINDS if hops == 2 else ONE_HOP_KINDS))
-            text, answer, bridge = (two_hop if hops == 2 else one_hop)(kind)
-            out.append(Question(f"lab_{split}_{i}", text, answer, hops, bridge, kind))
+            text, answer, bridge, entity = (two_hop if hops == 2 else one_hop)(kind)
+            out.append(Question(f"lab_{split}_{i}", text, answer, hops, bridge, kind, entity))
         return tuple(out)
 
     return World(tuple(passages), questions(s["train_questions"], "train"), questions(s["dev_questions"], "dev"))

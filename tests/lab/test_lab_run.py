@@ -21,7 +21,7 @@ SHRINK = {
     "lab.world.train_questions": 40, "lab.world.dev_questions": 8,
     "lab.tokenizer.vocab_size": 1000,
     "lab.policy.hidden": 64, "lab.policy.intermediate": 128, "lab.policy.sft_steps": 3,
-    "lab.policy.sft_batch_size": 4, "lab.policy.check_questions": 0,
+    "lab.policy.sft_batch_size": 4, "lab.policy.check_questions": 0, "lab.policy.min_build_em": 0.0,
     "train.total_steps": 2, "train.prompts_per_step": 2, "rollout.n_samples": 4, "train.mini_batch_size": 4,
     "train.micro_batch_size": 4, "train.logprob_batch_size": 8, "rollout.max_action_tokens": 12,
     "train.save_every": 0, "train.export_hf": False, "eval.data": "",

@@ -64,3 +64,15 @@ def test_rows_carry_the_bridge_for_trajectory_building(tmp_path):
     directory = write_world(generate_world(SMALL), tmp_path)
     rows = [json.loads(x) for x in (directory / "hotpotqa_lab_train.jsonl").read_text().splitlines()]
     assert all(r["metadata"]["hops"] == 2 and r["metadata"]["bridge"] for r in rows)
+
+
+def test_articles_agree_and_rows_name_the_questions_entity(tmp_path):
+    world = generate_world({**SMALL, "people": 60})
+    texts = " ".join(text for _, text in world.passages)
+    for wrong in (" a astronomer", " a engineer", " a artist"):
+        assert wrong not in texts
+    assert " an astronomer" in texts or " an engineer" in texts, "no vowel-initial occupation drawn in this world"
+    text_of = dict(world.passages)
+    for q in world.train:
+        assert q.entity in q.question and q.entity in text_of, q
+        assert (q.bridge or q.answer) in text_of[q.entity], q
