@@ -67,14 +67,14 @@ def jax_config():
 
 
 def jax_update_fn(model, arrays):
-    """One call = the jitted update phase of ``Learner.update`` (π_old/π_ref computed once, outside)."""
+    """One call = the jitted update phase of ``Learner.update`` (advantages inside; π_old/π_ref computed once, outside)."""
     from llds_jax.parallel.mesh import make_mesh
+    from llds_jax.train.batch import TrainBatch
     from llds_jax.train.learner import Learner
 
     learner = Learner.create(model, jax_config(), make_mesh((1, 1, 1)))
-    advantages = learner.advantages(arrays["rewards"], arrays["group_ids"])
+    batch = learner.upload(TrainBatch.from_arrays(arrays, length=learner.seq_len))
     with jax.set_mesh(learner.mesh):
-        batch = learner.device_batch(arrays, advantages)
         old_logp = learner.fns.policy_logprobs(learner.state.params, batch.input_ids, batch.attention_mask)
         ref_logp = None
         if learner.fns.reference_logprobs is not None:
@@ -84,8 +84,8 @@ def jax_update_fn(model, arrays):
 
     def update():
         with jax.set_mesh(learner.mesh):
-            learner.state, per_mini = learner.fns.update(learner.state, batch)  # donates the old state
-            jax.block_until_ready((learner.state, per_mini))
+            learner.state, per_mini, outputs = learner.fns.update(learner.state, batch)  # donates the old state
+            jax.block_until_ready((learner.state, per_mini, outputs))
 
     return update
 

@@ -240,7 +240,8 @@ def build_program(program: str, decoder_cfg: DecoderConfig, device, *, batch: in
 
     from llds_jax.parallel.mesh import make_mesh
     from llds_jax.parallel.rules import DEFAULT as rules
-    from llds_jax.train.step import build_update_fns, train_batch_shardings
+    from llds_jax.train.batch import TrainBatch
+    from llds_jax.train.step import build_update_fns
 
     plan_run = _plan_helpers()
     mesh = make_mesh((1, 1, 1), [device])
@@ -264,9 +265,9 @@ def build_program(program: str, decoder_cfg: DecoderConfig, device, *, batch: in
                 arr((batch,), jnp.bool_), arr((batch,), jnp.int32), arr(keys.shape, keys.dtype),
                 arr((batch,), jnp.int32), sampling)
         return mesh, decode, args, dict(width=1)
-    batch_abs = plan_run._abstract_train_batch(batch, length, state.ref_params is not None, mesh, rules)
+    batch_abs = TrainBatch.abstract(batch, length, with_ref=state.ref_params is not None, mesh=mesh, rules=rules)
     with jax.set_mesh(mesh):
-        fns = build_update_fns(graphdef, state_shardings, train_batch_shardings(batch_abs, mesh, rules), mesh,
+        fns = build_update_fns(graphdef, state_shardings, batch_abs.shardings(mesh, rules), mesh,
                                config, rules)
     if program == "logprobs":
         return mesh, fns.policy_logprobs, (state.params, batch_abs.input_ids, batch_abs.attention_mask), {}

@@ -2,8 +2,10 @@
 
 The trainer holds, per step, the ``RolloutBatch`` (``llds_jax.rollout.trajectory``), the
 advantages, π_old log-probs of every token (computed once before the updates) and,
-optionally, π_new log-probs (one extra no-grad forward after the updates). All token arrays are ``[N, L]`` aligned with ``rollout.input_ids``: position
-``t`` holds the value for the token *at* ``t``, as ``rollout.sampler_logprobs`` does.
+optionally, π_new log-probs (one extra no-grad forward after the updates). All token arrays
+are token-aligned with ``rollout.input_ids`` (``llds_jax.train.batch``): position ``t`` holds
+the value for the token *at* ``t``, as ``rollout.sampler_logprobs`` does; they may be wider
+than the rollout (the trainer pads to a fixed length) and are cut to its width.
 
 First-action correctness needs "the documents the first search retrieved". The rollout
 keeps the feedback token ids rather than document ids, and identical retrievals give
@@ -64,11 +66,12 @@ def response_batch_from_rollout(
     """
     index = np.asarray(rollout.action_index)
     mask = np.asarray(rollout.action_mask, bool)
-    old = np.where(mask, np.asarray(old_logprobs, np.float64), 0.0)
+    width = mask.shape[1]  # the trainer's arrays are padded to its fixed length: extra columns are padding
+    old = np.where(mask, np.asarray(old_logprobs, np.float64)[:, :width], 0.0)
     delta = None
     if new_logprobs is not None:
-        delta = per_action_sums_np(np.where(mask, np.asarray(new_logprobs, np.float64), 0.0) - old, index,
-                                   num_action_slots)
+        new = np.where(mask, np.asarray(new_logprobs, np.float64)[:, :width], 0.0)
+        delta = per_action_sums_np(new - old, index, num_action_slots)
     return ResponseBatch(
         advantage=np.asarray(advantage, np.float64),
         reward=np.asarray(reward, np.float64),

@@ -219,18 +219,6 @@ def _abstract_train_state(config, decoder_cfg, mesh, rules):
     return graphdef, state, shardings
 
 
-def _abstract_train_batch(n: int, length: int, with_ref: bool, mesh, rules):
-    from llds_jax.train.step import TrainBatch, batch_sharding  # noqa: PLC0415
-
-    def arr(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, rules, len(shape), shape))
-
-    tok, row, logp = (n, length), (n,), (n, length - 1)
-    return TrainBatch(arr(tok, jnp.int32), arr(tok, jnp.bool_), arr(tok, jnp.float32), arr(tok, jnp.float32),
-                      arr(tok, jnp.int32), arr(row, jnp.float32), arr(row, jnp.float32), arr(row, jnp.float32),
-                      arr(logp, jnp.float32), arr(logp, jnp.float32) if with_ref else None)
-
-
 def _abstract_cache(decoder_cfg, batch: int, max_len: int, mesh, rules):
     from llds_jax.models import cache_shardings, init_cache  # noqa: PLC0415
 
@@ -248,7 +236,8 @@ def make_plan(config, target: Target | None = None) -> Plan:
     """
     from llds_jax.parallel.mesh import make_mesh  # noqa: PLC0415
     from llds_jax.parallel.rules import DEFAULT  # noqa: PLC0415
-    from llds_jax.train.step import build_update_fns, train_batch_shardings  # noqa: PLC0415
+    from llds_jax.train.batch import TrainBatch  # noqa: PLC0415
+    from llds_jax.train.step import build_update_fns  # noqa: PLC0415
 
     section = config.get("plan") or default_plan_config()
     if target is None:
@@ -271,7 +260,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
     rollout_rows, wave_note = _rollout_rows(config, section, decoder_cfg, target, devices, trajectories, dp_rows)
 
     graphdef, state, state_shardings = _abstract_train_state(config, decoder_cfg, mesh, rules)
-    batch = _abstract_train_batch(trajectories, length, state.ref_params is not None, mesh, rules)
+    batch = TrainBatch.abstract(trajectories, length, with_ref=state.ref_params is not None, mesh=mesh, rules=rules)
     cache = _abstract_cache(decoder_cfg, rollout_rows, int(config.rollout.max_context), mesh, rules)
     parameters = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     resident = {
@@ -290,7 +279,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
     phases = tuple(section.phases)
     with jax.set_mesh(mesh):
         if "update" in phases or "logprobs" in phases:
-            fns = build_update_fns(graphdef, state_shardings, train_batch_shardings(batch, mesh, rules), mesh,
+            fns = build_update_fns(graphdef, state_shardings, batch.shardings(mesh, rules), mesh,
                                    config, rules)
             if "update" in phases:
                 programs["update"] = compile_program("update", fns.update, state, batch,

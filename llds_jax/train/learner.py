@@ -1,25 +1,26 @@
 """The learner: owns the train state on the mesh and turns one scored rollout batch into updates.
 
-It only orchestrates — advantages come from ``llds_jax.rl.compute_advantages``, the loss from
-``llds_jax.rl.objective`` (through ``llds_jax.train.step``) — and reports what SPEC §8 asks:
+It only orchestrates — the advantages (``llds_jax.rl.compute_advantages``) and the loss
+(``llds_jax.rl.objective``) are computed inside the jitted update (``llds_jax.train.step``) from
+one :class:`~llds_jax.train.batch.TrainBatch` uploaded once per step — and reports what SPEC §8 asks:
 the objective's metrics per mini-batch (LLDS must read exactly 0 in the first one), timings,
 and the sampler-vs-trainer log-prob gap on action tokens (a large gap means the sampler and
 the trainer disagree about π_old, e.g. a dtype or temperature mismatch).
 
-Host ↔ device: rollout arrays arrive as numpy [N, L] (L varies per batch); they are padded
-to one fixed length (``rollout.max_context`` rounded up to ``rollout.pad_to_multiple``) so
-every jitted function compiles once per run, then placed with the batch sharding.
+Host ↔ device: the host record (``TrainBatch.from_rollout``) is padded to one fixed length
+(``rollout.max_context`` rounded up to ``rollout.pad_to_multiple``) so every jitted function
+compiles once per run, then uploaded once (:meth:`Learner.upload`) with the batch sharding.
 
 Several hosts (``jax.process_count() > 1``): every host passes only *its* rows — the block
 ``host_rows()`` (``distributed.host_batch_rows`` of the batch sharding; rows are
 prompt-major, so host ``p`` holds whole GRPO groups when its share of the prompts is whole,
 which ``rl_loop`` arranges) — and the global batch is assembled from the blocks
 (``distributed.global_batch_from_host_rows``) without any host holding all of it. Group ids
-must be global (unique across hosts). Advantages are computed over the *global* batch from
-all-gathered rewards and group ids (N scalars), so any estimator — per group or batch-wide —
-gives the same numbers as on one host. Results come back as this host's rows
-(``distributed.local_rows``: no communication) and the replicated per-mini-batch metrics
-(``distributed.fetch_to_host``); token counts for throughput are summed over hosts.
+must be global (unique across hosts). Advantages are computed inside the update over the
+*global* batch (rewards and group ids are batch fields), so any estimator — per group or
+batch-wide — gives the same numbers as on one host. Results come back as this host's rows
+(``distributed.local_rows``: no communication) and the replicated per-mini-batch metrics and
+global token counts (``distributed.fetch_to_host``).
 """
 
 from __future__ import annotations
@@ -38,21 +39,14 @@ from llds_jax.models import params_in_compute_dtype
 from llds_jax.parallel import distributed
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
-from llds_jax.rl.advantages import compute_advantages
+from llds_jax.train.batch import TrainBatch
 from llds_jax.train.state import TrainState, init_train_state, train_state_shardings
-from llds_jax.train.step import StepSizes, TrainBatch, build_update_fns, train_batch_shardings
+from llds_jax.train.step import StepSizes, build_update_fns
 
 
 def padded_length(config) -> int:
     multiple = max(1, int(config.rollout.pad_to_multiple))
     return -(-int(config.rollout.max_context) // multiple) * multiple
-
-
-def pad_columns(array: np.ndarray, length: int, value) -> np.ndarray:
-    if array.shape[1] > length:
-        raise ValueError(f"rollout arrays are {array.shape[1]} tokens long, more than the trainer's fixed "
-                         f"length {length} (rollout.max_context rounded to rollout.pad_to_multiple)")
-    return np.pad(array, ((0, 0), (0, length - array.shape[1])), constant_values=value)
 
 
 _REDUCE_MINI_BATCHES = {"mean": np.mean, "max": np.max, "min": np.min, "sum": np.sum,
@@ -77,11 +71,11 @@ def summarize_update(per_mini: dict[str, np.ndarray], with_entropy: bool = True)
 def logprob_gap(sampler_logp: np.ndarray, trainer_logp: np.ndarray, action_mask: np.ndarray) -> dict[str, float]:
     """Mean |Δ| and Pearson correlation of sampler vs trainer log-probs on action tokens.
 
-    ``sampler_logp`` is aligned with the ids (entry t = log p of token t), ``trainer_logp`` is
-    shifted (entry t scores token t+1), hence the ``[:, 1:]``.
+    All token-aligned (``llds_jax.train.batch``); ``trainer_logp`` may be wider than the
+    rollout (the trainer's fixed length): its extra columns are padding.
     """
-    mask = action_mask[:, 1:] > 0
-    a, b = sampler_logp[:, 1:][mask], trainer_logp[:, : mask.shape[1]][mask]
+    mask = np.asarray(action_mask) > 0
+    a, b = np.asarray(sampler_logp)[mask], np.asarray(trainer_logp)[:, : mask.shape[1]][mask]
     if a.size < 2:
         return {"logprob_gap/abs_mean": float("nan"), "logprob_gap/abs_max": float("nan"),
                 "logprob_gap/corr": float("nan")}
@@ -128,19 +122,10 @@ class Learner:
             state_shardings = train_state_shardings(abstract, param_shardings, mesh, config.optim)
             state = jax.jit(fresh, out_shardings=state_shardings)(params, ref)
         seq_len = padded_length(config)
-        example = cls._host_batch_shapes(StepSizes.from_config(config).trajectories, seq_len, with_ref=ref is not None)
-        batch_shardings = train_batch_shardings(example, mesh, rules)
+        example = TrainBatch.abstract(StepSizes.from_config(config).trajectories, seq_len, with_ref=ref is not None)
+        batch_shardings = example.shardings(mesh, rules)
         fns = build_update_fns(graphdef, state_shardings, batch_shardings, mesh, config, rules)
         return cls(config, mesh, rules, graphdef, state, state_shardings, batch_shardings, fns, seq_len)
-
-    @staticmethod
-    def _host_batch_shapes(n: int, length: int, with_ref: bool) -> TrainBatch:
-        tok = jax.ShapeDtypeStruct((n, length), jnp.float32)
-        row = jax.ShapeDtypeStruct((n,), jnp.float32)
-        logp = jax.ShapeDtypeStruct((n, length - 1), jnp.float32)
-        return TrainBatch(jax.ShapeDtypeStruct((n, length), jnp.int32), jax.ShapeDtypeStruct((n, length), jnp.bool_),
-                          tok, tok, jax.ShapeDtypeStruct((n, length), jnp.int32), row, row, row, logp,
-                          logp if with_ref else None)
 
     # -- what the sampler reads -------------------------------------------------------------
     def set_llds_coef(self, value: float) -> None:
@@ -188,57 +173,41 @@ class Learner:
         return distributed.host_batch_rows(self.batch_shardings.input_ids,
                                            StepSizes.from_config(self.config).trajectories)
 
-    def device_batch(self, arrays: dict[str, np.ndarray], advantages: np.ndarray) -> TrainBatch:
-        """This host's rows (``host_rows()``) of the rollout batch → the global, sharded TrainBatch."""
-        n, length = StepSizes.from_config(self.config).trajectories, self.seq_len
+    def upload(self, host: TrainBatch) -> TrainBatch:
+        """This host's rows (``host_rows()``) of the step's batch → the global, row-sharded device batch.
+
+        Once per step: π_old, π_ref, the update and the Δ-log-prob pass all read the result.
+        ``host`` comes from :meth:`TrainBatch.from_rollout` padded to :attr:`seq_len`.
+        """
+        n = StepSizes.from_config(self.config).trajectories
         rows = self.host_rows()
-        local = rows.stop - rows.start
-        if arrays["input_ids"].shape[0] != local:
-            raise ValueError(f"rollout has {arrays['input_ids'].shape[0]} trajectories, the step expects "
+        if host.rows != rows.stop - rows.start:
+            raise ValueError(f"rollout has {host.rows} trajectories, the step expects "
                              f"train.prompts_per_step×rollout.n_samples = {n}"
                              + (f", of which this host (process {jax.process_index()}) feeds rows "
                                 f"{rows.start}:{rows.stop}" if jax.process_count() > 1 else ""))
-        host = TrainBatch(
-            input_ids=pad_columns(arrays["input_ids"].astype(np.int32), length, 0),
-            attention_mask=pad_columns(arrays["attention_mask"].astype(bool), length, False),
-            action_mask=pad_columns(arrays["action_mask"].astype(np.float32), length, 0.0),
-            answer_mask=pad_columns(arrays["answer_mask"].astype(np.float32), length, 0.0),
-            action_index=pad_columns(arrays["action_index"].astype(np.int32), length, -1),
-            num_searches=np.asarray(arrays["num_searches"], np.float32),
-            row_weight=np.asarray(arrays.get("row_weight", np.ones(local)), np.float32),
-            advantages=np.asarray(advantages, np.float32),
-        )
+        if host.input_ids.shape[1] != self.seq_len:
+            raise ValueError(f"batch is {host.input_ids.shape[1]} tokens wide, the trainer's fixed length is "
+                             f"{self.seq_len}: build it with TrainBatch.from_rollout(..., length=learner.seq_len)")
+        host = host._replace(old_logp=None, ref_logp=None)
         shardings = self.batch_shardings._replace(old_logp=None, ref_logp=None)
-        if jax.process_count() == 1:
-            return jax.device_put(host, shardings)
-        return distributed.global_batch_from_host_rows(host, shardings, n)
+        with jax.set_mesh(self.mesh):
+            if jax.process_count() == 1:
+                return jax.device_put(host, shardings)
+            return distributed.global_batch_from_host_rows(host, shardings, n)
 
-    def advantages(self, rewards: np.ndarray, group_ids: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
-        """Advantages of this host's rows, from the statistics of the global batch (see module docstring)."""
-        rl = self.config.rl
-        valid = np.ones(len(rewards), bool) if valid is None else np.asarray(valid, bool)
-        rows = slice(0, len(rewards))
-        if jax.process_count() > 1:
-            rows, n = self.host_rows(), StepSizes.from_config(self.config).trajectories
-            rewards, group_ids, valid = (distributed.gather_host_rows(np.asarray(x), rows, n)
-                                         for x in (rewards, group_ids, valid))
-        out = np.asarray(compute_advantages(jnp.asarray(rewards, jnp.float32), jnp.asarray(group_ids, jnp.int32),
-                                            jnp.asarray(valid), estimator=rl.advantage_estimator,
-                                            eps=rl.advantage_eps, unbiased_std=rl.unbiased_std))
-        return out[rows]
+    def update(self, batch: TrainBatch) -> tuple[dict[str, float], dict[str, Any]]:
+        """π_old, π_ref, then the sequential mini-batch updates. Returns (step metrics, extras).
 
-    def update(self, arrays: dict[str, np.ndarray], rewards: np.ndarray, group_ids: np.ndarray,
-               ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-        """π_old, π_ref, then the sequential mini-batch updates. Returns (step metrics, host arrays).
-
-        ``arrays``/``rewards``/``group_ids`` are this host's rows (``host_rows()``; all rows on
-        one host). The host arrays (advantages, old_logp of this host's rows, per-mini-batch
-        metrics of the whole step) feed the diagnostics. Every host must call this together.
+        ``batch`` is this host's host record (uploaded here) or the device batch of
+        :meth:`upload`. Extras: ``batch`` (the device batch with π_old/π_ref, for the Δ pass),
+        ``advantages`` and token-aligned ``old_logp`` of this host's rows, and the whole step's
+        per-mini-batch metrics (``per_mini_batch``). Every host must call this together.
         """
-        advantages = self.advantages(rewards, group_ids)
+        if not isinstance(batch.input_ids, jax.Array):
+            batch = self.upload(batch)
         rows = self.host_rows()
         with jax.set_mesh(self.mesh):
-            batch = self.device_batch(arrays, advantages)
             clock = time.perf_counter()
             old_logp = self.fns.policy_logprobs(self.state.params, batch.input_ids, batch.attention_mask)
             ref_logp = None
@@ -248,29 +217,31 @@ class Learner:
             logprob_s = time.perf_counter() - clock
             batch = batch._replace(old_logp=old_logp, ref_logp=ref_logp)
             clock = time.perf_counter()
-            self.state, per_mini = self.fns.update(self.state, batch)
+            self.state, per_mini, outputs = self.fns.update(self.state, batch)
             per_mini = distributed.fetch_to_host(per_mini)  # replicated: read from a local shard
             update_s = time.perf_counter() - clock
-        old_host = distributed.local_rows(old_logp, rows)
+            action_tokens, tokens = (float(x) for x in distributed.fetch_to_host((outputs.action_tokens,
+                                                                                  outputs.tokens)))
+        advantages = distributed.local_rows(outputs.advantages, rows)
         metrics = summarize_update(per_mini, with_entropy=self.config.rl.entropy_coef > 0)
-        tokens = distributed.sum_over_hosts({"action": float(np.sum(arrays["action_mask"])),
-                                             "all": float(np.sum(arrays["attention_mask"]))})
         metrics.update({
             "time/logprobs_s": logprob_s, "time/update_s": update_s,
-            "throughput/update_tokens_per_s": tokens["all"] / max(update_s, 1e-9),
-            "throughput/action_tokens_per_s": tokens["action"] / max(update_s, 1e-9),
+            "throughput/update_tokens_per_s": tokens / max(update_s, 1e-9),
+            "throughput/action_tokens_per_s": action_tokens / max(update_s, 1e-9),
             "advantage/abs_mean": float(np.abs(advantages).mean()),
             "advantage/nonzero_frac": float(np.mean(advantages != 0)),
         })
-        if "sampler_logprobs" in arrays:
-            metrics.update(logprob_gap(arrays["sampler_logprobs"], old_host, arrays["action_mask"]))
-        return metrics, {"advantages": advantages, "old_logp": old_host, "per_mini_batch": per_mini}
+        return metrics, {"batch": batch, "advantages": advantages, "old_logp": distributed.local_rows(old_logp, rows),
+                         "per_mini_batch": per_mini}
 
-    def logprobs_now(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
-        """log π_θ of this host's rows under the *current* params (for Δ after the step's updates)."""
-        n = arrays["input_ids"].shape[0]
+    def logprobs_now(self, batch: TrainBatch) -> np.ndarray:
+        """Token-aligned log π_θ of this host's rows under the *current* params (Δ after the step's updates).
+
+        Pass the device batch the update read (``extras["batch"]``): nothing is uploaded again.
+        """
+        if not isinstance(batch.input_ids, jax.Array):
+            batch = self.upload(batch)
         with jax.set_mesh(self.mesh):
-            batch = self.device_batch(arrays, np.zeros(n, np.float32))
             logp = self.fns.policy_logprobs(self.state.params, batch.input_ids, batch.attention_mask)
         return distributed.local_rows(logp, self.host_rows())
 

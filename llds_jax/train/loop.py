@@ -33,29 +33,14 @@ from llds_jax.diagnostics.monitor import Action
 from llds_jax.parallel import distributed
 from llds_jax.rollout.multi_turn import run_rollouts
 from llds_jax.rollout.reward import exact_match
-from llds_jax.train.learner import Learner
+from llds_jax.train.batch import TrainBatch
+from llds_jax.train.learner import Learner, logprob_gap
 from llds_jax.train.metrics import MetricsWriter
 
 
 def em_rewards(answers, golden) -> np.ndarray:
     """EM of each trajectory's own last ``<answer>`` (None → 0; the prompt's example never counts)."""
     return np.array([0.0 if a is None else exact_match(a, g) for a, g in zip(answers, golden)], np.float32)
-
-
-def token_aligned(shifted: np.ndarray, length: int) -> np.ndarray:
-    """[N, T-1] "scores token t+1" → [N, length] "value at token t" (position 0 has none: 0)."""
-    out = np.zeros((shifted.shape[0], length), np.float32)
-    width = min(length - 1, shifted.shape[1])
-    out[:, 1:width + 1] = shifted[:, :width]
-    return out
-
-
-def rollout_arrays(rollout, ma_search_count: str = "batch_written") -> dict[str, np.ndarray]:
-    """``num_searches`` is the count adaptive LLDS-MA reads (``rl.ma_search_count``)."""
-    searches = rollout.search_actions_written if ma_search_count == "batch_written" else rollout.searches
-    return dict(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask, action_mask=rollout.action_mask,
-                answer_mask=rollout.answer_mask, action_index=rollout.action_index,
-                num_searches=searches.astype(np.float32), sampler_logprobs=rollout.sampler_logprobs)
 
 
 def rollout_metrics(rollout, rewards: np.ndarray) -> dict[str, float]:
@@ -144,18 +129,19 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
                                group_ids=list(range(share.start, share.stop)))
         golden = [batch.records[g].golden_answers for g in rollout.group_ids]
         rewards = em_rewards(rollout.answers, golden)
-        arrays = rollout_arrays(rollout, config.rl.ma_search_count)
+        host_batch = TrainBatch.from_rollout(rollout, rewards, length=learner.seq_len,
+                                             ma_search_count=config.rl.ma_search_count)
         metrics = rollout_metrics(rollout, rewards)
-        update_metrics, extra = learner.update(arrays, rewards, rollout.group_ids)
+        update_metrics, extra = learner.update(learner.upload(host_batch))
         metrics.update(update_metrics)
+        metrics.update(logprob_gap(rollout.sampler_logprobs, extra["old_logp"], rollout.action_mask))
         new_logp = None
         if config.train.delta_diagnostics and step % config.train.get("delta_every", 1) == 0:
             clock = time.perf_counter()
-            new_logp = token_aligned(learner.logprobs_now(arrays), rollout.input_ids.shape[1])
+            new_logp = learner.logprobs_now(extra["batch"])  # the step's device batch: no second upload
             metrics["time/delta_logprobs_s"] = time.perf_counter() - clock
         diag_batch = response_batch_from_rollout(
-            rollout, advantage=extra["advantages"], reward=rewards,
-            old_logprobs=token_aligned(extra["old_logp"], rollout.input_ids.shape[1]),
+            rollout, advantage=extra["advantages"], reward=rewards, old_logprobs=extra["old_logp"],
             num_action_slots=slots, new_logprobs=new_logp)
         metrics.update(step_diagnostics(diag_batch))
         metrics[keys.STEP_SECONDS] = time.perf_counter() - started

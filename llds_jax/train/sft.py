@@ -36,8 +36,15 @@ from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
 from llds_jax.retrieval.hit import format_docs
 from llds_jax.rollout import protocol
-from llds_jax.train.state import TrainState, init_train_state, make_optimizer, train_state_shardings
-from llds_jax.train.step import _global_norm, batch_sharding, forward_logprobs
+from llds_jax.train.batch import batch_sharding, next_token_targets
+from llds_jax.train.state import (
+    TrainState,
+    apply_update,
+    init_train_state,
+    make_optimizer,
+    train_state_shardings,
+)
+from llds_jax.train.step import forward_logprobs
 
 FIRST_THOUGHT = "<think> I need to find information about this question. </think>\n"
 SECOND_THOUGHT = "<think> The documents contain the answer. </think>\n"
@@ -113,7 +120,7 @@ class SFTStep:
 
     def _update(self, state: TrainState, batch: dict[str, jax.Array]):
         cfg = self.config
-        mask = batch["action_mask"][:, 1:]
+        mask = next_token_targets(batch["action_mask"])  # the forward scores next-token targets
 
         def loss_fn(params):
             logp, _ = forward_logprobs(self.graphdef, params, batch["input_ids"], batch["attention_mask"],
@@ -121,21 +128,13 @@ class SFTStep:
             return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        norm = _global_norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(norm)
-        scale = jnp.minimum(1.0, cfg.optim.clip_norm / (norm + 1e-6))
-        grads = jax.tree.map(lambda g: jnp.where(finite, g * scale, 0.0), grads)
         warm = cfg.sft.warmup_steps
         lr = cfg.sft.lr * (jnp.minimum(1.0, (state.step + 1.0) / warm) if warm > 0 else 1.0)
-        direction, opt_state = make_optimizer(self.optim).update(grads, state.opt_state, state.params)
-        params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), state.params, direction)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-        state = state.replace(step=state.step + 1, params=keep(params, state.params),
-                              opt_state=keep(opt_state, state.opt_state),
-                              updates=state.updates + finite.astype(jnp.int32),
-                              skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32))
-        return state, {"sft/loss": loss, "grad/norm_preclip": norm, "optim/lr": lr,
-                       "sft/action_tokens": mask.sum(), "update/skipped": (~finite).astype(jnp.float32)}
+        state, optimizer_metrics = apply_update(state, grads, loss, lr, make_optimizer(self.optim),
+                                                cfg.optim.clip_norm)
+        state = state.replace(step=state.step + 1)
+        return state, {"sft/loss": loss, "grad/norm_preclip": optimizer_metrics["grad/norm_preclip"], "optim/lr": lr,
+                       "sft/action_tokens": mask.sum(), "update/skipped": optimizer_metrics["update/skipped"]}
 
     def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         with jax.set_mesh(self.mesh):

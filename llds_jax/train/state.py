@@ -25,8 +25,9 @@ The data iterator's position is *not* in here (it is host-side JSON, see
 ``llds_jax.data.prompts.PromptIterator.state_dict``); the checkpointer saves both.
 
 Why the lr is not inside the optax chain: the clip needs the pre-clip norm for metrics and the
-non-finite guard needs the norm before any update, so clip/guard/lr-scale are done explicitly in
-the update step, and the optax part is only ``scale_by_adam`` + decoupled weight decay.
+non-finite guard needs the norm before any update, so clip/guard/lr-scale are done explicitly by
+:func:`apply_update` — the one optimizer step of both the RL update and the SFT warm-up — and the
+optax part is only ``scale_by_adam`` + decoupled weight decay.
 """
 
 from __future__ import annotations
@@ -80,6 +81,37 @@ def learning_rate(step: jax.Array | int, optim_cfg, total_steps: int) -> jax.Arr
         return jnp.asarray(optim_cfg.lr, jnp.float32)
     progress = step if optim_cfg.lr_first_step_zero else step + 1.0
     return optim_cfg.lr * jnp.minimum(1.0, progress / warmup)
+
+
+def global_norm(tree) -> jax.Array:
+    """The fp32 global L2 norm of a pytree (the clip's and the non-finite guard's norm)."""
+    return optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree))
+
+
+def apply_update(state: TrainState, grads, loss: jax.Array, lr: jax.Array, tx: optax.GradientTransformation,
+                 clip_norm: float) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step: clip by global norm, skip if non-finite, AdamW direction × lr, counters.
+
+    When the loss or the pre-clip norm is non-finite the step keeps params and Adam moments
+    unchanged (``skipped_updates`` counts it; ``updates`` counts applied steps). ``state.step``
+    is not touched: the RL step advances it once per rollout batch, SFT once per update.
+    Returns the new state and ``grad/norm_preclip``, ``grad/clip_scale``, ``update/skipped``.
+    """
+    grad_norm = global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
+    grads = jax.tree.map(lambda g: jnp.where(finite, g * scale, 0.0), grads)
+    direction, new_opt_state = tx.update(grads, state.opt_state, state.params)
+    new_params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), state.params, direction)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    state = state.replace(
+        params=keep(new_params, state.params),
+        opt_state=keep(new_opt_state, state.opt_state),
+        updates=state.updates + finite.astype(jnp.int32),
+        skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32),
+    )
+    return state, {"grad/norm_preclip": grad_norm, "grad/clip_scale": scale,
+                   "update/skipped": (~finite).astype(jnp.float32)}
 
 
 def init_train_state(params, optim_cfg, seed: int, ref_params=None,

@@ -29,9 +29,15 @@ layout so each device works on its slice. The rules stay the model's: params and
 moments use the same table the sampler reads, so no resharding happens between rollout and
 update on the default rules.
 
-Token alignment: rollout arrays are aligned with ``input_ids`` (mask[t] says token t is an
-action token). Log-probs are [N, T-1]: entry t scores token t+1, so the loss reads
-``mask[:, 1:]``. Nothing here materialises [B, T, V] logits (``token_logprobs`` chunks).
+Advantages are computed inside ``update`` from the batch's rewards, group ids and row weights
+(``llds_jax.rl.advantages``, pure jnp) over the *global* batch, and returned with the new
+state, so no host round trip precedes the update and several hosts need no gather. The
+optimizer step (clip, non-finite skip, AdamW, counters) is ``train.state.apply_update``,
+shared with the SFT warm-up.
+
+Token alignment: the batch is token-aligned (``llds_jax.train.batch``); ``policy_logprobs``
+returns token-aligned log-probs and the loss reads the objective's next-token view
+(``_objective_view``). Nothing here materialises [B, T, V] logits (``token_logprobs`` chunks).
 """
 
 from __future__ import annotations
@@ -41,13 +47,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from llds_jax.models.logprobs import token_logprobs
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
+from llds_jax.rl.advantages import compute_advantages
 from llds_jax.rl.objective import (
     LossMasks,
     ObjectiveTerms,
@@ -57,26 +63,8 @@ from llds_jax.rl.objective import (
     micro_batch_loss,
 )
 from llds_jax.rl.objective import accumulate as accumulate_terms
-from llds_jax.train.state import TrainState, learning_rate, make_optimizer
-
-
-class TrainBatch(NamedTuple):
-    """One rollout batch as the update sees it; every array has N = trajectories rows.
-
-    Token arrays are [N, T] aligned with ``input_ids``; ``old_logp``/``ref_logp`` are
-    [N, T-1] (entry t scores token t+1); ``ref_logp`` is None when ``rl.kl_coef == 0``.
-    """
-
-    input_ids: jax.Array  # int32 [N, T], right-padded
-    attention_mask: jax.Array  # bool [N, T]: real tokens (prompt, actions, feedback)
-    action_mask: jax.Array  # float32 [N, T]: 1 on model-written tokens that are trained
-    answer_mask: jax.Array  # float32 [N, T]: 1 on the last <answer>…</answer> span
-    action_index: jax.Array  # int32 [N, T]: which action a token belongs to, -1 elsewhere
-    num_searches: jax.Array  # float32 [N]
-    row_weight: jax.Array  # float32 [N]: 1 real trajectory, 0 padding row
-    advantages: jax.Array  # float32 [N]
-    old_logp: jax.Array | None = None  # float32 [N, T-1]
-    ref_logp: jax.Array | None = None  # float32 [N, T-1]
+from llds_jax.train.batch import TrainBatch, batch_sharding, next_token_targets, token_aligned
+from llds_jax.train.state import TrainState, apply_update, learning_rate, make_optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,16 +92,6 @@ class StepSizes:
                    t.logprob_batch_size, t.total_steps)
 
 
-def batch_sharding(mesh, rules: ShardingRules, ndim: int, shape=None) -> NamedSharding:
-    """Rows over the data-parallel axes, everything else replicated."""
-    logical = ("batch",) + (None,) * (ndim - 1)
-    return rules.sharding(logical, mesh, shape)
-
-
-def train_batch_shardings(batch: TrainBatch, mesh, rules: ShardingRules) -> TrainBatch:
-    return jax.tree.map(lambda x: batch_sharding(mesh, rules, x.ndim, x.shape), batch)
-
-
 def _constrain_rows(tree, rules: ShardingRules):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -130,25 +108,24 @@ def _split_rows(tree, parts: int):
 
 def forward_logprobs(graphdef, params, input_ids, attention_mask, *, temperature: float, chunk_size: int,
                      with_entropy: bool):
-    """log π(token t+1 | ≤ t) [N, T-1] (and entropy) — the one forward used for π_old, π_ref and the loss."""
+    """log π(token t+1 | ≤ t) [N, T-1] *target-aligned* (and entropy) — the one forward of π_old, π_ref and the loss."""
     model = nnx.merge(graphdef, params)
     hidden = model.hidden_states(input_ids, attention_mask)
     return token_logprobs(hidden[:, :-1], model.unembed(), input_ids[:, 1:], temperature=temperature,
                           chunk_size=chunk_size, with_entropy=with_entropy)
 
 
-def _loss_masks(mb: TrainBatch) -> LossMasks:
-    return LossMasks(
-        action_mask=mb.action_mask[:, 1:],
-        answer_mask=mb.answer_mask[:, 1:],
-        action_index=mb.action_index[:, 1:],
+def _objective_view(mb: TrainBatch) -> tuple[LossMasks, jax.Array, jax.Array | None]:
+    """The token-aligned batch as the objective reads it: masks and π_old/π_ref on next-token targets."""
+    masks = LossMasks(
+        action_mask=next_token_targets(mb.action_mask),
+        answer_mask=next_token_targets(mb.answer_mask),
+        action_index=next_token_targets(mb.action_index),
         row_weight=mb.row_weight,
         num_searches=mb.num_searches,
     )
-
-
-def _global_norm(tree) -> jax.Array:
-    return optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree))
+    ref = None if mb.ref_logp is None else next_token_targets(mb.ref_logp)
+    return masks, next_token_targets(mb.old_logp), ref
 
 
 def _empty_terms(shapes: ObjectiveTerms) -> ObjectiveTerms:
@@ -158,10 +135,18 @@ def _empty_terms(shapes: ObjectiveTerms) -> ObjectiveTerms:
                                        full(shapes.maxima, -jnp.inf), full(shapes.minima, jnp.inf))
 
 
+class StepOutputs(NamedTuple):
+    """What the update hands back besides the state and per-mini-batch metrics (for logging and diagnostics)."""
+
+    advantages: jax.Array  # float32 [N], row-sharded: computed inside the update from rewards and groups
+    action_tokens: jax.Array  # float32 scalar: action tokens of the global batch
+    tokens: jax.Array  # float32 scalar: real tokens of the global batch
+
+
 class UpdateFns(NamedTuple):
-    policy_logprobs: Any  # (params, input_ids, attention_mask) -> logp [N, T-1]
-    reference_logprobs: Any  # (ref_params, input_ids, attention_mask) -> logp [N, T-1]
-    update: Any  # (state, batch) -> (state, metrics with a leading [num_mini_batches] axis)
+    policy_logprobs: Any  # (params, input_ids, attention_mask) -> token-aligned logp [N, T]
+    reference_logprobs: Any  # (ref_params, input_ids, attention_mask) -> token-aligned logp [N, T]
+    update: Any  # (state, batch) -> (state, metrics with a leading [num_mini_batches] axis, StepOutputs)
 
 
 def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: TrainBatch, mesh, config,
@@ -178,7 +163,7 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
     logp_sharding = batch_sharding(mesh, rules, 2)
 
     def logprobs(params, input_ids, attention_mask):
-        """No-grad log-probs over the whole batch in ``logprob_batch_size`` chunks (lax.map)."""
+        """No-grad token-aligned log-probs over the whole batch in ``logprob_batch_size`` chunks (lax.map)."""
         parts = sizes.trajectories // sizes.logprob_batch_size
         ids, mask = _split_rows((input_ids, attention_mask), parts)
 
@@ -186,77 +171,69 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
             chunk_ids, chunk_mask = _constrain_rows(chunk_arrays, rules)
             logp, _ = forward_logprobs(graphdef, params, chunk_ids, chunk_mask, temperature=temperature,
                                        chunk_size=chunk, with_entropy=False)
-            return _constrain_rows(logp, rules)
+            return _constrain_rows(token_aligned(logp), rules)
 
         out = jax.lax.map(one, (ids, mask))
         return jax.lax.stop_gradient(out.reshape((sizes.trajectories,) + out.shape[2:]))
 
-    def micro_loss(params, mb: TrainBatch, constants, on_policy):
+    def micro_loss(params, mb: TrainBatch, advantages, constants, on_policy):
         logp, entropy = forward_logprobs(graphdef, params, mb.input_ids, mb.attention_mask, temperature=temperature,
                                          chunk_size=chunk, with_entropy=with_entropy)
+        masks, precomputed_old, ref_logp = _objective_view(mb)
         own = jax.lax.stop_gradient(logp)
-        masks = _loss_masks(mb)
-        gap = jnp.max(jnp.where(masks.action_mask > 0, jnp.abs(own - mb.old_logp), 0.0))
-        old_logp = jnp.where(on_policy, own, mb.old_logp)
-        policy_batch = PolicyBatch(logp=logp, old_logp=old_logp, ref_logp=mb.ref_logp,
-                                   entropy=entropy, advantages=mb.advantages, masks=masks)
+        gap = jnp.max(jnp.where(masks.action_mask > 0, jnp.abs(own - precomputed_old), 0.0))
+        old_logp = jnp.where(on_policy, own, precomputed_old)
+        policy_batch = PolicyBatch(logp=logp, old_logp=old_logp, ref_logp=ref_logp,
+                                   entropy=entropy, advantages=advantages, masks=masks)
         loss, terms = micro_batch_loss(policy_batch, rl_cfg, constants, sizes.num_micro_batches)
         return loss, (terms, gap)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def one_update(state: TrainState, mini: TrainBatch, lr, on_policy, batch_mean_searches):
-        constants = batch_constants(mini.advantages, _loss_masks(mini), rl_cfg, llds_coef=state.llds_coef,
+    def one_update(state: TrainState, mini: TrainBatch, advantages, lr, on_policy, batch_mean_searches):
+        constants = batch_constants(advantages, _objective_view(mini)[0], rl_cfg, llds_coef=state.llds_coef,
                                     mean_searches=batch_mean_searches)
-        micros = _split_rows(mini, sizes.num_micro_batches)
+        micros = _split_rows((mini, advantages), sizes.num_micro_batches)
         zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
 
-        def accumulate(carry, mb):
+        def accumulate(carry, micro):
             grads, loss, terms, gap = carry
-            mb = _constrain_rows(mb, rules)
-            (mb_loss, (mb_terms, mb_gap)), mb_grads = grad_fn(state.params, mb, constants, on_policy)
+            mb, mb_advantages = _constrain_rows(micro, rules)
+            (mb_loss, (mb_terms, mb_gap)), mb_grads = grad_fn(state.params, mb, mb_advantages, constants, on_policy)
             grads = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), grads, mb_grads)
             terms = accumulate_terms(terms, mb_terms)
             return (grads, loss + mb_loss, terms, jnp.maximum(gap, mb_gap)), None
 
-        first = jax.tree.map(lambda x: x[0], micros)
-        terms_shape = jax.eval_shape(grad_fn, state.params, first, constants, on_policy)[0][1][0]
+        first_mb, first_advantages = jax.tree.map(lambda x: x[0], micros)
+        terms_shape = jax.eval_shape(grad_fn, state.params, first_mb, first_advantages, constants, on_policy)[0][1][0]
         zero = jnp.zeros((), jnp.float32)
         (grads, loss, terms, gap), _ = jax.lax.scan(
             accumulate, (zero_grads, zero, _empty_terms(terms_shape), zero), micros)
         _, metrics = finalize(terms, rl_cfg)
         metrics["delta_logp/abs_max"] = gap  # mini-batch 1: the recompute gap
-
-        grad_norm = _global_norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        scale = jnp.minimum(1.0, optim_cfg.clip_norm / (grad_norm + 1e-6))
-        grads = jax.tree.map(lambda g: jnp.where(finite, g * scale, 0.0), grads)
-        direction, new_opt_state = tx.update(grads, state.opt_state, state.params)
-        new_params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), state.params, direction)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        state = state.replace(
-            params=keep(new_params, state.params),
-            opt_state=keep(new_opt_state, state.opt_state),
-            updates=state.updates + finite.astype(jnp.int32),
-            skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32),
-        )
-        metrics.update({"loss/objective": loss, "grad/norm_preclip": grad_norm, "update/skipped": (~finite).astype(jnp.float32),
-                        "grad/clip_scale": scale})
+        state, optimizer_metrics = apply_update(state, grads, loss, lr, tx, optim_cfg.clip_norm)
+        metrics.update({"loss/objective": loss, **optimizer_metrics})
         return state, metrics
 
     def update(state: TrainState, batch: TrainBatch):
         lr = learning_rate(state.step, optim_cfg, sizes.total_steps)
-        minis = _split_rows(batch, sizes.num_mini_batches)
+        # Over the global batch (rows of every host): the group statistics need no host gather.
+        advantages = compute_advantages(batch.rewards, batch.group_ids, batch.row_weight > 0,
+                                        estimator=rl_cfg.advantage_estimator, eps=rl_cfg.advantage_eps,
+                                        unbiased_std=rl_cfg.unbiased_std)
+        advantages = _constrain_rows(advantages, rules)
+        minis = _split_rows((batch, advantages), sizes.num_mini_batches)
         on_policy = jnp.arange(sizes.num_mini_batches) == 0  # θ = θ_old only before the first update
         batch_mean_searches = None  # minibatch_executed: each mini-batch's own mean
         if rl_cfg.ma_search_count == "batch_written":  # the official valid_search_mean: whole rollout batch
             batch_mean_searches = (batch.num_searches * batch.row_weight).sum() / jnp.maximum(batch.row_weight.sum(), 1.0)
-        state, metrics = jax.lax.scan(lambda s, xs: one_update(s, xs[0], lr, xs[1], batch_mean_searches), state,
-                                      (minis, on_policy))
+        state, metrics = jax.lax.scan(
+            lambda s, xs: one_update(s, xs[0][0], xs[0][1], lr, xs[1], batch_mean_searches), state, (minis, on_policy))
         metrics["optim/lr"] = jnp.broadcast_to(lr, (sizes.num_mini_batches,))
         metrics["llds/lambda"] = jnp.broadcast_to(state.llds_coef, (sizes.num_mini_batches,))
         state = state.replace(step=state.step + 1)
-        return state, metrics
+        outputs = StepOutputs(advantages, batch.action_mask.sum(), batch.attention_mask.sum(dtype=jnp.float32))
+        return state, metrics, outputs
 
     ids_sh, mask_sh = batch_shardings.input_ids, batch_shardings.attention_mask
     policy_logprobs = jax.jit(logprobs, in_shardings=(state_shardings.params, ids_sh, mask_sh),
@@ -265,6 +242,7 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
     if state_shardings.ref_params is not None:
         reference_logprobs = jax.jit(logprobs, in_shardings=(state_shardings.ref_params, ids_sh, mask_sh),
                                      out_shardings=logp_sharding)
+    outputs_sharding = StepOutputs(batch_sharding(mesh, rules, 1), replicated, replicated)
     update_jit = jax.jit(update, in_shardings=(state_shardings, batch_shardings),
-                         out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+                         out_shardings=(state_shardings, replicated, outputs_sharding), donate_argnums=(0,))
     return UpdateFns(policy_logprobs, reference_logprobs, update_jit)

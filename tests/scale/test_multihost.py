@@ -91,6 +91,7 @@ def test_two_processes_match_single_process_8_devices(tmp_path):
 @pytest.mark.slow
 def test_trainer_update_step_in_two_processes_equals_one_process(tmp_path):
     """Acceptance: ``Learner.update`` with each host's own rows, two jax.distributed processes vs one with 8 devices."""
+    from llds_jax.train.batch import TrainBatch
     from tests.scale.test_resume_trainer_state import learner_on, rollout
     from tests.scale.trainer_step_worker import MESH
 
@@ -104,8 +105,8 @@ def test_trainer_update_step_in_two_processes_equals_one_process(tmp_path):
     learner = learner_on(MESH)
     initial = jax.tree.leaves(jax.tree.map(np.asarray, jax.device_get(learner.state.params)))
     arrays = rollout(seed=0)
-    _, extra = learner.update(arrays, arrays["rewards"], arrays["group_ids"])
-    logp_now = learner.logprobs_now(arrays)
+    _, extra = learner.update(TrainBatch.from_arrays(arrays, length=learner.seq_len))
+    logp_now = learner.logprobs_now(extra["batch"])
     params = jax.tree.leaves(jax.tree.map(np.asarray, jax.device_get(learner.state.params)))
 
     # Advantages come from the same all-gathered rewards: identical. Each host got its own rows back.

@@ -16,6 +16,7 @@ from llds_jax.app.run_control import NonFiniteStreak
 from llds_jax.models.testing import tiny_model
 from llds_jax.parallel.mesh import make_mesh
 from llds_jax.parallel.placement import shard_model
+from llds_jax.train.batch import TrainBatch
 from llds_jax.train.checkpoint import Checkpointer, abstract_like
 from llds_jax.train.learner import Learner
 from tests.scale.test_resume_trainer_state import rollout, tiny_config
@@ -34,14 +35,14 @@ def test_nan_gradients_are_skipped_counted_and_a_streak_stops_with_a_checkpoint(
     streak = NonFiniteStreak(limit=3)
 
     arrays = rollout(seed=0)
-    metrics, extra = learner.update(arrays, arrays["rewards"], arrays["group_ids"])
+    metrics, extra = learner.update(TrainBatch.from_arrays(arrays, length=learner.seq_len))
     assert metrics["update/skipped"] == 0 and not streak.record(extra["per_mini_batch"]["update/skipped"])
     finite_params, finite_opt = host(learner.state.params), host(learner.state.opt_state)
 
     # NaN rewards -> NaN advantages -> NaN loss and gradients in every mini-batch of the step.
     poisoned = np.full_like(arrays["rewards"], np.nan)
     for step in (1, 2):
-        metrics, extra = learner.update(arrays, poisoned, arrays["group_ids"])
+        metrics, extra = learner.update(TrainBatch.from_arrays({**arrays, "rewards": poisoned}, length=learner.seq_len))
         assert metrics["update/skipped"] == metrics["update/mini_batches"] == 2
         stop = streak.record(extra["per_mini_batch"]["update/skipped"])
         assert stop == (step == 2), f"after step {step}: streak {streak.current}"

@@ -15,6 +15,7 @@ from llds_jax.app.config import base_config
 from llds_jax.models.testing import tiny_model
 from llds_jax.parallel.mesh import make_mesh
 from llds_jax.parallel.placement import shard_model
+from llds_jax.train.batch import TrainBatch
 from llds_jax.train.checkpoint import Checkpointer, with_shardings
 from llds_jax.train.learner import Learner
 
@@ -59,7 +60,7 @@ def learner_on(mesh_shape) -> Learner:
 
 def step(learner: Learner, seed: int):
     arrays = rollout(seed)
-    metrics, _ = learner.update(arrays, arrays["rewards"], arrays["group_ids"])
+    metrics, _ = learner.update(TrainBatch.from_arrays(arrays, length=learner.seq_len))
     return metrics, jax.tree.map(np.asarray, jax.device_get(learner.state.params))
 
 

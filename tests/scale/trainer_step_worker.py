@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from llds_jax.parallel import distributed
+from llds_jax.train.batch import TrainBatch
 from tests.scale.test_resume_trainer_state import learner_on, rollout
 
 MESH = (2, 4, 1)
@@ -30,8 +31,8 @@ def main(out_dir: str) -> None:
     learner = learner_on(MESH)
     rows = learner.host_rows()
     local = {k: v[rows] for k, v in rollout(seed=0).items()}  # group ids stay global: rows are prompt-major
-    _, extra = learner.update(local, local["rewards"], local["group_ids"])
-    logp_now = learner.logprobs_now(local)
+    _, extra = learner.update(TrainBatch.from_arrays(local, length=learner.seq_len))
+    logp_now = learner.logprobs_now(extra["batch"])
     params = distributed.fetch_to_host(jax.tree.leaves(learner.state.params))
     out = Path(out_dir)
     np.savez(out / f"host_{jax.process_index()}.npz", rows=np.array([rows.start, rows.stop]),

@@ -10,6 +10,7 @@ from train_helpers import synthetic_rollout, tiny_train_config
 from llds_jax.models.testing import tiny_model
 from llds_jax.parallel.mesh import make_mesh
 from llds_jax.parallel.placement import shard_model
+from llds_jax.train.batch import TrainBatch
 from llds_jax.train.checkpoint import Checkpointer, abstract_like
 from llds_jax.train.learner import Learner
 
@@ -26,7 +27,7 @@ def run_steps(mesh_shape, steps: int = 1, eps: float | None = None, **train_over
     history = []
     for step in range(steps):
         arrays = synthetic_rollout(seed=step)
-        metrics, extra = learner.update(arrays, arrays["rewards"], arrays["group_ids"])
+        metrics, extra = learner.update(TrainBatch.from_arrays(arrays, length=learner.seq_len))
         extra["params"] = jax.tree.map(np.asarray, jax.device_get(learner.state.params))
         history.append((metrics, extra))
     return learner, history
@@ -153,7 +154,7 @@ def test_non_finite_loss_skips_the_update_and_counts_it(single_device):
     arrays = synthetic_rollout(seed=9)
     rewards = arrays["rewards"].copy()
     rewards[0] = np.nan
-    metrics, _ = learner.update(arrays, rewards, arrays["group_ids"])
+    metrics, _ = learner.update(TrainBatch.from_arrays({**arrays, "rewards": rewards}, length=learner.seq_len))
     assert metrics["update/skipped"] == 1.0, metrics["update/skipped"]  # only the NaN row's mini-batch
     assert int(learner.state.skipped_updates) == skipped + 1
     after = jax.tree.map(np.asarray, jax.device_get(learner.state.params))
@@ -168,7 +169,7 @@ def test_raised_llds_lambda_applies_without_recompiling_and_survives_a_checkpoin
     learner.set_llds_coef(0.4)
     assert learner.llds_coef == pytest.approx(0.4)
     arrays = synthetic_rollout(seed=5)
-    metrics, extra = learner.update(arrays, arrays["rewards"], arrays["group_ids"])
+    metrics, extra = learner.update(TrainBatch.from_arrays(arrays, length=learner.seq_len))
     per_mini = extra["per_mini_batch"]
     assert metrics["llds/lambda"] == pytest.approx(0.4)
     assert per_mini["llds/value"][1] > 0
@@ -200,5 +201,5 @@ def test_adaptive_ma_reads_searches_over_the_scope_the_config_names(count, expec
     arrays = synthetic_rollout(seed=0)
     half = len(arrays["num_searches"]) // 2
     arrays["num_searches"] = np.array([1.0] * half + [3.0] * half, np.float32)
-    _, extra = learner.update(arrays, arrays["rewards"], arrays["group_ids"])
+    _, extra = learner.update(TrainBatch.from_arrays(arrays, length=learner.seq_len))
     np.testing.assert_allclose(extra["per_mini_batch"]["llds/answer_coef"], expected, rtol=1e-6)

@@ -1,0 +1,199 @@
+"""One batch record from rollout to update (issue 16 item 2).
+
+The record (``TrainBatch``) carries rewards, group ids and row weights; the update computes the
+advantages inside its jit; the device batch is uploaded once per step and reused by π_old,
+π_ref, the update and the Δ pass; every token array is token-aligned; RL and SFT share one
+optimizer step (``apply_update``). The numbers must be the ones the code produced before the
+change: ``pinned_update_b44de21.json`` holds them, computed at commit b44de21 (pre-change
+path: host-side advantages, per-call uploads) with the setup its ``how`` field names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from train_helpers import synthetic_rollout, tiny_train_config
+
+from llds_jax.models.testing import tiny_model
+from llds_jax.parallel.mesh import make_mesh
+from llds_jax.parallel.placement import shard_model
+from llds_jax.rl.advantages import compute_advantages
+from llds_jax.train.batch import TrainBatch, next_token_targets, token_aligned
+from llds_jax.train.learner import Learner
+from llds_jax.train.state import apply_update, init_train_state, make_optimizer
+
+PINNED = json.loads((Path(__file__).parent / "pinned_update_b44de21.json").read_text())
+F32_EPS = float(np.finfo(np.float32).eps)
+# The same fp32 operations in a differently fused XLA program may round differently; 16 ulps of
+# the quantity's magnitude (at least 1: losses and means cancel O(1) per-token terms) bounds that.
+ULPS = 16
+
+
+def _learner(mesh_shape):
+    config = tiny_train_config()
+    config.mesh.shape = mesh_shape
+    mesh = make_mesh(mesh_shape)
+    with jax.set_mesh(mesh):
+        model = shard_model(tiny_model("qwen2"), mesh)
+    return Learner.create(model, config, mesh)
+
+
+def _assert_pinned(name, got, want, floor=1.0):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} vs pinned {want.shape}"
+    same_nan = np.isnan(got) & np.isnan(want)
+    scale = max(float(np.nanmax(np.abs(want))) if np.isfinite(want).any() else 0.0, floor)
+    diff = np.where(same_nan, 0.0, np.abs(got - want))
+    assert np.all(diff <= ULPS * F32_EPS * scale), (
+        f"{name}: differs from the pre-change value by {np.nanmax(diff):.3e} > {ULPS} ulp × {scale:.3g} "
+        f"(got {got}, pinned {want})")
+
+
+@pytest.fixture(scope="module")
+def pinned_run():
+    learner = _learner((1, 1, 1))
+    steps = []
+    for step in range(2):
+        metrics, extra = learner.update(TrainBatch.from_arrays(synthetic_rollout(seed=step), length=learner.seq_len))
+        extra["logp_now"] = learner.logprobs_now(extra["batch"])
+        steps.append((metrics, extra))
+    return learner, steps
+
+
+def test_update_metrics_advantages_and_logprobs_equal_the_pre_change_numbers(pinned_run):
+    _, steps = pinned_run
+    for step, ((_, extra), want) in enumerate(zip(steps, PINNED["update"])):
+        assert sorted(extra["per_mini_batch"]) == sorted(want["per_mini_batch"])
+        for key, values in want["per_mini_batch"].items():
+            _assert_pinned(f"step {step} {key}", extra["per_mini_batch"][key], values)
+        _assert_pinned(f"step {step} advantages", extra["advantages"], want["advantages"])
+        _assert_pinned(f"step {step} π_old row sums", extra["old_logp"].sum(axis=1, dtype=np.float64),
+                       want["old_logp_row_sums"])
+        _assert_pinned(f"step {step} π after the update, row sums", extra["logp_now"].sum(axis=1, dtype=np.float64),
+                       want["logp_now_row_sums"])
+
+
+def test_returned_logprobs_are_token_aligned(pinned_run):
+    """Position t scores the token at t (as the sampler's log-probs): nothing predicts token 0."""
+    learner, steps = pinned_run
+    _, extra = steps[0]
+    assert extra["old_logp"].shape == (16, learner.seq_len)
+    assert np.all(extra["old_logp"][:, 0] == 0.0)
+    assert np.all(extra["old_logp"][:, 1:28] < 0.0), "real tokens 1..27 must carry a log-prob"
+    x = jnp.arange(12.0).reshape(3, 4)
+    np.testing.assert_array_equal(next_token_targets(token_aligned(x)), x)
+
+
+def test_the_step_uploads_once_and_no_host_transfer_precedes_the_update(pinned_run):
+    """After ``upload``, π_old, π_ref, the advantages, the update and the Δ pass move nothing host → device.
+
+    Before the change the advantages went host → device → host → device and ``logprobs_now``
+    uploaded the batch again.
+    """
+    learner, _ = pinned_run
+    batch = learner.upload(TrainBatch.from_arrays(synthetic_rollout(seed=3), length=learner.seq_len))
+    with jax.transfer_guard_host_to_device("disallow_explicit"):
+        _, extra = learner.update(batch)
+        learner.logprobs_now(extra["batch"])
+    assert extra["batch"].input_ids is batch.input_ids
+    assert learner.compile_counts() == {"policy_logprobs": 1, "update": 1, "reference_logprobs": 1}
+
+
+def test_advantages_inside_the_update_equal_the_host_estimator_with_padding_rows_on_a_sharded_mesh():
+    """Rows of weight 0 get advantage 0 and stay out of their group's statistics (rows 13–15: group 3)."""
+    learner = _learner((2, 2, 2))
+    arrays = synthetic_rollout(seed=4)
+    arrays["row_weight"] = np.ones(16, np.float32)
+    arrays["row_weight"][13:] = 0.0
+    arrays["rewards"][12:] = [1.0, 0.0, 1.0, 0.0]
+    _, extra = learner.update(TrainBatch.from_arrays(arrays, length=learner.seq_len))
+    rl = learner.config.rl
+    want = np.asarray(compute_advantages(jnp.asarray(arrays["rewards"]), jnp.asarray(arrays["group_ids"], jnp.int32),
+                                         jnp.asarray(arrays["row_weight"] > 0), estimator=rl.advantage_estimator,
+                                         eps=rl.advantage_eps, unbiased_std=rl.unbiased_std))
+    assert np.all(want[13:] == 0.0) and want[12] == pytest.approx(1.0 / (1.0 + rl.advantage_eps))  # group of one
+    np.testing.assert_allclose(extra["advantages"], want, rtol=0, atol=2 * F32_EPS * np.max(np.abs(want)))
+
+
+def test_host_record_pads_casts_and_names_bad_fields():
+    arrays = synthetic_rollout(seed=0, length=20)
+    batch = TrainBatch.from_arrays(arrays, length=32)
+    assert batch.input_ids.shape == (16, 32) and batch.input_ids.dtype == np.int32
+    assert np.all(batch.action_index[:, 20:] == -1) and not batch.attention_mask[:, 20:].any()
+    assert batch.group_ids.dtype == np.int32 and np.all(batch.row_weight == 1.0)
+    with pytest.raises(ValueError, match="'input_ids' is 20 tokens long, more than the trainer's fixed length 16"):
+        TrainBatch.from_arrays(arrays, length=16)
+    with pytest.raises(ValueError, match=r"lack \['rewards'\]"):
+        TrainBatch.from_arrays({k: v for k, v in arrays.items() if k != "rewards"}, length=32)
+    with pytest.raises(ValueError, match="'rewards' has 15 rows, input_ids has 16"):
+        TrainBatch.from_arrays({**arrays, "rewards": arrays["rewards"][:15]}, length=32)
+
+
+def test_abstract_record_matches_the_uploaded_one(pinned_run):
+    """The planner compiles against ``TrainBatch.abstract``: same shapes, dtypes and shardings as a real step."""
+    learner, steps = pinned_run
+    _, extra = steps[0]
+    abstract = TrainBatch.abstract(16, learner.seq_len, with_ref=True, mesh=learner.mesh, rules=learner.rules)
+    for name, want, got in zip(TrainBatch._fields, abstract, extra["batch"]):
+        assert (got.shape, got.dtype) == (want.shape, want.dtype), f"{name}: {got.shape} {got.dtype} vs {want}"
+        assert got.sharding.is_equivalent_to(want.sharding, got.ndim), name
+
+
+def test_apply_update_clips_applies_adamw_and_skips_non_finite_steps():
+    config = tiny_train_config()
+    config.optim.update(dict(weight_decay=0.1, clip_norm=1.0))
+    params = {"w": jnp.array([1.0, -2.0, 3.0])}
+    tx = make_optimizer(config.optim)
+    state = init_train_state(params, config.optim, seed=0)
+    grads = {"w": jnp.array([3.0, 0.0, -4.0])}  # norm 5: clipped to 1
+    new, metrics = apply_update(state, grads, jnp.float32(2.0), jnp.float32(0.1), tx, config.optim.clip_norm)
+    # Adam's first step: m̂ = g', v̂ = g'², so the direction is g'/(|g'| + eps) ≈ sign(g'); plus decay w·p.
+    clipped = np.array([3.0, 0.0, -4.0]) / (5.0 + 1e-6)
+    direction = clipped / (np.abs(clipped) + config.optim.eps) + 0.1 * np.array([1.0, -2.0, 3.0])
+    np.testing.assert_allclose(new.params["w"], np.array([1.0, -2.0, 3.0]) - 0.1 * direction, rtol=1e-6)
+    assert float(metrics["grad/norm_preclip"]) == pytest.approx(5.0)
+    assert float(metrics["grad/clip_scale"]) == pytest.approx(1.0 / (5.0 + 1e-6))
+    assert (int(new.updates), int(new.skipped_updates), float(metrics["update/skipped"])) == (1, 0, 0.0)
+
+    skipped, metrics = apply_update(new, grads, jnp.float32(np.nan), jnp.float32(0.1), tx, 1.0)
+    np.testing.assert_array_equal(skipped.params["w"], new.params["w"])
+    for got, want in zip(jax.tree.leaves(skipped.opt_state), jax.tree.leaves(new.opt_state)):
+        np.testing.assert_array_equal(got, want)
+    assert (int(skipped.updates), int(skipped.skipped_updates), float(metrics["update/skipped"])) == (1, 1, 1.0)
+
+
+def test_sft_step_through_the_shared_optimizer_step_equals_the_pre_change_numbers():
+    from llds_jax.train.sft import SFTStep
+
+    config = tiny_train_config()
+    config.sft.update(dict(batch_size=4, max_seq_len=32, warmup_steps=2))
+    mesh = make_mesh((1, 1, 1))
+    with jax.set_mesh(mesh):
+        model = shard_model(tiny_model("qwen2"), mesh)
+    sft = SFTStep(model, config, mesh)
+    for step, want in enumerate(PINNED["sft"]):
+        arrays = synthetic_rollout(seed=step, n=4)
+        metrics = sft({k: arrays[k] for k in ("input_ids", "attention_mask", "action_mask")})
+        assert sorted(metrics) == sorted(want)
+        for key, value in want.items():
+            _assert_pinned(f"SFT step {step} {key}", metrics[key], value)
+    assert int(sft.state.updates) == 3 and int(sft.state.step) == 3 and sft.compile_count() == 1
+
+
+def test_adamw_direction_is_optax_adamw():
+    """``make_optimizer`` + ``apply_update``'s lr scale is ``optax.adamw`` (decay applied as lr·wd·p)."""
+    config = tiny_train_config()
+    config.optim.update(dict(weight_decay=0.01, clip_norm=1e9))
+    params = {"w": jnp.array([0.5, -1.5])}
+    grads = {"w": jnp.array([0.2, -0.1])}
+    state = init_train_state(params, config.optim, seed=0)
+    ours, _ = apply_update(state, grads, jnp.float32(0.0), jnp.float32(1e-2), make_optimizer(config.optim), 1e9)
+    reference = optax.adamw(1e-2, b1=config.optim.b1, b2=config.optim.b2, eps=config.optim.eps, weight_decay=0.01)
+    updates, _ = reference.update(grads, reference.init(params), params)
+    np.testing.assert_allclose(ours.params["w"], optax.apply_updates(params, updates)["w"], rtol=1e-6)
