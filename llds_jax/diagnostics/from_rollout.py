@@ -10,8 +10,8 @@ than the rollout (the trainer pads to a fixed length) and are cut to its width.
 First-action correctness needs "the documents the first search retrieved". The rollout
 keeps the feedback token ids rather than document ids, and identical retrievals give
 identical feedback ids (same docs, same order, same cut), so the whole first feedback
-block serves as one document identity. Only a first action that is a valid search has
-one: the paper's statistic is about the *first* action.
+block serves as one document identity. Only a first action whose search was executed has
+one (the rollout records the feedback's kind): the paper's statistic is about the *first* action.
 """
 
 from __future__ import annotations
@@ -31,17 +31,17 @@ def per_action_sums_np(token_values: np.ndarray, action_index: np.ndarray, num_a
 
 
 def first_search_feedback(rollout) -> list[tuple[tuple[int, ...]] | None]:
-    """Per row, the first search's feedback ids as a one-element document-identity tuple, or None."""
-    from llds_jax.rollout.protocol import parse_action
+    """Per row, the first search's feedback ids as a one-element document-identity tuple, or None.
 
+    A row has one when the feedback recorded after its first action is search results
+    (``rollout.action_feedback``: kinds recorded by the rollout, no text re-parsed); that
+    feedback is the row's first feedback block.
+    """
     keys: list[tuple[tuple[int, ...]] | None] = []
     for row in range(rollout.size):
-        actions = rollout.action_texts[row]
-        if not actions or parse_action(actions[0]).kind != "search":
-            keys.append(None)
-            continue
+        kinds = rollout.action_feedback[row]
         feedback = np.flatnonzero(rollout.feedback_mask[row])
-        if feedback.size == 0:
+        if not kinds or kinds[0] != "search" or feedback.size == 0:
             keys.append(None)
             continue
         breaks = np.flatnonzero(np.diff(feedback) > 1)

@@ -116,7 +116,10 @@ class RolloutBatch:
     Masks: ``prompt_mask | action_mask | feedback_mask == attention_mask`` and they are
     disjoint. ``action_index`` is 0 on the first action's tokens, 1 on the second's, …,
     -1 elsewhere. ``answer`` is the content of the last answer block the model wrote (not
-    the prompt's example, not feedback), ``None`` when there is none.
+    the prompt's example, not feedback), ``None`` when there is none. ``action_feedback[row][k]``
+    is the kind of the feedback appended after action ``k`` (``"search"``: its results,
+    ``"invalid"``: the invalid-action message, None: nothing followed), as recorded when the
+    feedback was appended.
 
     ``searches`` counts searches executed; ``search_actions_written`` counts actions that
     parsed as a search, including one written in the last, search-disabled turn, which is
@@ -145,6 +148,7 @@ class RolloutBatch:
     response_texts: list[str]
     action_texts: list[list[str]]
     answers: list[str | None]
+    action_feedback: list[list[str | None]]
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
@@ -174,11 +178,18 @@ def _padded_length(longest: int, multiple: int) -> int:
     return max(multiple, -(-longest // multiple) * multiple)
 
 
-def collate(trajectories: Sequence[Trajectory], vocab: Sequence[bytes], *, pad_id: int,
-            pad_to_multiple: int = 128) -> RolloutBatch:
-    """Lay finished trajectories out as right-padded ``[N, L]`` arrays (L a multiple of ``pad_to_multiple``)."""
+def token_layout(trajectories: Sequence[Trajectory], width: int, *, pad_id: int) -> dict[str, np.ndarray]:
+    """The ``[N, width]`` token arrays of ``trajectories`` (right-padded): ids, masks by provenance, log-probs.
+
+    The one place masks are made — rollouts (:func:`collate`) and the SFT warm-up
+    (``train.sft.collate_sft``) both lay their trajectories out with it. Also returns, per row,
+    ``answers`` (the last answer block's content or None) and ``action_feedback``: the kind of
+    the feedback that followed each action (``"search"``, ``"invalid"``, or None: none followed).
+    """
     n = len(trajectories)
-    width = _padded_length(max(t.length for t in trajectories), pad_to_multiple)
+    longest = max((t.length for t in trajectories), default=0)
+    if longest > width:
+        raise ValueError(f"a trajectory has {longest} tokens, more than the layout width {width}")
     input_ids = np.full((n, width), pad_id, np.int32)
     prompt_mask = np.zeros((n, width), bool)
     action_mask = np.zeros((n, width), bool)
@@ -186,13 +197,14 @@ def collate(trajectories: Sequence[Trajectory], vocab: Sequence[bytes], *, pad_i
     answer_mask = np.zeros((n, width), bool)
     action_index = np.full((n, width), -1, np.int32)
     logprobs = np.zeros((n, width), np.float32)
-    response_texts, action_texts, answers = [], [], []
+    answers: list[str | None] = []
+    action_feedback: list[list[str | None]] = []
     for row, traj in enumerate(trajectories):
         cursor = len(traj.prompt_ids)
         input_ids[row, :cursor] = traj.prompt_ids
         prompt_mask[row, :cursor] = True
-        response_ids: list[int] = []
         action_starts = []
+        feedback_kinds: list[str | None] = []
         number = 0
         for piece in traj.pieces:
             ids = piece.ids
@@ -203,10 +215,12 @@ def collate(trajectories: Sequence[Trajectory], vocab: Sequence[bytes], *, pad_i
                 action_index[row, cursor:stop] = number
                 logprobs[row, cursor:stop] = piece.logprobs
                 action_starts.append(cursor)
+                feedback_kinds.append(None)
                 number += 1
             else:
                 feedback_mask[row, cursor:stop] = True
-            response_ids.extend(ids)
+                if feedback_kinds:
+                    feedback_kinds[-1] = piece.kind
             cursor = stop
         last = traj.last_answer()
         if last is not None:
@@ -215,17 +229,20 @@ def collate(trajectories: Sequence[Trajectory], vocab: Sequence[bytes], *, pad_i
             answers.append(extract_answer(traj.actions[number].text))
         else:
             answers.append(None)
-        response_texts.append(decode_text(response_ids, vocab))
-        action_texts.append([a.text for a in traj.actions])
+        action_feedback.append(feedback_kinds)
+    return dict(input_ids=input_ids, attention_mask=prompt_mask | action_mask | feedback_mask,
+                prompt_mask=prompt_mask, action_mask=action_mask, feedback_mask=feedback_mask,
+                action_index=action_index, answer_mask=answer_mask, sampler_logprobs=logprobs,
+                answers=answers, action_feedback=action_feedback)
+
+
+def collate(trajectories: Sequence[Trajectory], vocab: Sequence[bytes], *, pad_id: int,
+            pad_to_multiple: int = 128) -> RolloutBatch:
+    """Lay finished trajectories out as right-padded ``[N, L]`` arrays (L a multiple of ``pad_to_multiple``)."""
+    width = _padded_length(max(t.length for t in trajectories), pad_to_multiple)
+    layout = token_layout(trajectories, width, pad_id=pad_id)
     return RolloutBatch(
-        input_ids=input_ids,
-        attention_mask=prompt_mask | action_mask | feedback_mask,
-        prompt_mask=prompt_mask,
-        action_mask=action_mask,
-        feedback_mask=feedback_mask,
-        action_index=action_index,
-        answer_mask=answer_mask,
-        sampler_logprobs=logprobs,
+        **layout,
         prompt_lengths=np.array([len(t.prompt_ids) for t in trajectories], np.int32),
         lengths=np.array([t.length for t in trajectories], np.int32),
         group_ids=np.array([t.group_id for t in trajectories], np.int64),
@@ -235,7 +252,6 @@ def collate(trajectories: Sequence[Trajectory], vocab: Sequence[bytes], *, pad_i
         valid_actions=np.array([t.valid_actions for t in trajectories], np.int32),
         finished=np.array([t.finished for t in trajectories], bool),
         truncated=np.array([t.truncated for t in trajectories], bool),
-        response_texts=response_texts,
-        action_texts=action_texts,
-        answers=answers,
+        response_texts=[decode_text([i for p in t.pieces for i in p.ids], vocab) for t in trajectories],
+        action_texts=[[a.text for a in t.actions] for t in trajectories],
     )

@@ -9,9 +9,10 @@ standard remedy is a few supervised steps on trajectories in the protocol's exac
     <think>…</think>\\n<answer> {gold} </answer>                  ← action 1 (trained)
 
 The prompt and feedback come from the same code the rollout uses (``rollout.protocol``,
-``retrieval.format_docs``, the real retriever), and the masks are built exactly as the rollout
-builds them, so the warm-up conditions on the very tokens RL will see; feedback and prompt
-tokens carry no loss. Docs are whatever the retriever returns — the trainer hands in the same
+``retrieval.format_docs``, the real retriever), each example is a rollout ``Trajectory`` and its
+masks come from the rollout's own layout (``rollout.trajectory.token_layout``), so the warm-up
+conditions on the very tokens RL will see; feedback and prompt tokens carry no loss. The
+optimizer step is the RL update's (``train.state.apply_update``). Docs are whatever the retriever returns — the trainer hands in the same
 ``ShortDocsRetriever`` view the RL rollouts use when ``retrieval.max_doc_tokens`` is set.
 
 The loss is the token-mean negative log-likelihood over action tokens, through the same
@@ -36,6 +37,9 @@ from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
 from llds_jax.retrieval.hit import format_docs
 from llds_jax.rollout import protocol
+from llds_jax.rollout.trajectory import Trajectory, token_layout
+from llds_jax.sampling.decode_loop import FinishReason
+from llds_jax.sampling.token_bytes import vocab_bytes
 from llds_jax.train.batch import batch_sharding, next_token_targets
 from llds_jax.train.state import (
     TrainState,
@@ -52,6 +56,12 @@ SECOND_THOUGHT = "<think> The documents contain the answer. </think>\n"
 
 @dataclasses.dataclass(frozen=True)
 class SFTExample:
+    """A hand-built example for callers that lay ids out themselves (the lab's reading drills).
+
+    Its masks are the caller's statement of provenance; the trainer's own warm-up builds
+    :class:`~llds_jax.rollout.trajectory.Trajectory` records instead (:func:`synthetic_trajectories`).
+    """
+
     input_ids: np.ndarray  # int32 [L]
     action_mask: np.ndarray  # bool [L]: the two actions' tokens
     feedback_mask: np.ndarray  # bool [L]
@@ -61,38 +71,59 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def synthetic_trajectories(records: Sequence[QARecord], tokenizer, retriever, rollout_cfg) -> list[SFTExample]:
-    """One think → search → feedback → think → answer trajectory per record (first gold answer)."""
+def synthetic_trajectories(records: Sequence[QARecord], tokenizer, retriever, rollout_cfg) -> list[Trajectory]:
+    """One think → search → feedback → think → answer trajectory per record (first gold answer).
+
+    Recorded exactly as a rollout records its trajectories (``Trajectory.add_action`` /
+    ``add_feedback``), so :func:`collate_sft` lays them out with the rollout's own code.
+    """
+    vocab = vocab_bytes(tokenizer)
     hits = retriever.search([r.question for r in records], rollout_cfg.topk)
-    examples = []
-    for record, row_hits in zip(records, hits):
+    trajectories = []
+    for row, (record, row_hits) in enumerate(zip(records, hits)):
         prompt = protocol.encode_prompt(tokenizer, record.question, rollout_cfg.max_prompt_tokens)
         search = _encode(tokenizer, f"{FIRST_THOUGHT}<search> {protocol.format_question(record.question).rstrip('?')}"
                                     f" </search>")
-        docs = format_docs(row_hits)
-        feedback = protocol.encode_feedback(tokenizer, protocol.search_feedback(docs), rollout_cfg.max_obs_tokens)
+        feedback = protocol.encode_feedback(tokenizer, protocol.search_feedback(format_docs(row_hits)),
+                                            rollout_cfg.max_obs_tokens)
         answer = _encode(tokenizer, f"{SECOND_THOUGHT}<answer> {record.golden_answers[0]} </answer>")
-        pieces = [(prompt, 0), (search, 1), (feedback, 2), (answer, 1)]
-        ids = np.concatenate([np.asarray(p, np.int32) for p, _ in pieces])
-        kinds = np.concatenate([np.full(len(p), k, np.int8) for p, k in pieces])
-        examples.append(SFTExample(ids, kinds == 1, kinds == 2))
-    return examples
+        trajectory = Trajectory(prompt_ids=list(prompt), group_id=row)
+        trajectory.add_action(search, [0.0] * len(search), FinishReason.STOP_STRING, vocab)
+        trajectory.add_feedback(feedback, "search")
+        trajectory.add_action(answer, [0.0] * len(answer), FinishReason.STOP_STRING, vocab)
+        trajectories.append(trajectory)
+    return trajectories
 
 
-def collate_sft(examples: Sequence[SFTExample], length: int, pad_id: int) -> dict[str, np.ndarray]:
-    """Right-padded [B, length] arrays; an example longer than ``length`` fails naming ``sft.max_seq_len``."""
-    n = len(examples)
-    out = dict(input_ids=np.full((n, length), pad_id, np.int32), attention_mask=np.zeros((n, length), bool),
-               action_mask=np.zeros((n, length), np.float32))
+def collate_sft(examples: Sequence[Trajectory | SFTExample], length: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Right-padded [B, length] arrays; an example longer than ``length`` fails naming ``sft.max_seq_len``.
+
+    Trajectories go through the rollout's ``token_layout`` (the masks RL trains on);
+    :class:`SFTExample` s carry their own masks.
+    """
+    longest = max((_length(ex) for ex in examples), default=0)
+    if longest > length:
+        raise ValueError(f"a synthetic trajectory has {longest} tokens > sft.max_seq_len={length}; "
+                         "raise sft.max_seq_len or lower retrieval.max_doc_tokens / rollout.max_obs_tokens")
+    out = dict(input_ids=np.full((len(examples), length), pad_id, np.int32),
+               attention_mask=np.zeros((len(examples), length), bool),
+               action_mask=np.zeros((len(examples), length), np.float32))
+    rows = [row for row, ex in enumerate(examples) if isinstance(ex, Trajectory)]
+    if rows:
+        layout = token_layout([examples[row] for row in rows], length, pad_id=pad_id)
+        for key in out:
+            out[key][rows] = layout[key]
     for row, ex in enumerate(examples):
-        if len(ex.input_ids) > length:
-            raise ValueError(f"a synthetic trajectory has {len(ex.input_ids)} tokens > sft.max_seq_len={length}; "
-                             "raise sft.max_seq_len or lower retrieval.max_doc_tokens / rollout.max_obs_tokens")
-        size = len(ex.input_ids)
-        out["input_ids"][row, :size] = ex.input_ids
-        out["attention_mask"][row, :size] = True
-        out["action_mask"][row, :size] = ex.action_mask
+        if not isinstance(ex, Trajectory):
+            size = len(ex.input_ids)
+            out["input_ids"][row, :size] = ex.input_ids
+            out["attention_mask"][row, :size] = True
+            out["action_mask"][row, :size] = ex.action_mask
     return out
+
+
+def _length(example: Trajectory | SFTExample) -> int:
+    return example.length if isinstance(example, Trajectory) else len(example.input_ids)
 
 
 class SFTStep:

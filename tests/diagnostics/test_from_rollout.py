@@ -45,6 +45,7 @@ def rollout(qwen_tokenizer):
 
 
 def test_first_search_feedback_is_equal_exactly_when_the_documents_are(rollout):
+    assert rollout.action_feedback == [["search", None]] * 4  # recorded by the rollout, not re-parsed
     keys = first_search_feedback(rollout)
     assert keys[0] == keys[1] and keys[2] != keys[3] and all(k is not None for k in keys)
 
@@ -68,3 +69,22 @@ def test_step_diagnostics_from_a_real_rollout(rollout):
     assert metrics["diag/lld_rate"] == pytest.approx(0.5)
     # Row 1 (wrong) searched exactly what row 0 (right) searched; row 3 did not.
     assert metrics["diag/first_action_correct_rate"] == pytest.approx(0.5)
+
+
+def test_the_trainers_padded_record_gives_the_same_diagnostics(rollout):
+    """``TrainBatch.from_rollout`` pads to the trainer's fixed length; diagnostics read the wider arrays alike."""
+    from llds_jax.train.batch import TrainBatch
+
+    reward = np.array([r for *_, r in SCRIPTS], np.float32)
+    width = rollout.input_ids.shape[1]
+    batch = TrainBatch.from_rollout(rollout, reward, length=width + 64, ma_search_count="minibatch_executed")
+    np.testing.assert_array_equal(batch.input_ids[:, :width], rollout.input_ids)
+    np.testing.assert_array_equal(batch.action_mask[:, :width], rollout.action_mask)
+    assert not batch.attention_mask[:, width:].any() and (batch.action_index[:, width:] == -1).all()
+    np.testing.assert_array_equal(batch.num_searches, rollout.searches)
+    np.testing.assert_array_equal(batch.group_ids, rollout.group_ids)
+    old = rollout.sampler_logprobs
+    padded = np.pad(old, ((0, 0), (0, 64)), constant_values=7.0)  # padding columns must not be read
+    args = dict(advantage=np.array([1.0, -1.0, 1.0, -1.0]), reward=reward, num_action_slots=2)
+    assert step_diagnostics(response_batch_from_rollout(rollout, old_logprobs=padded, new_logprobs=padded, **args)) \
+        == step_diagnostics(response_batch_from_rollout(rollout, old_logprobs=old, new_logprobs=old, **args))

@@ -34,7 +34,7 @@ QUESTIONS = ("who got the first nobel prize in physics", "what is the capital of
 ARRAY_FIELDS = ("input_ids", "attention_mask", "prompt_mask", "action_mask", "feedback_mask", "action_index",
                 "answer_mask", "sampler_logprobs", "prompt_lengths", "lengths", "group_ids", "turns", "searches",
                 "search_actions_written", "valid_actions", "finished", "truncated")
-LIST_FIELDS = ("answers", "action_texts", "response_texts")
+LIST_FIELDS = ("answers", "action_texts", "response_texts", "action_feedback")
 
 
 def tag_vocabulary_tokenizer() -> PreTrainedTokenizerFast:

@@ -152,20 +152,29 @@ def test_synthetic_warmup_trajectories_mask_feedback_exactly_like_rollouts(qwen_
     from llds_jax.retrieval.factory import build_retriever
     from llds_jax.retrieval.short_docs import ShortDocsRetriever
     from llds_jax.rollout.config import default_config
+    from llds_jax.rollout.trajectory import collate
+    from llds_jax.sampling.token_bytes import vocab_bytes
     from llds_jax.train.sft import collate_sft, synthetic_trajectories
 
     records = load_questions(["bundled:nq_train"])[:3]
     retriever = ShortDocsRetriever(build_retriever(default_retrieval_config()), qwen_tokenizer, 20)
     examples = synthetic_trajectories(records, qwen_tokenizer, retriever, default_config())
-    for record, ex in zip(records, examples):
-        text = qwen_tokenizer.decode(ex.input_ids[ex.action_mask])
-        feedback = qwen_tokenizer.decode(ex.input_ids[ex.feedback_mask])
+    vocab = vocab_bytes(qwen_tokenizer)
+    rollout = collate(examples, vocab, pad_id=0, pad_to_multiple=1)  # the rollout's own layout
+    arrays = collate_sft(examples, 400, pad_id=0)
+    for row, record in enumerate(records):
+        ids = rollout.input_ids[row]
+        text = qwen_tokenizer.decode(ids[rollout.action_mask[row]])
+        feedback = qwen_tokenizer.decode(ids[rollout.feedback_mask[row]])
         assert "<search>" in text and f"<answer> {record.golden_answers[0]} </answer>" in text
         assert "<information>" not in text and "Doc 1(Title:" not in text
         assert feedback.startswith("\n\n<information>Doc 1(Title:") and feedback.endswith("</information>\n\n")
-        assert not (ex.action_mask & ex.feedback_mask).any()
-    arrays = collate_sft(examples, 400, pad_id=0)
+        assert rollout.answers[row] == record.golden_answers[0] and rollout.action_feedback[row] == ["search", None]
+    width = rollout.input_ids.shape[1]
     assert arrays["input_ids"].shape == (3, 400)
-    assert (arrays["action_mask"] <= arrays["attention_mask"]).all()
+    np.testing.assert_array_equal(arrays["input_ids"][:, :width], rollout.input_ids)
+    np.testing.assert_array_equal(arrays["action_mask"][:, :width], rollout.action_mask)
+    np.testing.assert_array_equal(arrays["attention_mask"][:, :width], rollout.attention_mask)
+    assert not arrays["attention_mask"][:, width:].any()
     with pytest.raises(ValueError, match="sft.max_seq_len=10"):
         collate_sft(examples, 10, pad_id=0)
