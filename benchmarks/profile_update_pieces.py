@@ -1,8 +1,9 @@
 """Where a training micro-batch's time goes: the pieces of one fwd+bwd, ours vs torch, same shapes.
 
-Times (alternating sides, best of ``--repeats``) at one micro-batch of SmolLM2-135M shapes with
-random weights: the whole loss (decoder + chunked log-prob head), the decoder stack alone, the
-log-prob head alone, and attention alone. A ratio < 1 names the piece that loses to torch.
+Times (sides alternated, medians of ``--repeats``, through ``benchmarks/_harness.py``: load gate,
+``--allow-noisy``, ``--json``) at one micro-batch of SmolLM2-135M shapes with random weights: the
+whole loss (decoder + chunked log-prob head), the decoder stack alone and the log-prob head alone.
+A speed-up < 1 names the piece that loses to torch.
 
     python benchmarks/profile_update_pieces.py --layers 30 --repeats 3
 """
@@ -11,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import _harness  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -23,16 +24,6 @@ from flax import nnx  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
                intermediate_size=1536, tie_embeddings=True, rms_eps=1e-5)
-
-
-def best(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def jax_pieces(layers: int, batch: int, length: int, remat: str):
@@ -122,16 +113,18 @@ def main():
     parser.add_argument("--remat", default="none")
     parser.add_argument("--pieces", default="full,stack,head")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    _harness.add_arguments(parser)
     args = parser.parse_args()
+    session = _harness.start("profile_update_pieces", args)
     torch.set_num_threads(args.threads)
     ours, _ = jax_pieces(args.layers, args.batch, args.length, args.remat)
     theirs = torch_pieces(args.layers, args.batch, args.length)
-    print(f"load {os.getloadavg()[0]:.2f}; {args.layers} layers, {args.batch}x{args.length}")
     for name in args.pieces.split(","):
-        a = [best(ours[name], 1) for _ in range(args.repeats)]
-        b = [best(theirs[name], 1) for _ in range(args.repeats)]
-        print(f"{name:6s} ours {min(a) * 1e3:8.1f} ms  torch {min(b) * 1e3:8.1f} ms  torch/ours {min(b) / min(a):.2f}",
-              flush=True)
+        session.log(f"{name} ...")
+        times = _harness.alternate({_harness.OURS: ours[name], "torch": theirs[name]}, args.repeats)
+        session.add_case(f"{name} fwd+bwd, {args.layers} layers, {args.batch}x{args.length}", times,
+                         tokens=args.batch * args.length)
+    session.finish()
 
 
 if __name__ == "__main__":
