@@ -164,9 +164,9 @@ def _block(config: DecoderConfig, weights: dict[str, jax.Array], x: jax.Array, c
     dtype = config.compute_dtype
     w = {name: value.astype(dtype) for name, value in weights.items()}
     h = L.rms_norm(x, w["attn_norm"], config.rms_eps)
-    q = jnp.einsum("btd,dhk->bthk", h, w["q_proj"])
-    k = jnp.einsum("btd,dhk->bthk", h, w["k_proj"])
-    v = jnp.einsum("btd,dhk->bthk", h, w["v_proj"])
+    q = L.project(h, w["q_proj"])
+    k = L.project(h, w["k_proj"])
+    v = L.project(h, w["v_proj"])
     if config.qkv_bias:
         q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     if config.qk_norm:
@@ -179,7 +179,7 @@ def _block(config: DecoderConfig, weights: dict[str, jax.Array], x: jax.Array, c
     backend = resolve_backend(config.attention, target_platform())
     block = CACHED_BLOCK if kv_heads_major else DEFAULT_BLOCK
     attn = attend(q, k_all, v_all, mask, backend, block, kv_heads_major=kv_heads_major)
-    x = x + jnp.einsum("bthk,hkd->btd", attn, w["o_proj"])
+    x = x + L.project(attn, w["o_proj"], contract=2)
     x = constrain(x, ("batch", "seq", "act_embed"))
     h = L.rms_norm(x, w["mlp_norm"], config.rms_eps)
     x = x + L.swiglu_mlp(h, w["gate_proj"], w["up_proj"], w["down_proj"])
