@@ -27,6 +27,8 @@ group), each laid out as prompt from column 0, response, right padding:
     finished, truncated                 [N]     searches: executed; search_actions_written: parsed
                                                 as a search, incl. the unexecuted last-turn one
     response_texts, action_texts, answers      host lists (answers: last model answer or None)
+    action_feedback                     host list per row: the kind of feedback after action k
+                                        ("search", "invalid", or None), recorded when appended
     timings                              seconds per phase; batch.stats() → logging means
 
 Reward: ``exact_match(batch.answers[i], golds)`` if the answer is not None else 0 — the same
