@@ -154,18 +154,30 @@ def _example(pieces):
 
 
 def lab_trajectories(rows: Sequence[dict], tokenizer, retriever, rollout_cfg) -> list:
-    """One protocol-following trajectory per world question row (one search per hop).
+    """One protocol-following trajectory per world question row (one search per hop), recorded as
+    a rollout records its own (``Trajectory``), so the SFT masks come from the rollout's layout code.
 
     The first query names the question's entity, as a reader would: copying one name out of the
     question is what a tiny policy can learn (the whole question as a query also matches every
     "born in" passage).
     """
+    from llds_jax.rollout.trajectory import Trajectory
+    from llds_jax.sampling.decode_loop import FinishReason
+    from llds_jax.sampling.token_bytes import vocab_bytes
+
+    vocab = vocab_bytes(tokenizer)
     first, second = _searches(rows, retriever, rollout_cfg.topk)
-    examples = []
-    for row, hits, bridge_hits in zip(rows, first, second):
+    trajectories = []
+    for index, (row, hits, bridge_hits) in enumerate(zip(rows, first, second)):
         prompt = protocol.encode_prompt(tokenizer, row["question"], rollout_cfg.max_prompt_tokens)
-        examples.append(_example([(prompt, 0), *_episode(tokenizer, row, hits, bridge_hits, rollout_cfg, True)]))
-    return examples
+        trajectory = Trajectory(prompt_ids=list(prompt), group_id=index)
+        for ids, kind in _episode(tokenizer, row, hits, bridge_hits, rollout_cfg, True):
+            if kind == 1:
+                trajectory.add_action(ids, [0.0] * len(ids), FinishReason.STOP_STRING, vocab)
+            else:
+                trajectory.add_feedback(ids, "search")
+        trajectories.append(trajectory)
+    return trajectories
 
 
 def reading_drills(rows: Sequence[dict], tokenizer, retriever, rollout_cfg, length: int) -> list:

@@ -1,4 +1,5 @@
-"""The lab policy's SFT data: trajectories query the question's entity; drills pack episodes and train only actions."""
+"""The lab policy's SFT data: trajectories (rollout records) query the question's entity; drills pack episodes
+and train only actions."""
 
 import ml_collections
 from transformers import AutoTokenizer
@@ -7,6 +8,7 @@ from llds_jax.lab.policy import lab_trajectories, reading_drills
 from llds_jax.lab.tokenizer import train_tokenizer
 from llds_jax.lab.world import generate_world, question_files, read_questions, write_world
 from llds_jax.retrieval.factory import build_retriever
+from llds_jax.rollout.trajectory import token_layout
 
 SMALL = dict(seed=2, countries=3, cities=6, companies=5, people=30, train_questions=40, dev_questions=4)
 
@@ -25,9 +27,11 @@ def _setup(tmp_path):
 
 def test_trajectory_searches_the_entity_and_its_passage_holds_the_answer_or_bridge(tmp_path):
     tokenizer, retriever, rows, rollout = _setup(tmp_path)
-    for row, example in zip(rows, lab_trajectories(rows, tokenizer, retriever, rollout)):
-        actions = tokenizer.decode(example.input_ids[example.action_mask])
-        feedback = tokenizer.decode(example.input_ids[example.feedback_mask])
+    trajectories = lab_trajectories(rows, tokenizer, retriever, rollout)
+    layout = token_layout(trajectories, max(t.length for t in trajectories), pad_id=0)
+    for row, ids, action, feedback in zip(rows, layout["input_ids"], layout["action_mask"], layout["feedback_mask"]):
+        actions = tokenizer.decode(ids[action.astype(bool)])
+        feedback = tokenizer.decode(ids[feedback.astype(bool)])
         assert f"<search> {row['metadata']['entity']} </search>" in actions, actions
         assert actions.endswith(f"<answer> {row['golden_answers'][0]} </answer>"), actions
         assert row["golden_answers"][0] in feedback, (row, feedback)
