@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llds_jax.app.config import mesh_shape, validate, validate_sections
-from llds_jax.models.attention import CACHED_BLOCK, DEFAULT_BLOCK
+from llds_jax.models.attention import CACHED_BLOCK, DEFAULT_BLOCK, QUERY_BLOCK
 from llds_jax.models.loading import decoder_config
 from llds_jax.plan.config import CHECK_MODES, GB, HARDWARE, USABLE_FRACTION, default_plan_config
 from llds_jax.plan.targets import NeedsFreshProcess, PlanError, Target, resolve_target
@@ -304,16 +304,20 @@ def make_plan(config, target: Target | None = None) -> Plan:
     requested = config.model.get("attention", "auto")
     kernels = {phase: _attention_kernel(requested, target.platform, full_sequence=phase in ("update", "logprobs"))
                for phase in programs}
-    def keys_read(phase, keys):  # full-sequence kernels read DEFAULT_BLOCK keys at a time, cached ones CACHED_BLOCK
-        block = DEFAULT_BLOCK if phase in ("update", "logprobs") else CACHED_BLOCK
-        return keys if kernels[phase] == "naive" else min(keys, block)
+    def scores_read(phase, queries, keys):  # the [queries, keys] tile one kernel step holds
+        full_sequence = phase in ("update", "logprobs")
+        if kernels[phase] == "naive":
+            return queries, keys
+        if kernels[phase] == "xla_blockwise" and full_sequence:  # query pieces x key blocks of QUERY_BLOCK
+            return min(queries, QUERY_BLOCK), min(keys, QUERY_BLOCK)
+        return queries, min(keys, DEFAULT_BLOCK if full_sequence else CACHED_BLOCK)
 
     rows = {"update": config.train.micro_batch_size, "logprobs": config.train.logprob_batch_size,
             "prefill": rollout_rows, "decode": rollout_rows}
     queries = {"update": length, "logprobs": length, "prefill": prompt, "decode": 1}
     keys = {"update": length, "logprobs": length, "prefill": context, "decode": context}
-    attention = {  # one layer's fp32 scores per device: rows x heads x queries x keys (a block unless naive) x 4 B
-        phase: -(-rows[phase] // dp) * heads * queries[phase] * keys_read(phase, keys[phase]) * 4
+    attention = {  # one layer's fp32 scores per device: rows x heads x (a tile of) queries x keys x 4 B
+        phase: -(-rows[phase] // dp) * heads * math.prod(scores_read(phase, queries[phase], keys[phase])) * 4
         for phase in programs}
     notes = [target.note] if target.note else []
     notes.append(wave_note)

@@ -75,6 +75,28 @@ def test_blockwise_matches_naive_on_left_and_right_padding(block, heads, kv_head
     assert max(diffs) <= TOL, f"block={block} GQA {heads}/{kv_heads}: |out|,|dq|,|dk|,|dv| differ by {diffs}"
 
 
+@pytest.mark.parametrize("query_block", [5, 8, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1)])
+def test_query_blocked_self_attention_matches_naive_on_left_and_right_padding(query_block, heads, kv_heads):
+    q, k, v = _qkv(3, 24, 24, heads, kv_heads)
+    diffs = _max_differences(lambda *a: blockwise_attention(*a, query_block=query_block), q, k, v,
+                             AttentionMask.causal(jnp.asarray(LEFT_AND_RIGHT)))
+    assert max(diffs) <= TOL, f"query_block={query_block} GQA {heads}/{kv_heads}: differences {diffs}"
+
+
+def test_a_query_block_never_reads_keys_past_its_own_last_query():
+    """Queries 0..15 in pieces of 8 walk key blocks 0..1 only: NaN in keys/values 16.. cannot
+    reach them (one [T, T] pass would read every key for every query: 0 x NaN = NaN)."""
+    q, k, v = _qkv(2, 24, 24, 4, 2)
+    mask = AttentionMask.causal(jnp.ones((2, 24), bool))
+    clean = blockwise_attention(q, k, v, mask, query_block=8)
+    poisoned = blockwise_attention(q, k.at[:, 16:].set(jnp.nan), v.at[:, 16:].set(jnp.nan), mask, query_block=8)
+    np.testing.assert_array_equal(np.asarray(poisoned[:, :16]), np.asarray(clean[:, :16]))
+    assert np.isnan(np.asarray(poisoned[:, 16:])).all()
+    unblocked = blockwise_attention(q, k, v.at[:, 16:].set(jnp.nan), mask, block_size=24, query_block=24)
+    assert np.isnan(np.asarray(unblocked[:, :16])).any(), "the one-pass form should read the poisoned values"
+
+
 def _holey_cache_mask():
     """Two rows appending 3 tokens at different slots of a 40-slot cache with holes
     (right-padded earlier chunks left invalid slots inside the row) and left padding."""
