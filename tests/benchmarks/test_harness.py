@@ -113,7 +113,7 @@ def run_script(script: str, *args: str, timeout: float) -> subprocess.CompletedP
                           timeout=timeout, env=env, cwd=BENCHMARKS.parent)
 
 
-@pytest.mark.parametrize("script", ["bench_forward.py", "bench_sampler.py", "bench_train_step.py",
+@pytest.mark.parametrize("script", ["bench_forward.py", "bench_sampler.py", "bench_train_step.py", "bench_attention.py",
                                     "bench_rollout.py", "bench_retrieval.py"])
 def test_every_bench_script_refuses_a_loaded_machine_with_exit_2(script):
     extra = ["--index_dir=/nonexistent"] if script == "bench_retrieval.py" else []
