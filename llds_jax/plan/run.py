@@ -50,7 +50,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llds_jax.app.config import mesh_shape, validate, validate_sections
-from llds_jax.models.attention import CACHED_BLOCK, DEFAULT_BLOCK, QUERY_BLOCK
+from llds_jax.models.attention import CACHED_BLOCK, DEFAULT_BLOCK
+from llds_jax.models.attention.blockwise import query_piece
 from llds_jax.models.loading import decoder_config
 from llds_jax.plan.config import CHECK_MODES, GB, HARDWARE, USABLE_FRACTION, default_plan_config
 from llds_jax.plan.targets import NeedsFreshProcess, PlanError, Target, resolve_target
@@ -308,8 +309,9 @@ def make_plan(config, target: Target | None = None) -> Plan:
         full_sequence = phase in ("update", "logprobs")
         if kernels[phase] == "naive":
             return queries, keys
-        if kernels[phase] == "xla_blockwise" and full_sequence:  # query pieces x key blocks of QUERY_BLOCK
-            return min(queries, QUERY_BLOCK), min(keys, QUERY_BLOCK)
+        if kernels[phase] == "xla_blockwise" and full_sequence:  # query pieces x key blocks of the same size
+            piece = query_piece(queries)
+            return min(queries, piece), min(keys, piece)
         return queries, min(keys, DEFAULT_BLOCK if full_sequence else CACHED_BLOCK)
 
     rows = {"update": config.train.micro_batch_size, "logprobs": config.train.logprob_batch_size,

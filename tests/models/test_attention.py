@@ -97,6 +97,17 @@ def test_a_query_block_never_reads_keys_past_its_own_last_query():
     assert np.isnan(np.asarray(unblocked[:, :16])).any(), "the one-pass form should read the poisoned values"
 
 
+def test_long_sequences_get_longer_pieces_never_more_than_max_query_pieces():
+    """Each piece is a key loop forward and backward: compile time follows their count."""
+    from llds_jax.models.attention.blockwise import MAX_QUERY_PIECES, query_piece
+
+    assert query_piece(512) == 128 and query_piece(4096) == 4096 // MAX_QUERY_PIECES
+    q, k, v = _qkv(1, 64, 64, 4, 2)
+    mask = AttentionMask.causal(jnp.ones((1, 64), bool))
+    jaxpr = str(jax.make_jaxpr(lambda *a: blockwise_attention(*a, mask, query_block=2))(q, k, v))
+    assert jaxpr.count("while[") == MAX_QUERY_PIECES, f"{jaxpr.count('while[')} key loops for 64 queries"
+
+
 def _holey_cache_mask():
     """Two rows appending 3 tokens at different slots of a 40-slot cache with holes
     (right-padded earlier chunks left invalid slots inside the row) and left padding."""

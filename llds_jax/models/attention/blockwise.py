@@ -43,6 +43,15 @@ DEFAULT_BLOCK = 512
 # see keys before its own end, so it runs over that prefix alone: at T = 512 four pieces do
 # 10/16 of the score work of one [T, T] pass (the upper triangle was computed, then masked).
 QUERY_BLOCK = 128
+# At most this many pieces: each is its own key loop forward and backward, and compile time grows
+# with them (a 4096-token update compiled in 40 s as one piece, ~200 s as 32). Longer sequences
+# get longer pieces; eight still skip (1 - 36/64) of the score tiles.
+MAX_QUERY_PIECES = 8
+
+
+def query_piece(length: int, query_block: int = QUERY_BLOCK) -> int:
+    """Queries per piece of a full-sequence forward of ``length`` tokens (≤ MAX_QUERY_PIECES pieces)."""
+    return max(query_block, -(-length // MAX_QUERY_PIECES))
 # The key block of a cached forward (prefill into a cache, decode, appends). Smaller than
 # DEFAULT_BLOCK because a one-token decode step reads every slot of the blocks below the
 # furthest row: its cost follows the live length in steps of this many slots.
@@ -57,7 +66,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Attentio
     """Same contract as ``naive_attention``: q [B, T, H, Dh]; k, v [B, S, KVH, Dh] → [B, T, H, Dh].
 
     ``kv_heads_major``: k and v come as [B, KVH, S, Dh] (a KV cache's layout). A full-sequence
-    mask (``mask.self_attention``) is served in pieces of ``query_block`` queries, each walking
+    mask (``mask.self_attention``) is served in pieces of ``query_piece(T, query_block)`` queries, each walking
     key blocks of the same size up to its own last query: no work above the diagonal's blocks.
     Every piece reads the same k and v arrays (no per-piece copies to keep for the backward).
     """
@@ -68,6 +77,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Attentio
         k, v = (constrain(x.transpose(0, 2, 1, 3), _KV_AXES) for x in (k, v))
     kv_heads, slots = k.shape[1], k.shape[2]
     grouped = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim).transpose(0, 2, 3, 1, 4)
+    query_block = query_piece(length, query_block)
     if mask.self_attention and length > query_block:
         # query_index[b, t] == t, so the key loop of queries [start, stop) ends at the block
         # holding key stop - 1 (its trip count follows the largest query index it is given).
