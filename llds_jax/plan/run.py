@@ -51,7 +51,7 @@ from flax import nnx
 
 from llds_jax.app.config import mesh_shape, validate, validate_sections
 from llds_jax.models.attention import CACHED_BLOCK, DEFAULT_BLOCK
-from llds_jax.models.attention.blockwise import query_piece
+from llds_jax.models.attention.blockwise import QUERY_BLOCK, query_piece
 from llds_jax.models.loading import decoder_config
 from llds_jax.plan.config import CHECK_MODES, GB, HARDWARE, USABLE_FRACTION, default_plan_config
 from llds_jax.plan.targets import NeedsFreshProcess, PlanError, Target, resolve_target
@@ -309,9 +309,8 @@ def make_plan(config, target: Target | None = None) -> Plan:
         full_sequence = phase in ("update", "logprobs")
         if kernels[phase] == "naive":
             return queries, keys
-        if kernels[phase] == "xla_blockwise" and full_sequence:  # query pieces x key blocks of the same size
-            piece = query_piece(queries)
-            return min(queries, piece), min(keys, piece)
+        if kernels[phase] == "xla_blockwise" and full_sequence:  # a query piece x QUERY_BLOCK keys
+            return min(queries, query_piece(queries)), min(keys, QUERY_BLOCK)
         return queries, min(keys, DEFAULT_BLOCK if full_sequence else CACHED_BLOCK)
 
     rows = {"update": config.train.micro_batch_size, "logprobs": config.train.logprob_batch_size,

@@ -45,7 +45,9 @@ DEFAULT_BLOCK = 512
 QUERY_BLOCK = 128
 # At most this many pieces: each is its own key loop forward and backward, and compile time grows
 # with them (a 4096-token update compiled in 40 s as one piece, ~200 s as 32). Longer sequences
-# get longer pieces; eight still skip (1 - 36/64) of the score tiles.
+# get longer pieces, which still walk keys QUERY_BLOCK at a time, so the live score tile
+# [piece, QUERY_BLOCK] grows linearly with T, never quadratically; eight pieces skip at least
+# 28/64 of the [T, T] score work.
 MAX_QUERY_PIECES = 8
 
 
@@ -66,8 +68,9 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Attentio
     """Same contract as ``naive_attention``: q [B, T, H, Dh]; k, v [B, S, KVH, Dh] → [B, T, H, Dh].
 
     ``kv_heads_major``: k and v come as [B, KVH, S, Dh] (a KV cache's layout). A full-sequence
-    mask (``mask.self_attention``) is served in pieces of ``query_piece(T, query_block)`` queries, each walking
-    key blocks of the same size up to its own last query: no work above the diagonal's blocks.
+    mask (``mask.self_attention``) is served in pieces of ``query_piece(T, query_block)`` queries,
+    each walking ``query_block`` keys at a time up to its own last query: no work above the
+    diagonal's blocks.
     Every piece reads the same k and v arrays (no per-piece copies to keep for the backward).
     """
     if block_size < 1 or query_block < 1:
@@ -77,13 +80,13 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Attentio
         k, v = (constrain(x.transpose(0, 2, 1, 3), _KV_AXES) for x in (k, v))
     kv_heads, slots = k.shape[1], k.shape[2]
     grouped = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim).transpose(0, 2, 3, 1, 4)
-    query_block = query_piece(length, query_block)
-    if mask.self_attention and length > query_block:
+    piece = query_piece(length, query_block)
+    if mask.self_attention and length > piece:
         # query_index[b, t] == t, so the key loop of queries [start, stop) ends at the block
         # holding key stop - 1 (its trip count follows the largest query index it is given).
         block = min(query_block, slots)
-        pieces = [_flash(grouped[:, :, :, start:start + query_block], k, v, mask.query_index[:, start:start + query_block],
-                         mask.key_valid, block) for start in range(0, length, query_block)]
+        pieces = [_flash(grouped[:, :, :, start:start + piece], k, v, mask.query_index[:, start:start + piece],
+                         mask.key_valid, block) for start in range(0, length, piece)]
         out = jnp.concatenate(pieces, axis=3)
     else:
         out = _flash(grouped, k, v, mask.query_index, mask.key_valid, min(block_size, slots))  # [B, KVH, G, T, Dh]
