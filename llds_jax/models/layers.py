@@ -63,7 +63,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
-def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, contract: int = 1, *, preferred_element_type=None) -> jax.Array:
     """``x [..., *in] · w [*in, *out]`` as one 2-D matmul over a flat token axis.
 
     An einsum such as ``btd,dhk->bthk`` contracts both ``b`` and ``t`` in its weight
@@ -74,7 +74,7 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
     """
     lead, inner, outer = x.shape[:-contract], w.shape[:contract], w.shape[contract:]
     tokens = x.reshape(math.prod(lead), math.prod(inner))
-    out = tokens @ w.reshape(math.prod(inner), math.prod(outer))
+    out = jnp.matmul(tokens, w.reshape(math.prod(inner), math.prod(outer)), preferred_element_type=preferred_element_type)
     return out.reshape(*lead, *outer)
 
 

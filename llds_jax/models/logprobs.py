@@ -18,17 +18,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from llds_jax.models.layers import project
 from llds_jax.parallel.rules import constrain
 
 
 def _chunk_stats(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, temperature: float,
                  with_entropy: bool) -> tuple[jax.Array, jax.Array]:
     """log p(target) and entropy [B, C] for one chunk of hidden states [B, C, D]."""
-    # One [B*C, D] x [D, V] matmul, not a bcd,dv einsum: see ``layers.project`` (the head's
-    # weight gradient would otherwise contract two axes and get a transposed copy on XLA:CPU).
-    batch, chunk, width = hidden.shape
-    logits = jnp.dot(hidden.reshape(batch * chunk, width), unembed, preferred_element_type=jnp.float32)
-    logits = logits.reshape(batch, chunk, -1)
+    # One [B*C, D] x [D, V] matmul, not a bcd,dv einsum (see ``layers.project``).
+    logits = project(hidden, unembed, preferred_element_type=jnp.float32)
     logits = constrain(logits, ("batch", "seq", "act_vocab"))
     if temperature != 1.0:
         logits = logits / temperature

@@ -24,7 +24,13 @@ import functools
 
 import jax
 
-from llds_jax.models.attention.blockwise import CACHED_BLOCK, DEFAULT_BLOCK, QUERY_BLOCK, blockwise_attention
+from llds_jax.models.attention.blockwise import (
+    CACHED_BLOCK,
+    DEFAULT_BLOCK,
+    QUERY_BLOCK,
+    blockwise_attention,
+    query_piece,
+)
 from llds_jax.models.attention.cudnn import cudnn_attention, cudnn_available
 from llds_jax.models.attention.mask import AttentionMask
 from llds_jax.models.attention.naive import MASKED_SCORE, naive_attention
@@ -35,7 +41,7 @@ from llds_jax.models.reductions import target_platform
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 __all__ = ["ATTENTION_BACKENDS", "CACHED_BLOCK", "DEFAULT_BLOCK", "MASKED_SCORE", "QUERY_BLOCK", "AttentionMask", "attend",
-           "blockwise_attention", "cudnn_attention", "naive_attention", "resolve_backend",
+           "blockwise_attention", "cudnn_attention", "naive_attention", "query_piece", "resolve_backend",
            "splash_attention", "target_platform"]
 
 
