@@ -39,7 +39,8 @@ def jax_pieces(layers: int, batch: int, length: int, remat: str):
     def full_loss(p):
         m = nnx.merge(graph, p)
         hidden = m.hidden_states(ids, mask)
-        logp, ent = token_logprobs(hidden[:, :-1], m.unembed(), ids[:, 1:], chunk_size=128)
+        table, vocab_major = m.output_head()
+        logp, ent = token_logprobs(hidden[:, :-1], table, ids[:, 1:], vocab_major=vocab_major, chunk_size=128)
         return jnp.sum(logp) + 1e-3 * jnp.sum(ent)
 
     probe = jnp.asarray(rng.standard_normal((batch, length, SMOLLM2["hidden_size"])), jnp.float32)
@@ -48,10 +49,11 @@ def jax_pieces(layers: int, batch: int, length: int, remat: str):
         return jnp.sum(nnx.merge(graph, p).hidden_states(ids, mask) * probe)
 
     hidden0 = probe[:, :-1] * 0.5
-    unembed0 = jnp.asarray(0.02 * rng.standard_normal((SMOLLM2["hidden_size"], SMOLLM2["vocab_size"])), jnp.float32)
+    # SmolLM2 ties its embeddings: the head reads the [V, D] table as stored, as the model does.
+    unembed0 = jnp.asarray(0.02 * rng.standard_normal((SMOLLM2["vocab_size"], SMOLLM2["hidden_size"])), jnp.float32)
 
     def head_loss(h, u):
-        logp, ent = token_logprobs(h, u, ids[:, 1:], chunk_size=128)
+        logp, ent = token_logprobs(h, u, ids[:, 1:], vocab_major=True, chunk_size=128)
         return jnp.sum(logp) + 1e-3 * jnp.sum(ent)
 
     full = jax.jit(jax.grad(full_loss))

@@ -22,8 +22,9 @@ Model (``Decoder(config, rngs=nnx.Rngs(seed))``; ``model.config``)
         Inference/tests only: training must use hidden_states + token_logprobs.
     model.hidden_states(input_ids, attention_mask=None, positions=None) -> [B,T,D] final-norm
         hidden states in compute dtype (no LM head).
-    model.unembed() -> [D,V] output projection in compute dtype (tied: embedding transposed).
-        logits = hidden @ unembed.
+    model.output_head() -> (table, vocab_major): the output projection in compute dtype, a tied
+        model's embedding [V,D] as stored (vocab_major) or lm_head [D,V];
+        logits = layers.unembed(hidden, table, vocab_major=vocab_major).
     model.forward_cached(tokens [B,T], cache, token_mask [B,T]=None, positions=None, *,
                          all_logits=False) -> (logits fp32 [B,V] at each row's last real
         token, or [B,T,V] with all_logits; new KVCache)

@@ -223,10 +223,12 @@ class Decoder(nnx.Module):
             self.lm_head = _param(rngs.params(), (config.hidden_size, config.vocab_size), dt, ("embed", "vocab"))
 
     # -- shared pieces ---------------------------------------------------------------
-    def unembed(self) -> jax.Array:
-        """Output projection [D, V] in compute dtype (tied: the embedding transposed)."""
-        table = self.embed[...].T if self.config.tie_embeddings else self.lm_head[...]
-        return table.astype(self.config.compute_dtype)
+    def output_head(self) -> tuple[jax.Array, bool]:
+        """(table, vocab_major) for ``layers.unembed``, in compute dtype: a tied model's
+        embedding [V, D] as stored (never transposed), else ``lm_head`` [D, V]."""
+        if self.config.tie_embeddings:
+            return self.embed[...].astype(self.config.compute_dtype), True
+        return self.lm_head[...].astype(self.config.compute_dtype), False
 
     def embed_tokens(self, input_ids: jax.Array) -> jax.Array:
         x = jnp.take(self.embed[...], input_ids, axis=0).astype(self.config.compute_dtype)
@@ -238,7 +240,8 @@ class Decoder(nnx.Module):
         return L.rope_tables(positions, inv_freq)
 
     def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
-        logits = jnp.einsum("btd,dv->btv", hidden, self.unembed(), preferred_element_type=jnp.float32)
+        table, vocab_major = self.output_head()
+        logits = L.unembed(hidden, table, vocab_major=vocab_major, preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "seq", "act_vocab"))
 
     # -- full-sequence forward ----------------------------------------------------------

@@ -78,6 +78,21 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1, *, preferred_element_
     return out.reshape(*lead, *outer)
 
 
+def unembed(hidden: jax.Array, table: jax.Array, *, vocab_major: bool, preferred_element_type=None) -> jax.Array:
+    """Logits ``hidden [..., D] → [..., V]`` from an output table stored ``[V, D]`` or ``[D, V]``.
+
+    A tied model's table is its embedding, ``[V, D]``; contracting its ``D`` in place keeps
+    XLA from copying a transposed table (113 MB for SmolLM2) on every call and transposing
+    its gradient back (SmolLM2 log-prob head fwd+bwd at 4×256, same-run A/B: 22% faster).
+    """
+    if not vocab_major:
+        return project(hidden, table, preferred_element_type=preferred_element_type)
+    tokens = hidden.reshape(-1, hidden.shape[-1])
+    logits = jax.lax.dot_general(tokens, table, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=preferred_element_type)
+    return logits.reshape(*hidden.shape[:-1], table.shape[0])
+
+
 def swiglu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
     hidden = jax.nn.silu(project(x, gate)) * project(x, up)
     hidden = constrain(hidden, ("batch", "seq", "act_mlp"))

@@ -18,15 +18,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from llds_jax.models.layers import project
+from llds_jax.models.layers import unembed
 from llds_jax.parallel.rules import constrain
 
 
-def _chunk_stats(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, temperature: float,
-                 with_entropy: bool) -> tuple[jax.Array, jax.Array]:
+def _chunk_stats(hidden: jax.Array, table: jax.Array, targets: jax.Array, temperature: float,
+                 with_entropy: bool, vocab_major: bool) -> tuple[jax.Array, jax.Array]:
     """log p(target) and entropy [B, C] for one chunk of hidden states [B, C, D]."""
-    # One [B*C, D] x [D, V] matmul, not a bcd,dv einsum (see ``layers.project``).
-    logits = project(hidden, unembed, preferred_element_type=jnp.float32)
+    # One [B*C, D] x table matmul, not a bcd,dv einsum (see ``layers.project``).
+    logits = unembed(hidden, table, vocab_major=vocab_major, preferred_element_type=jnp.float32)
     logits = constrain(logits, ("batch", "seq", "act_vocab"))
     if temperature != 1.0:
         logits = logits / temperature
@@ -44,14 +44,15 @@ def _chunk_stats(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, temp
     return logp, entropy
 
 
-def token_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, *,
+def token_logprobs(hidden: jax.Array, table: jax.Array, targets: jax.Array, *, vocab_major: bool = False,
                    temperature: float = 1.0, chunk_size: int = 128, with_entropy: bool = True
                    ) -> tuple[jax.Array, jax.Array | None]:
     """log π(targets) and token entropy, both fp32 [B, T].
 
     hidden [B, T, D] are final-norm states (``Decoder.hidden_states``) whose position t
-    predicts ``targets[:, t]``; unembed [D, V] is ``Decoder.unembed()``. Differentiable
-    with respect to both. ``with_entropy=False`` returns ``None`` for the entropy.
+    predicts ``targets[:, t]``; table is the output projection, [D, V], or [V, D] with
+    ``vocab_major`` (``Decoder.output_head()`` gives both). Differentiable with respect to
+    hidden and table. ``with_entropy=False`` returns ``None`` for the entropy.
     """
     if hidden.ndim != 3 or targets.shape != hidden.shape[:2]:
         raise ValueError(f"hidden {hidden.shape} and targets {targets.shape} must be [B, T, D] and [B, T]")
@@ -67,10 +68,11 @@ def token_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, *,
     hidden_chunks = hidden.reshape(batch, n_chunks, chunk, width).swapaxes(0, 1)
     target_chunks = targets.astype(jnp.int32).reshape(batch, n_chunks, chunk).swapaxes(0, 1)
 
-    body = jax.checkpoint(functools.partial(_chunk_stats, temperature=temperature, with_entropy=with_entropy))
+    body = jax.checkpoint(functools.partial(_chunk_stats, temperature=temperature, with_entropy=with_entropy,
+                                            vocab_major=vocab_major))
 
     def step(_, xs):
-        return None, body(xs[0], unembed, xs[1])
+        return None, body(xs[0], table, xs[1])
 
     _, (logp, entropy) = jax.lax.scan(step, None, (hidden_chunks, target_chunks))
     logp = logp.swapaxes(0, 1).reshape(batch, padded)[:, :length]
@@ -85,5 +87,6 @@ def sequence_logprobs(model, input_ids: jax.Array, attention_mask: jax.Array, *,
     Entry t scores token t+1, the usual shift for causal LMs; masks are the caller's job.
     """
     hidden = model.hidden_states(input_ids, attention_mask)
-    return token_logprobs(hidden[:, :-1], model.unembed(), input_ids[:, 1:], temperature=temperature,
-                          chunk_size=chunk_size, with_entropy=with_entropy)
+    table, vocab_major = model.output_head()
+    return token_logprobs(hidden[:, :-1], table, input_ids[:, 1:], vocab_major=vocab_major,
+                          temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)

@@ -111,8 +111,9 @@ def forward_logprobs(graphdef, params, input_ids, attention_mask, *, temperature
     """log π(token t+1 | ≤ t) [N, T-1] *target-aligned* (and entropy) — the one forward of π_old, π_ref and the loss."""
     model = nnx.merge(graphdef, params)
     hidden = model.hidden_states(input_ids, attention_mask)
-    return token_logprobs(hidden[:, :-1], model.unembed(), input_ids[:, 1:], temperature=temperature,
-                          chunk_size=chunk_size, with_entropy=with_entropy)
+    table, vocab_major = model.output_head()
+    return token_logprobs(hidden[:, :-1], table, input_ids[:, 1:], vocab_major=vocab_major,
+                          temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
 
 
 def _objective_view(mb: TrainBatch) -> tuple[LossMasks, jax.Array, jax.Array | None]:

@@ -35,19 +35,25 @@ def test_chunked_values_equal_naive_softmax(chunk_size, temperature):
     np.testing.assert_allclose(entropy, want_entropy, atol=1e-5, rtol=1e-5)
 
 
-def test_chunked_gradients_equal_naive_softmax():
+@pytest.mark.parametrize("vocab_major", [False, True])
+def test_chunked_gradients_equal_naive_softmax(vocab_major):
+    """A vocab-major table ([V, D], a tied embedding as stored) gives the same values and its
+    gradient comes back [V, D], the transpose of the [D, V] one."""
     hidden, unembed, targets = _inputs()
     weights = jax.random.normal(jax.random.key(9), targets.shape)
+    table = unembed.T if vocab_major else unembed
 
     def loss(fn, h, u):
         logp, entropy = fn(h, u)
         return jnp.sum(weights * logp) + 0.1 * jnp.sum(entropy)
 
-    chunked = lambda h, u: token_logprobs(h, u, targets, temperature=0.9, chunk_size=8)
+    chunked = lambda h, u: token_logprobs(h, u, targets, vocab_major=vocab_major, temperature=0.9, chunk_size=8)
     naive = lambda h, u: _naive(h, u, targets, 0.9)
-    got = jax.grad(lambda h, u: loss(chunked, h, u), argnums=(0, 1))(hidden, unembed)
+    got = jax.grad(lambda h, u: loss(chunked, h, u), argnums=(0, 1))(hidden, table)
     want = jax.grad(lambda h, u: loss(naive, h, u), argnums=(0, 1))(hidden, unembed)
-    for name, g, w in zip(("d hidden", "d unembed"), got, want):
+    want = (want[0], want[1].T if vocab_major else want[1])
+    for name, g, w in zip(("d hidden", "d table"), got, want):
+        assert g.shape == w.shape, name
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=name)
 
 

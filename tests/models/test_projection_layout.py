@@ -57,3 +57,42 @@ def test_no_activation_or_activation_gradient_is_laid_out_feature_major():
         bad = _feature_major_arrays(hlo, features)
         assert not bad, f"scan_layers={scan_layers}: {len(bad)} feature-major activation arrays, e.g.\n" + "\n".join(
             bad[:5])
+
+
+def _transposed_table_arrays(vocab_major: bool) -> list[str]:
+    """[D, V]-laid-out arrays in the compiled grad of a tied model's log-prob loss.
+
+    ``vocab_major=False`` feeds the head ``embed.T``, the form before ``Decoder.output_head``."""
+    from llds_jax.models.logprobs import token_logprobs
+
+    model = tiny_model("llama", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=160,
+                       vocab_size=384, tie_embeddings=True)
+    graph, params = nnx.split(model)
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 384, (BATCH, LENGTH)), jnp.int32)
+
+    def loss(p):
+        m = nnx.merge(graph, p)
+        table, _ = m.output_head()
+        hidden = m.hidden_states(ids, jnp.ones_like(ids, bool))
+        head = (table, True) if vocab_major else (table.T, False)
+        logp, entropy = token_logprobs(hidden[:, :-1], head[0], ids[:, 1:], vocab_major=head[1], chunk_size=8)
+        return jnp.sum(logp) + jnp.sum(entropy)
+
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    bad = []
+    for line in hlo.splitlines():
+        match = re.search(r"= f32\[([\d,]+)\]\{([\d,]+)\}", line)
+        if match:
+            dims = [int(d) for d in match.group(1).split(",")]
+            physical = [dims[int(i)] for i in reversed(match.group(2).split(","))]
+            if physical == [64, 384]:
+                bad.append(line.strip()[:160])
+    return bad
+
+
+def test_tied_head_reads_the_embedding_as_stored():
+    """The tied LM head contracts the [V, D] embedding in place: no transposed copy of the
+    table or of its gradient (SmolLM2: 113 MB each way per micro-batch)."""
+    assert _transposed_table_arrays(vocab_major=False), "the embed.T form should show the transposed table"
+    bad = _transposed_table_arrays(vocab_major=True)
+    assert not bad, f"{len(bad)} [D, V] arrays in the tied head's grad, e.g.\n" + "\n".join(bad[:5])
