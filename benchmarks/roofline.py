@@ -9,9 +9,11 @@ XLA:GPU H100 targets that ``--mode=plan`` uses (issue 15, item 2).
 No weights exist: every argument is a ``jax.ShapeDtypeStruct`` on a one-device mesh of the
 target, and each program is the project's own jitted function, lowered and compiled ahead of time:
 
-* decode   — ``sampling.decode_loop.decode`` with ``width=1``: sample one token per row and
-  ``Decoder.forward_cached`` it, plus the loop's own bookkeeping (counted once per token:
-  with width 1 the per-call set-up is charged to the one token, which only overstates);
+* decode   — the body of ``sampling.decode_loop.decode``'s loop (sample one token per row,
+  ``Decoder.forward_cached`` it, the loop's bookkeeping), charged per token as the cost of two
+  body steps in a row minus one: the once-per-call set-up (layer weight slices, XLA:TPU's
+  layout copies of the weights) cancels. The weights are in the compute dtype, as the learner
+  hands them to the sampler (``models.params_in_compute_dtype``, once per policy);
 * logprobs — ``train.step.build_update_fns(...).policy_logprobs`` (π_old / π_ref pass);
 * update   — ``train.step.build_update_fns(...).update``: GRPO + LLDS loss, gradient, AdamW.
 
@@ -24,7 +26,7 @@ DEFAULT_BLOCK). The report lists every while loop left in the optimised HLO with
 count and refuses to call a number exact when a loop would run more than once.
 
 Ideal (what the step has to do; N is printed per model):
-* decode   bytes = stored weights read once (tied embeddings: once; an untied input table
+* decode   bytes = weights in the compute dtype read once (tied embeddings: once; an untied input table
   contributes only the B rows looked up) + live KV read once + the new token's KV written +
   fp32 logits written and read once; flops = 2·B·(N_layers + D·V) + 4·B·L·H·Dh·live.
 * logprobs flops = 2·T_tok·(N_layers + D·V) + causal attention 2·B·L·H·Dh·T²; bytes = weights
@@ -54,6 +56,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA compile-only plugin ne
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
@@ -143,10 +146,13 @@ class Shapes:
 
 
 def ideal_decode(s: Shapes, batch: int, live: int) -> tuple[float, float]:
+    """Weights in the compute dtype (the sampler's copy, cast once per policy) read once, the
+    live KV read once, the new token's KV written, fp32 logits written and read once."""
     c = s.config
-    weights = s.param_bytes
+    itemsize = jnp.dtype(c.dtype).itemsize
+    weights = s.total_params * itemsize
     if not c.tie_embeddings:  # the input table: only the B looked-up rows are read
-        weights -= (s.n_head - batch * c.hidden_size) * jnp.dtype(c.param_dtype).itemsize
+        weights -= (s.n_head - batch * c.hidden_size) * itemsize
     bytes_ = weights + s.kv_bytes_per_slot(batch) * (live + 1) + 2 * batch * c.vocab_size * 4
     flops = 2 * batch * (s.n_layers + s.n_head) + 4 * batch * c.num_layers * c.num_heads * c.head_dim * live
     return float(flops), float(bytes_)
@@ -254,17 +260,22 @@ def build_program(program: str, decoder_cfg: DecoderConfig, device, *, batch: in
         return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
 
     if program == "decode":
-        from llds_jax.sampling.decode_loop import SamplingParams, decode
+        from llds_jax.sampling.decode_loop import SamplingParams
 
         cache = plan_run._abstract_cache(decoder_cfg, batch, slots, mesh, rules)
         keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
         stop_states = 16  # stop_strings._STATE_BUCKET: "</search>", "</answer>" fit one bucket
         sampling = SamplingParams(arr((), jnp.float32), arr((), jnp.int32), arr((), jnp.float32),
                                   arr((8,), jnp.int32), arr((2, stop_states, decoder_cfg.vocab_size), jnp.int8))
-        args = (graphdef, state.params, arr((batch, decoder_cfg.vocab_size), jnp.float32), cache,
+        # The learner hands the sampler its weights cast to the compute dtype once per policy
+        # (``models.params_in_compute_dtype``); fp32 masters here would charge a cast per token.
+        compute = jnp.dtype(decoder_cfg.dtype)
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, compute if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, sharding=x.sharding), state.params)
+        args = (graphdef, params, arr((batch, decoder_cfg.vocab_size), jnp.float32), cache,
                 arr((batch,), jnp.bool_), arr((batch,), jnp.int32), arr(keys.shape, keys.dtype),
                 arr((batch,), jnp.int32), sampling)
-        return mesh, decode, args, dict(width=1)
+        return mesh, decode_steps, args, dict(tokens=1)
     batch_abs = TrainBatch.abstract(batch, length, with_ref=state.ref_params is not None, mesh=mesh, rules=rules)
     with jax.set_mesh(mesh):
         fns = build_update_fns(graphdef, state_shardings, batch_abs.shardings(mesh, rules), mesh,
@@ -274,6 +285,18 @@ def build_program(program: str, decoder_cfg: DecoderConfig, device, *, batch: in
     if program == "update":
         return mesh, fns.update, (state, batch_abs), {}
     raise ValueError(f"program={program!r}: expected one of {PROGRAMS}")
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "tokens"), donate_argnames=("cache",))
+def decode_steps(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, *, tokens: int):
+    """``tokens`` steps of the decode loop's body in a row, no while loop, after its once-per-call
+    set-up: compiled at 1 and 2 tokens, the difference is what one more token costs."""
+    from llds_jax.sampling.decode_loop import decode_program
+
+    state, step = decode_program(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, width=tokens)
+    for _ in range(tokens):
+        state = step(state)
+    return state
 
 
 def compile_for(jitted, args, kwargs, mesh, platform: str):
@@ -413,9 +436,15 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
     mesh, jitted, args, kwargs = build_program(program, decoder_cfg, device, batch=batch, length=length,
                                                slots=slots, remat=remat)
     compiled, note = compile_for(jitted, args, kwargs, mesh, device.platform)
-    seconds = time.perf_counter() - start
     flops, bytes_, how = xla_cost(compiled)
     hlo = compiled.as_text()
+    if program == "decode":  # per token: two body steps minus one (the per-call set-up cancels)
+        twice, _ = compile_for(jitted, args, dict(kwargs, tokens=2), mesh, device.platform)
+        flops2, bytes2, _ = xla_cost(twice)
+        setup_bytes = 2 * bytes_ - bytes2
+        flops, bytes_ = flops2 - flops, bytes2 - bytes_
+        how += f"; decode = 2 token steps - 1 (per-call set-up {_si(setup_bytes, 'B')} not charged)"
+    seconds = time.perf_counter() - start
     loops = while_loops(hlo)
     if program == "decode":
         ideal = ideal_decode(shapes, batch, live)

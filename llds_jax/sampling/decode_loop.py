@@ -153,6 +153,22 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: 
     own PRNG keys and ``drawn [B]`` the tokens each already drew with it (see the module
     docstring). Returns the final :class:`DecodeState`; its cache holds every sampled token.
     """
+    state, step = decode_program(graphdef, params, logits, cache, done, budget, keys, drawn, sampling,
+                                 width=width, pad_id=pad_id)
+
+    def keep_going(s: DecodeState):
+        return (s.step < width) & ~jnp.all(s.done)
+
+    return jax.lax.while_loop(keep_going, step, state)
+
+
+def decode_program(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: KVCache,
+                   done: jax.Array, budget: jax.Array, keys: jax.Array, drawn: jax.Array, sampling: SamplingParams,
+                   *, width: int, pad_id: jax.Array | int = 0):
+    """``decode``'s parts, to trace inside a jit: (the initial :class:`DecodeState`, the
+    one-token step ``DecodeState -> DecodeState``). The per-call work (layer weight slices)
+    happens here, once; ``benchmarks/roofline.py`` runs the step k times in a row to charge
+    per-token work apart from it."""
     model = nnx.merge(graphdef, params)
     layer_weights = model.layer_weights()  # sliced once, outside the loop (see Decoder.layer_weights)
     batch = logits.shape[0]
@@ -172,9 +188,6 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: 
         keys=keys,
         drawn=drawn.astype(jnp.int32),
     )
-
-    def keep_going(s: DecodeState):
-        return (s.step < width) & ~jnp.all(s.done)
 
     def one_token(s: DecodeState) -> DecodeState:
         sampled, logprob = sample_rows(s.logits, s.keys, s.drawn + s.lengths, sampling)
@@ -204,7 +217,7 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: 
             drawn=s.drawn,
         )
 
-    return jax.lax.while_loop(keep_going, one_token, state)
+    return state, one_token
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, counts: jax.Array, sampling: SamplingParams

@@ -93,6 +93,9 @@ def test_paper_precision_keeps_fp32_weights_and_a_bf16_cache():
     shapes = roofline.Shapes(tiny_config("qwen2", dtype="bfloat16", param_dtype="float32"))
     assert shapes.param_bytes == 4 * (TINY_N_LAYERS + TINY_HEAD)
     assert shapes.kv_bytes_per_slot(8) == 2 * 2 * 8 * 2 * 16 * 2
+    # decode reads the sampler's bf16 copy of the weights, not the fp32 masters
+    kv, logits = shapes.kv_bytes_per_slot(8) * 129, 2 * 8 * 256 * 4
+    assert roofline.ideal_decode(shapes, 8, 128)[1] == 2 * (TINY_N_LAYERS + TINY_HEAD) + kv + logits
 
 
 def test_hlo_readers_find_loops_their_trip_counts_and_the_largest_buffers():
