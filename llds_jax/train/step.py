@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from llds_jax.models.logprobs import token_logprobs
+from llds_jax.models.logprobs import sequence_logprobs
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
 from llds_jax.rl.advantages import compute_advantages
@@ -109,11 +109,8 @@ def _split_rows(tree, parts: int):
 def forward_logprobs(graphdef, params, input_ids, attention_mask, *, temperature: float, chunk_size: int,
                      with_entropy: bool):
     """log π(token t+1 | ≤ t) [N, T-1] *target-aligned* (and entropy) — the one forward of π_old, π_ref and the loss."""
-    model = nnx.merge(graphdef, params)
-    hidden = model.hidden_states(input_ids, attention_mask)
-    table, vocab_major = model.output_head()
-    return token_logprobs(hidden[:, :-1], table, input_ids[:, 1:], vocab_major=vocab_major,
-                          temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
+    return sequence_logprobs(nnx.merge(graphdef, params), input_ids, attention_mask, temperature=temperature,
+                             chunk_size=chunk_size, with_entropy=with_entropy)
 
 
 def _objective_view(mb: TrainBatch) -> tuple[LossMasks, jax.Array, jax.Array | None]:

@@ -1,0 +1,61 @@
+"""Reading XLA's optimised HLO text for ``roofline.py``: while loops and their trip counts, kernel
+custom calls HloCostAnalysis cannot see, and the largest buffers outside fusions."""
+
+from __future__ import annotations
+
+import math
+import re
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* ([\w\-]+)\(")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$")
+_SKIPPED_OPS = {"parameter", "get-tuple-element", "bitcast", "constant", "tuple", "while", "call", "conditional"}
+
+
+def while_loops(hlo: str) -> list[str]:
+    """Every while loop in optimised HLO: its name and known trip count ('?' when XLA does not know it)."""
+    loops = []
+    for line in hlo.splitlines():
+        if match := re.search(r"%([\w.\-]+) = .* while\(", line):
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+            op_name = re.search(r'op_name="([^"]*)"', line)
+            loops.append(f"{match[1]}(trips={trips[1] if trips else '?'}) {op_name[1][-60:] if op_name else ''}".strip())
+    return loops
+
+
+# XLA:TPU's own bookkeeping custom calls (index packing, bitcasts): no kernel behind them.
+BOOKKEEPING_CALLS = frozenset({"ConcatBitcast", "GatherScatterIndicesBitpacked", "AssumeGatherIndicesInBound"})
+
+
+def custom_calls(hlo: str) -> dict[str, int]:
+    """Kernel custom calls and how often they occur (Pallas/Mosaic ``tpu_custom_call``, cuBLAS,
+    cuDNN): HloCostAnalysis does not see their flops or bytes, so a program with them is
+    under-counted. XLA:TPU's bookkeeping calls (BOOKKEEPING_CALLS) are left out."""
+    counts: dict[str, int] = {}
+    for target in re.findall(r' custom-call\(.*?custom_call_target="([^"]+)"', hlo):
+        if target not in BOOKKEEPING_CALLS:
+            counts[target] = counts.get(target, 0) + 1
+    return counts
+
+
+def largest_ops(hlo: str, top: int = 8) -> list[dict]:
+    """The instructions with the largest results outside fused computations (what touches memory):
+    the evidence for whole-cache copies or fp32 weight copies."""
+    fused = set(re.findall(r"kind=k\w+, calls=%([\w.\-]+)", hlo))
+    computation, found = "", []
+    for line in hlo.splitlines():
+        if header := _COMPUTATION.match(line):
+            computation = header[1]
+            continue
+        if computation in fused or not (match := _INSTRUCTION.match(line)) or match[2] not in _DTYPE_BYTES:
+            continue
+        name, dtype, dims, opcode = match.groups()
+        if opcode in _SKIPPED_OPS:
+            continue
+        shape = [int(d) for d in dims.split(",") if d]
+        size = math.prod(shape) * _DTYPE_BYTES[dtype]
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        found.append(dict(name=name, opcode=opcode, shape=f"{dtype}[{dims}]", bytes=size, computation=computation,
+                          op_name=op_name[1][-90:] if op_name else ""))
+    return sorted(found, key=lambda op: -op["bytes"])[:top]
