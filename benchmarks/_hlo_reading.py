@@ -24,6 +24,11 @@ def while_loops(hlo: str) -> list[str]:
     return loops
 
 
+def while_bodies(hlo: str) -> set[str]:
+    """Names of the computations that are while-loop bodies (``largest_ops``' ``computation`` field)."""
+    return set(re.findall(r" while\(.*?body=%([\w.\-]+)", hlo))
+
+
 # XLA:TPU's own bookkeeping custom calls (index packing, bitcasts): no kernel behind them.
 BOOKKEEPING_CALLS = frozenset({"ConcatBitcast", "GatherScatterIndicesBitpacked", "AssumeGatherIndicesInBound"})
 

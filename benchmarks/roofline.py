@@ -68,7 +68,7 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _hlo_reading import BOOKKEEPING_CALLS, custom_calls, largest_ops, while_loops  # noqa: E402, F401
+from _hlo_reading import BOOKKEEPING_CALLS, custom_calls, largest_ops, while_bodies, while_loops  # noqa: E402, F401
 
 from llds_jax.models.config import DecoderConfig  # noqa: E402
 from llds_jax.models.loading import KNOWN_MODELS  # noqa: E402

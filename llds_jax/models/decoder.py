@@ -24,10 +24,11 @@ from flax import nnx
 
 from llds_jax.models import layers as L
 from llds_jax.models.attention import (
-    CACHED_BLOCK,
     DEFAULT_BLOCK,
+    KV_CACHE_AXES,
     AttentionMask,
     attend,
+    attend_cached,
     resolve_backend,
     target_platform,
 )
@@ -65,7 +66,7 @@ class KVCache:
         return jnp.sum(self.valid, axis=-1, dtype=jnp.int32)
 
 
-KV_AXES = ("batch", "act_kv_heads", "cache_seq", None)  # one layer's k or v
+KV_AXES = KV_CACHE_AXES  # one layer's k or v
 
 
 def cache_logical_axes(num_layers: int) -> KVCache:
@@ -155,12 +156,10 @@ class DecoderLayers(nnx.Module):
         return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
 
 
-def _block(config: DecoderConfig, weights: dict[str, jax.Array], x: jax.Array, cos, sin,
-           mask: AttentionMask, write_kv, *, kv_heads_major: bool = False):
-    """One pre-norm transformer block. ``write_kv(k, v) -> (k_all, v_all, extra)``
-    decides whether attention reads the chunk itself or the cache it was written to
-    (``kv_heads_major``: k_all, v_all are [B, KVH, S, Dh], the cache's layout);
-    ``mask`` says which of those keys each query sees, in O(T + S) (no [T, S] array)."""
+def _block(config: DecoderConfig, weights: dict[str, jax.Array], x: jax.Array, cos, sin, attend_kv):
+    """One pre-norm transformer block. ``attend_kv(q, k, v) -> (attention, extra)`` decides
+    what the queries read: the chunk's own keys (full-sequence forward) or a KV cache the
+    chunk is written into (cached forward, whose updated cache is ``extra``)."""
     dtype = config.compute_dtype
     w = {name: value.astype(dtype) for name, value in weights.items()}
     h = L.rms_norm(x, w["attn_norm"], config.rms_eps)
@@ -175,10 +174,7 @@ def _block(config: DecoderConfig, weights: dict[str, jax.Array], x: jax.Array, c
     q = constrain(L.apply_rope(q, cos, sin), ("batch", "seq", "act_heads", None))
     k = constrain(L.apply_rope(k, cos, sin), ("batch", "seq", "act_kv_heads", None))
     v = constrain(v, ("batch", "seq", "act_kv_heads", None))
-    k_all, v_all, extra = write_kv(k, v)
-    backend = resolve_backend(config.attention, target_platform())
-    block = CACHED_BLOCK if kv_heads_major else DEFAULT_BLOCK
-    attn = attend(q, k_all, v_all, mask, backend, block, kv_heads_major=kv_heads_major)
+    attn, extra = attend_kv(q, k, v)
     x = x + L.project(attn, w["o_proj"], contract=2)
     x = constrain(x, ("batch", "seq", "act_embed"))
     h = L.rms_norm(x, w["mlp_norm"], config.rms_eps)
@@ -259,9 +255,13 @@ class Decoder(nnx.Module):
             positions = positions_from_mask(attention_mask)
         mask = AttentionMask.causal(attention_mask)
         cos, sin = self._rope(positions)
+        backend = resolve_backend(self.config.attention, target_platform())
+
+        def attend_chunk(q, k, v):
+            return attend(q, k, v, mask, backend, DEFAULT_BLOCK), None
 
         def layer_fn(weights, x, _):
-            return _block(self.config, weights, x, cos, sin, mask, lambda k, v: (k, v, None))[0]
+            return _block(self.config, weights, x, cos, sin, attend_chunk)[0]
 
         x = _run_layers(self.config, self.layers.stacked(), self.embed_tokens(input_ids), layer_fn)
         return L.rms_norm(x, self.final_norm[...], self.config.rms_eps)
@@ -309,6 +309,7 @@ class Decoder(nnx.Module):
         valid = cache.valid.at[rows, slots].set(token_mask, mode="drop")
         mask = AttentionMask.cached(slots, valid)  # a key is seen iff valid and at or before the query's slot
         cos, sin = self._rope(positions)
+        backend = resolve_backend(self.config.attention, target_platform())
         if layer_weights is None:
             layer_weights = self.layer_weights()
         x = self.embed_tokens(tokens)
@@ -317,13 +318,11 @@ class Decoder(nnx.Module):
         # each layer's weights are their own arrays (a scan slices, i.e. copies, them per call).
         for layer, weights in enumerate(layer_weights):
 
-            def write_kv(k, v, layer=layer):
-                k_all = cache.k[layer].at[rows, :, slots].set(k.astype(cache.k[layer].dtype), mode="drop")
-                v_all = cache.v[layer].at[rows, :, slots].set(v.astype(cache.v[layer].dtype), mode="drop")
-                k_all, v_all = constrain(k_all, KV_AXES), constrain(v_all, KV_AXES)
-                return k_all.astype(k.dtype), v_all.astype(v.dtype), (k_all, v_all)
+            def attend_cache(q, k, v, layer=layer):
+                attn, k_all, v_all = attend_cached(q, k, v, cache.k[layer], cache.v[layer], mask, backend)
+                return attn, (k_all, v_all)
 
-            x, (k_layer, v_layer) = _block(self.config, weights, x, cos, sin, mask, write_kv, kv_heads_major=True)
+            x, (k_layer, v_layer) = _block(self.config, weights, x, cos, sin, attend_cache)
             new_k.append(k_layer)
             new_v.append(v_layer)
         hidden = L.rms_norm(x, self.final_norm[...], self.config.rms_eps)

@@ -10,8 +10,11 @@
 * ``"naive"`` — the dense oracle that builds fp32 [B, H, T, S] scores (tests, tiny shapes).
 
 Splash and cuDNN serve the full-sequence forward (training, log-probs); a cached
-forward (prefill into a KV cache, decode, appends) uses the blockwise kernel on every
-backend, which reads only the key blocks below the rows' furthest slot.
+forward (prefill into a KV cache, appends) uses the blockwise kernel on every backend,
+which reads only the key blocks below the rows' furthest slot. ``attend_cached`` writes a
+chunk into a KV cache and attends over it; under ``splash`` (i.e. on TPU) a one-token
+decode does both in the Pallas kernel of ``decode_tpu``, since XLA:TPU would copy every
+layer's cache around the scatter that writes it, once per token.
 
 The choice is resolved at trace time from the platform the program is compiled for
 (the ambient mesh's devices, so a TPU plan from a CPU host picks splash), cached per
@@ -23,6 +26,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from llds_jax.models.attention.blockwise import (
     CACHED_BLOCK,
@@ -37,10 +41,12 @@ from llds_jax.models.attention.naive import MASKED_SCORE, naive_attention
 from llds_jax.models.attention.splash import splash_attention
 from llds_jax.models.config import ATTENTION_BACKENDS, ConfigError
 from llds_jax.models.reductions import target_platform
+from llds_jax.parallel.rules import constrain, current_rules
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
-__all__ = ["ATTENTION_BACKENDS", "CACHED_BLOCK", "DEFAULT_BLOCK", "MASKED_SCORE", "QUERY_BLOCK", "AttentionMask", "attend",
+__all__ = ["ATTENTION_BACKENDS", "CACHED_BLOCK", "DEFAULT_BLOCK", "KV_CACHE_AXES", "MASKED_SCORE", "QUERY_BLOCK",
+           "AttentionMask", "attend", "attend_cached",
            "blockwise_attention", "cudnn_attention", "naive_attention", "query_piece", "resolve_backend",
            "splash_attention", "target_platform"]
 
@@ -79,3 +85,31 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, backen
     if backend == "splash":
         return splash_attention(q, k, v, mask, block_size)
     return cudnn_attention(q, k, v, mask, block_size)
+
+
+KV_CACHE_AXES = ("batch", "act_kv_heads", "cache_seq", None)  # one layer's cached k or v, heads-major
+
+
+def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                  mask: AttentionMask, backend: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Write a chunk's k, v [B, T, KVH, Dh] into heads-major caches [B, KVH, S, Dh] at slots
+    ``mask.query_index`` (slots ≥ S are dropped) and attend q [B, T, H, Dh] over the caches.
+    ``mask`` is the cache mask after the write. Returns (attention, k_cache, v_cache)."""
+    if backend == "splash" and q.shape[1] == 1:
+        from llds_jax.models.attention import decode_tpu  # noqa: PLC0415  (Pallas TPU dialect: TPU programs only)
+
+        tile = decode_tpu.decode_block(k_cache.shape[2], CACHED_BLOCK, k_cache.dtype)
+        if tile is not None and not _slots_sharded(k_cache.shape):
+            return decode_tpu.decode_and_write(q, k, v, k_cache, v_cache, mask, tile)
+    rows = jnp.arange(q.shape[0])[:, None]
+    k_cache = constrain(k_cache.at[rows, :, mask.query_index].set(k.astype(k_cache.dtype), mode="drop"), KV_CACHE_AXES)
+    v_cache = constrain(v_cache.at[rows, :, mask.query_index].set(v.astype(v_cache.dtype), mode="drop"), KV_CACHE_AXES)
+    attn = attend(q, k_cache.astype(k.dtype), v_cache.astype(v.dtype), mask, backend, CACHED_BLOCK,
+                  kv_heads_major=True)
+    return attn, k_cache, v_cache
+
+
+def _slots_sharded(cache_shape: tuple[int, ...]) -> bool:
+    """The ambient rules split the cache's slot axis (the decode kernel reads whole rows)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and current_rules().spec(KV_CACHE_AXES, cache_shape, mesh)[2] is not None

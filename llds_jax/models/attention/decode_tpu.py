@@ -1,0 +1,212 @@
+"""TPU: one-token decode as a Pallas kernel that writes the new key/value into the cache in place
+and attends over each row's live slots only.
+
+Why a kernel: in plain XLA the decode step writes its keys with a scatter (each row at its own
+slot) and attention reads the cache in a key-block loop. XLA:TPU gives the scatter a cache
+layout of its own and brackets it with two whole-cache ``copy`` ops per layer per token, and
+it copies a cache that an inner loop reads while the decode loop updates it (BUILD_NOTES →
+"TPU copy diagnosis": 60 cache-sized copies per token for SmolLM2-135M's 30 layers). Here the
+cache is an aliased HBM operand: the kernel DMAs the live key blocks in (double-buffered),
+folds them into FlashAttention's online softmax, and DMAs the one new row out. No XLA op
+touches the cache, so nothing copies it.
+
+Grid (rows, KV heads), one program per (row, KV head) with all its G query heads. A row reads
+``ceil(slot / block)`` blocks: its own live length, not the cache's size or the longest row's.
+The new key is folded in from VMEM (the cache slot it goes to is still stale while the blocks
+are read, so that slot is masked and its DMA runs after the loop).
+
+Numerics are the blockwise kernel's: fp32 scores ``q·k / sqrt(Dh)``, invisible keys at
+``MASKED_SCORE``, probabilities cast to the value dtype for the second matmul. Only the
+order in which keys are summed differs (the new key first).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from llds_jax.models.attention.mask import AttentionMask
+from llds_jax.models.attention.naive import MASKED_SCORE
+from llds_jax.parallel.rules import current_rules
+
+_READ, _WRITE = 0, 1  # semaphore rows
+
+
+def decode_block(slots: int, block: int, dtype) -> int | None:
+    """The key tile for a ``slots``-slot cache of ``dtype``, or None when no tile fits the TPU's
+    layout (``slots`` not a multiple of :func:`row_tile`): the caller then uses the blockwise kernel."""
+    rows = row_tile(dtype)
+    block = min(block, slots)
+    while block > rows and slots % block:
+        block //= 2
+    return block if slots % block == 0 and block % rows == 0 else None
+
+
+def row_tile(dtype) -> int:
+    """Rows of one (8 sublanes × 128 lanes) TPU memory tile: 8 of 4-byte values, 16 of 2-byte ones."""
+    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def decode_and_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                     mask: AttentionMask, block: int, *, interpret: bool = False
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [B, 1, H, Dh]; k_new, v_new [B, 1, KVH, Dh]; caches [B, KVH, S, Dh] (heads-major, donated)
+    → (attention [B, 1, H, Dh], k_cache, v_cache with row b's key/value at slot
+    ``mask.query_index[b, 0]``; a slot ≥ S is dropped, as the scatter's ``mode="drop"``).
+
+    ``mask`` is the cache mask after the write (``key_valid`` already flags the new slots).
+    ``block`` must divide S (see :func:`decode_block`). ``interpret=True`` runs the kernel in
+    Pallas' interpreter (any backend; tests)."""
+    batch, length, heads, head_dim = q.shape
+    kv_heads, slots = k_cache.shape[1], k_cache.shape[2]
+    if length != 1 or mask.self_attention:
+        raise ValueError(f"decode_and_write serves one query per row over a cache; got T={length}, "
+                         f"self_attention={mask.self_attention}")
+    if slots % block:
+        raise ValueError(f"decode_and_write: block={block} does not divide the cache's {slots} slots")
+    slot = mask.query_index[:, 0].astype(jnp.int32)
+    in_cache = slot < slots
+    new_visible = in_cache & jnp.take_along_axis(mask.key_valid, jnp.minimum(slot, slots - 1)[:, None], 1)[:, 0]
+    live_blocks = jnp.clip(-(-slot // block), 0, slots // block)  # blocks holding slots before the new one
+    scalars = (live_blocks, slot, new_visible.astype(jnp.int32))
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    k_new, v_new = (x.astype(k_cache.dtype).transpose(0, 2, 1, 3) for x in (k_new, v_new))  # [B, KVH, 1, Dh]
+    valid = mask.key_valid.astype(jnp.int32).reshape(batch, slots // block, block)
+    run = functools.partial(_kernel_call, block=block, interpret=interpret)
+    out, k_cache, v_cache = _sharded(run, scalars, grouped, k_new, v_new, valid, k_cache, v_cache)
+    return out.reshape(batch, 1, heads, head_dim), k_cache, v_cache
+
+
+def _kernel(live_ref, slot_ref, new_visible_ref, q_ref, k_new_ref, v_new_ref, valid_ref, k_hbm, v_hbm,
+            o_ref, k_out, v_out, k_buf, v_buf, k_rows, v_rows, sems, *, block: int, scale: float):
+    row, head = pl.program_id(0), pl.program_id(1)
+    live, slot = live_ref[row], slot_ref[row]
+
+    def block_copies(i, buf):
+        start = pl.multiple_of(i * block, block)
+        return (pltpu.make_async_copy(k_hbm.at[row, head, pl.ds(start, block)], k_buf.at[buf], sems.at[_READ, 0, buf]),
+                pltpu.make_async_copy(v_hbm.at[row, head, pl.ds(start, block)], v_buf.at[buf], sems.at[_READ, 1, buf]))
+
+    @pl.when(live > 0)
+    def _prefetch_first():
+        for copy in block_copies(0, 0):
+            copy.start()
+
+    q = q_ref[...]  # [G, Dh]
+
+    def scores_of(keys):  # fp32 [G, n]
+        return jax.lax.dot_general(q, keys.astype(q.dtype), (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32) * scale
+
+    def weighted(probs, values):  # fp32 [G, Dh]
+        values = values.astype(q.dtype)
+        return jax.lax.dot_general(probs.astype(values.dtype), values, (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+    # The new key starts the running statistics (a masked one is wiped by the first visible key).
+    # (a one-key product on the vector unit: Mosaic does not lower an N = 1 matmul)
+    k_new = k_new_ref[...].astype(q.dtype).astype(jnp.float32)
+    new_score = jnp.sum(q.astype(jnp.float32) * k_new, axis=-1, keepdims=True) * scale  # [G, 1]
+    m = jnp.where(new_visible_ref[row] != 0, new_score, MASKED_SCORE)
+    total = jnp.ones_like(m)
+    acc = jnp.broadcast_to(v_new_ref[...].astype(q.dtype).astype(jnp.float32), q.shape)
+
+    def fold(i, carry):
+        m, total, acc = carry
+        buf = i % 2
+
+        @pl.when(i + 1 < live)
+        def _prefetch_next():
+            for copy in block_copies(i + 1, 1 - buf):
+                copy.start()
+
+        for copy in block_copies(i, buf):
+            copy.wait()
+        scores = scores_of(k_buf[buf])  # [G, block]
+        ids = i * block + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+        visible = (valid_ref[pl.ds(i, 1), :] != 0) & (ids < slot)
+        scores = jnp.where(visible, scores, MASKED_SCORE)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
+        probs = jnp.exp(scores - m_new)
+        rescale = jnp.exp(m - m_new)
+        total = rescale * total + jnp.sum(probs, axis=-1, keepdims=True)
+        return m_new, total, rescale * acc + weighted(probs, v_buf[buf])
+
+    m, total, acc = jax.lax.fori_loop(0, live, fold, (m, total, acc))
+    o_ref[...] = (acc / total).astype(o_ref.dtype)
+
+    @pl.when(slot < k_hbm.shape[2])
+    def _write_new_row():
+        # After every read, so the slot's old content (masked above) is never raced. A DMA
+        # offset must be tile-aligned, so the row's whole tile of sublanes is read, patched and
+        # written back. k_out / v_out alias k_hbm / v_hbm (one buffer on TPU; the interpreter
+        # copies the input in and returns the output, so both sides go through the output).
+        group = k_rows.shape[0]
+        start = pl.multiple_of((slot // group) * group, group)
+        pairs = ((k_out, k_rows, k_new_ref, 0), (v_out, v_rows, v_new_ref, 1))
+        tiles = [pltpu.make_async_copy(cache.at[row, head, pl.ds(start, group)], rows, sems.at[_WRITE, which, 0])
+                 for cache, rows, _, which in pairs]
+        for copy in tiles:
+            copy.start()
+        for copy in tiles:
+            copy.wait()
+        for _, rows, new, _ in pairs:
+            here = jax.lax.broadcasted_iota(jnp.int32, rows.shape, 0) == slot - start
+            rows[...] = jnp.where(here, new[...], rows[...])
+        writes = [pltpu.make_async_copy(rows, cache.at[row, head, pl.ds(start, group)], sems.at[_WRITE, which, 1])
+                  for cache, rows, _, which in pairs]
+        for copy in writes:
+            copy.start()
+        for copy in writes:
+            copy.wait()
+
+
+def _kernel_call(scalars, grouped, k_new, v_new, valid, k_cache, v_cache, *, block: int, interpret: bool):
+    """Per-shard: grouped [b, kvh, G, Dh], k/v_new [b, kvh, 1, Dh], valid [b, S / block, block],
+    caches [b, kvh, S, Dh]."""
+    batch, kv_heads, group, head_dim = grouped.shape
+    blocks = valid.shape[1]
+    group = row_tile(k_cache.dtype)
+    per_head = lambda rows: pl.BlockSpec((None, None, rows, head_dim), lambda b, h, *_: (b, h, 0, 0))  # noqa: E731
+    in_hbm = pl.BlockSpec(memory_space=pl.ANY)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(scalars),
+        grid=(batch, kv_heads),
+        in_specs=[per_head(group), per_head(1), per_head(1),
+                  pl.BlockSpec((None, blocks, block), lambda b, h, *_: (b, 0, 0)), in_hbm, in_hbm],
+        out_specs=[per_head(group), in_hbm, in_hbm],
+        scratch_shapes=[pltpu.VMEM((2, block, head_dim), k_cache.dtype), pltpu.VMEM((2, block, head_dim), v_cache.dtype),
+                        pltpu.VMEM((group, head_dim), k_cache.dtype), pltpu.VMEM((group, head_dim), v_cache.dtype),
+                        pltpu.SemaphoreType.DMA((2, 2, 2))],
+    )
+    first_cache = len(scalars) + 4  # operand index of k_cache (scalar prefetch operands count)
+    kernel = functools.partial(_kernel, block=block, scale=1.0 / math.sqrt(head_dim))
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=(jax.ShapeDtypeStruct(grouped.shape, grouped.dtype),
+                   jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+        input_output_aliases={first_cache: 1, first_cache + 1: 2},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+        name="decode_attention",
+    )(*scalars, grouped, k_new, v_new, valid, k_cache, v_cache)
+
+
+def _sharded(run, scalars, grouped, k_new, v_new, valid, k_cache, v_cache):
+    """``run`` inside shard_map over the ambient mesh's batch and KV-head axes (plain call without one)."""
+    args = (scalars, grouped, k_new, v_new, valid, k_cache, v_cache)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return run(*args)
+    spec = current_rules().spec(("batch", "act_kv_heads", None, None), k_cache.shape, mesh)
+    rows = jax.P(spec[0])
+    return jax.shard_map(run, mesh=mesh, in_specs=((rows,) * len(scalars), spec, spec, spec, jax.P(spec[0], None, None),
+                                                   spec, spec),
+                         out_specs=(spec, spec, spec), check_vma=False)(*args)
