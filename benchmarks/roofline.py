@@ -356,6 +356,10 @@ class Row:
     compile_seconds: float
     note: str = ""
     largest_ops: list[dict] = dataclasses.field(default_factory=list)
+    # decode only: the real ``decode`` program (its while loop): bytes XLA charges it (set-up + the
+    # body once) and the whole-cache copies inside the body (per token: what issue 15 forbids)
+    loop_bytes: float = 0.0
+    loop_cache_copies: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def bytes_ratio(self) -> float:
@@ -389,6 +393,7 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
         setup_bytes = 2 * bytes_ - bytes2
         flops, bytes_ = flops2 - flops, bytes2 - bytes_
         how += f"; decode = 2 token steps - 1 (per-call set-up {_si(setup_bytes, 'B')} not charged)"
+        loop_bytes, loop_cache_copies = _real_decode_loop(args, mesh, device.platform, decoder_cfg, batch, slots)
     seconds = time.perf_counter() - start
     loops = while_loops(hlo)
     if program == "decode":
@@ -411,9 +416,27 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
         exact = False
         note = "; ".join(filter(None, [note, "custom calls not costed: " +
                                        ", ".join(f"{k} x{n}" for k, n in kernels.items())]))
-    return Row(model, target, precision, program, shape, flops, bytes_, *ideal,
-               predicted_seconds(flops, bytes_, chip), predicted_seconds(*ideal, chip), loops, exact, how, seconds,
-               note, largest_ops(hlo))
+    row = Row(model, target, precision, program, shape, flops, bytes_, *ideal,
+              predicted_seconds(flops, bytes_, chip), predicted_seconds(*ideal, chip), loops, exact, how, seconds,
+              note, largest_ops(hlo))
+    if program == "decode":
+        row.loop_bytes, row.loop_cache_copies = loop_bytes, loop_cache_copies
+    return row
+
+
+def _real_decode_loop(args, mesh, platform: str, decoder_cfg: DecoderConfig, batch: int, slots: int):
+    """(bytes, whole-cache copies in the loop body) of the real decode ``while`` program. Straight-line
+    steps let XLA:TPU move whole caches between memory spaces around each step, which the loop
+    never does; the loop's own body shows what a token really touches."""
+    from llds_jax.sampling.decode_loop import decode
+
+    compiled, _ = compile_for(decode, args, dict(width=64), mesh, platform)
+    hlo = compiled.as_text()
+    cache = f"[{batch},{decoder_cfg.num_kv_heads},{slots},{decoder_cfg.head_dim}]"
+    bodies = while_bodies(hlo)
+    ops = [f"{op['opcode']} {op['shape']}" for op in largest_ops(hlo, top=10**6)
+           if op["computation"] in bodies and op["shape"].endswith(cache) and op["opcode"].startswith("copy")]
+    return xla_cost(compiled)[1], ops
 
 
 def slot_dependence(rows: list[Row], shapes: Shapes, batch: int) -> dict | None:
@@ -425,8 +448,12 @@ def slot_dependence(rows: list[Row], shapes: Shapes, batch: int) -> dict | None:
     s_low = int(low.shape.split("slots=")[1].split()[0])
     s_high = int(high.shape.split("slots=")[1].split()[0])
     per_slot = (high.xla_bytes - low.xla_bytes) / (s_high - s_low)
+    loop_per_slot = (high.loop_bytes - low.loop_bytes) / (s_high - s_low)
     return dict(slots=(s_low, s_high), bytes=(low.xla_bytes, high.xla_bytes),
-                bytes_per_extra_slot=per_slot, whole_cache_passes=per_slot / shapes.kv_bytes_per_slot(batch))
+                bytes_per_extra_slot=per_slot, whole_cache_passes=per_slot / shapes.kv_bytes_per_slot(batch),
+                loop_bytes=(low.loop_bytes, high.loop_bytes),
+                loop_whole_cache_passes=loop_per_slot / shapes.kv_bytes_per_slot(batch),
+                loop_cache_copies=(len(low.loop_cache_copies), len(high.loop_cache_copies)))
 
 
 def _si(value: float, unit: str) -> str:
@@ -464,7 +491,10 @@ def format_report(report: dict) -> str:
         for key, dep in report["slot_dependence"].items():
             lines.append(f"  {key}: {_si(dep['bytes'][0], 'B')} at {dep['slots'][0]} slots, {_si(dep['bytes'][1], 'B')} "
                          f"at {dep['slots'][1]} -> {_si(dep['bytes_per_extra_slot'], 'B')} per extra slot = "
-                         f"{dep['whole_cache_passes']:.2f} whole-cache passes per step")
+                         f"{dep['whole_cache_passes']:.2f} whole-cache passes per step; real loop: "
+                         f"{_si(dep['loop_bytes'][0], 'B')} -> {_si(dep['loop_bytes'][1], 'B')} = "
+                         f"{dep['loop_whole_cache_passes']:.2f} passes, whole-cache copies in its body "
+                         f"{dep['loop_cache_copies'][0]} / {dep['loop_cache_copies'][1]}")
     sources = sorted({r["cost_source"] for r in report["rows"]})
     lines += ["", "x = XLA / ideal. ms@peak = max(flops/peak, bytes/bandwidth) of XLA's numbers; ideal ms the same of "
               "the ideal.", "loops = while loops left in the optimised HLO (each counted once by XLA; see --json).",

@@ -136,6 +136,10 @@ def _check_report(report, target):
     kv_per_slot = roofline.Shapes(roofline.MODELS["tiny"](
         dtype=roofline.PRECISIONS[rows[0]["precision"]][0])).kv_bytes_per_slot(8)
     assert dep["whole_cache_passes"] == pytest.approx((high["xla_bytes"] - low["xla_bytes"]) / 1536 / kv_per_slot)
+    # the real decode loop: its body copies no whole cache on any target (in-place scatter on
+    # CPU/GPU, the Pallas kernel on TPU), so its cost does not grow with the cache
+    assert dep["loop_cache_copies"] == (0, 0), [r["loop_cache_copies"] for r in rows[:2]]
+    assert low["loop_bytes"] > 0 and high["loop_bytes"] > 0
     json.dumps(report)  # --json prints it: it must serialise
     text = roofline.format_report(report)
     assert "whole-cache passes per step" in text and "tiny" in text
