@@ -387,13 +387,14 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
     compiled, note = compile_for(jitted, args, kwargs, mesh, device.platform)
     flops, bytes_, how = xla_cost(compiled)
     hlo = compiled.as_text()
+    real_loop = (0.0, [])  # decode only: (bytes, whole-cache copies in the body) of the real while loop
     if program == "decode":  # per token: two body steps minus one (the per-call set-up cancels)
         twice, _ = compile_for(jitted, args, dict(kwargs, tokens=2), mesh, device.platform)
         flops2, bytes2, _ = xla_cost(twice)
         setup_bytes = 2 * bytes_ - bytes2
         flops, bytes_ = flops2 - flops, bytes2 - bytes_
         how += f"; decode = 2 token steps - 1 (per-call set-up {_si(setup_bytes, 'B')} not charged)"
-        loop_bytes, loop_cache_copies = _real_decode_loop(args, mesh, device.platform, decoder_cfg, batch, slots)
+        real_loop = _real_decode_loop(args, mesh, device.platform, decoder_cfg, batch, slots)
     seconds = time.perf_counter() - start
     loops = while_loops(hlo)
     if program == "decode":
@@ -416,12 +417,9 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
         exact = False
         note = "; ".join(filter(None, [note, "custom calls not costed: " +
                                        ", ".join(f"{k} x{n}" for k, n in kernels.items())]))
-    row = Row(model, target, precision, program, shape, flops, bytes_, *ideal,
-              predicted_seconds(flops, bytes_, chip), predicted_seconds(*ideal, chip), loops, exact, how, seconds,
-              note, largest_ops(hlo))
-    if program == "decode":
-        row.loop_bytes, row.loop_cache_copies = loop_bytes, loop_cache_copies
-    return row
+    return Row(model, target, precision, program, shape, flops, bytes_, *ideal,
+               predicted_seconds(flops, bytes_, chip), predicted_seconds(*ideal, chip), loops, exact, how, seconds,
+               note, largest_ops(hlo), *real_loop)
 
 
 def _real_decode_loop(args, mesh, platform: str, decoder_cfg: DecoderConfig, batch: int, slots: int):

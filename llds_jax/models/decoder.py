@@ -66,12 +66,11 @@ class KVCache:
         return jnp.sum(self.valid, axis=-1, dtype=jnp.int32)
 
 
-KV_AXES = KV_CACHE_AXES  # one layer's k or v
 
 
 def cache_logical_axes(num_layers: int) -> KVCache:
     """A KVCache of logical-axis tuples (one per layer for k and v)."""
-    return KVCache(k=(KV_AXES,) * num_layers, v=(KV_AXES,) * num_layers, valid=("batch", "cache_seq"),
+    return KVCache(k=(KV_CACHE_AXES,) * num_layers, v=(KV_CACHE_AXES,) * num_layers, valid=("batch", "cache_seq"),
                    end=("batch",))
 
 
@@ -81,7 +80,7 @@ def init_cache(config: DecoderConfig, batch: int, max_len: int, dtype: Any = Non
     shape = (batch, config.num_kv_heads, max_len, config.head_dim)
 
     def empty():
-        return tuple(constrain(jnp.zeros(shape, dtype), KV_AXES) for _ in range(config.num_layers))
+        return tuple(constrain(jnp.zeros(shape, dtype), KV_CACHE_AXES) for _ in range(config.num_layers))
 
     return KVCache(k=empty(), v=empty(), valid=constrain(jnp.zeros((batch, max_len), bool), ("batch", "cache_seq")),
                    end=jnp.zeros((batch,), jnp.int32))
