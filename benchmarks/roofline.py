@@ -185,10 +185,8 @@ def target_device(target: str):
     """One device of the target, through the planner's own target plumbing."""
     if target == "cpu":
         return jax.devices("cpu")[0], "XLA:CPU (this host)"
-    try:
-        from llds_jax.plan.targets import gpu_target, target_installed, tpu_target
-    except ImportError:  # before the planner moved to llds_jax/plan
-        from llds_jax.train.plan_targets import gpu_target, target_installed, tpu_target
+    from llds_jax.plan.targets import gpu_target, target_installed, tpu_target
+
     if missing := target_installed(target):
         raise SystemExit(f"--target {target}: {missing}")
     chosen = tpu_target("v5e:2x2") if target == "tpu" else gpu_target("h100", 1, 1)
@@ -199,7 +197,7 @@ def target_device(target: str):
 
 def measure_cpu_chip(dtype: str) -> Chip:
     """This host's matmul peak (jitted 1024² {dtype} matmul, best of 5) and memory bandwidth
-    (an elementwise pass over 128 MB: read + write, best of 5)."""
+    (a jitted sum over 128 MB: read only, best of 5)."""
     n = 1024
     a = jnp.ones((n, n), dtype)
     matmul = jax.jit(lambda x: x @ x)
@@ -222,10 +220,8 @@ def _timed(fn) -> float:
 
 # ------------------------------------------------------------------ programs
 def _plan_helpers():
-    try:
-        from llds_jax.plan import run as plan_run
-    except ImportError:  # before the planner moved to llds_jax/plan
-        from llds_jax.train import plan as plan_run
+    from llds_jax.plan import run as plan_run
+
     return plan_run
 
 
