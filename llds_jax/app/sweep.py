@@ -46,7 +46,8 @@ def expand_grid(grid) -> list[dict]:
 
 
 def run_name(overrides: dict) -> str:
-    return ",".join(f"{key.split('.')[-1]}={value}" for key, value in overrides.items()) or "base"
+    """``llds_coef=0.1+seed=2``: '+', not ',', so run directories can be listed in ``report.compare``."""
+    return "+".join(f"{key.split('.')[-1]}={value}" for key, value in overrides.items()) or "base"
 
 
 def load_config_file(path: str):

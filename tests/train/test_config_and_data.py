@@ -91,6 +91,30 @@ def test_sweep_expands_the_grid_in_order_and_validates_every_run(tmp_path):
         plan(config)
 
 
+def _flat(config, prefix=""):
+    for key, value in config.items():
+        if hasattr(value, "items"):
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def test_the_lab_spiral_sweep_is_both_arms_over_three_seeds_of_the_documented_setting(monkeypatch):
+    """docs/death_spiral_lab.md's group-size-8 runs as one sweep: the arms differ only in λ, and the
+    setting differs from the default lab run only in the hyperparameters the doc names."""
+    monkeypatch.chdir(REPO)  # the sweep names its base config relative to the checkout
+    changed = dict(set(_flat(load_config("lab_spiral"))) - set(_flat(load_config("lab_grpo"))))
+    assert changed == {"workdir": "runs/lab_spiral", "rollout.n_samples": 8, "train.mini_batch_size": 16,
+                       "train.micro_batch_size": 16, "train.logprob_batch_size": 32, "train.total_steps": 300,
+                       "train.save_every": 50, "optim.lr": 3e-4, "optim.warmup_ratio": 20 / 300}, changed
+    assert int(changed["optim.warmup_ratio"] * changed["train.total_steps"]) == 20  # the runs' 20 warm-up steps
+    config = load_config("sweep_lab_spiral")
+    config.sweep.num_devices = 1
+    runs = plan(config)  # resolves and validates every run
+    assert [name for name, _ in runs] == [f"llds_coef={lam}+seed={seed}" for lam in (0.0, 0.1) for seed in (0, 1, 2)]
+    assert all("--config=configs/lab_spiral.py" in args for _, args in runs)
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("llds_gate", "acton", "rl.llds_gate = 'acton' is not one of"),
     ("ratio_max", 1.1, "rl.ratio_max = 1.1 must be 0 .off. or above 1 . rl.clip_high"),
