@@ -1,5 +1,6 @@
-"""Reading XLA's optimised HLO text for ``roofline.py``: while loops and their trip counts, kernel
-custom calls HloCostAnalysis cannot see, and the largest buffers outside fusions."""
+"""Reading XLA's optimised HLO text for ``roofline.py``: while loops and their trip counts (and the
+trips the attention's key-block loops make), kernel custom calls HloCostAnalysis cannot see, and
+the largest buffers outside fusions."""
 
 from __future__ import annotations
 
@@ -64,3 +65,19 @@ def largest_ops(hlo: str, top: int = 8) -> list[dict]:
         found.append(dict(name=name, opcode=opcode, shape=f"{dtype}[{dims}]", bytes=size, computation=computation,
                           op_name=op_name[1][-90:] if op_name else ""))
     return sorted(found, key=lambda op: -op["bytes"])[:top]
+
+
+def attention_loop_trips(program: str, length: int) -> set[int]:
+    """Trip counts of the blockwise attention's key-block loops at this live length (decode) or
+    sequence length. Key block 0 is peeled off each forward loop (models/attention/blockwise.py),
+    so a forward loop runs blocks − 1 times and a backward loop (update only) blocks times."""
+    from llds_jax.models.attention import CACHED_BLOCK, DEFAULT_BLOCK, QUERY_BLOCK, query_piece
+
+    if program == "decode":
+        return {-(-length // CACHED_BLOCK) - 1}
+    piece = query_piece(length)
+    if length > piece:  # causal pieces, each walking QUERY_BLOCK keys up to its own last query
+        blocks = [-(-min(start + piece, length) // min(QUERY_BLOCK, length)) for start in range(0, length, piece)]
+    else:
+        blocks = [-(-length // min(DEFAULT_BLOCK, length))]
+    return {b - 1 for b in blocks} | ({*blocks} if program == "update" else set())

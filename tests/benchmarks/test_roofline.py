@@ -116,6 +116,46 @@ def test_hlo_readers_find_loops_their_trip_counts_and_the_largest_buffers():
     assert biggest["shape"] in ("f32[64,128]", "f32[128,128]"), biggest
 
 
+def test_xla_charges_a_lookup_the_whole_table_and_an_in_place_cache_write_the_whole_cache():
+    """The two cost-model rules ``_xla_charges`` subtracts, measured on XLA:CPU. If XLA stops
+    charging either, the roofline's "without what XLA charges" line changes: this fails first."""
+    charges = sys.modules["_xla_charges"]
+    cpu = jax.devices("cpu")[0]
+    vocab, hidden, batch = 1000, 64, 8
+    table, rows, ids = vocab * hidden * 4, batch * hidden * 4, batch * 4
+    assert abs(charges.gather_excess(cpu, vocab, hidden, jnp.float32, batch) - table) <= rows + ids
+    cache_dims = (batch, 2, 512, 16)
+    cache, token = math.prod(cache_dims) * 4, batch * 2 * 16 * 4
+    # charged: cache in + cache out, plus the token (read, at most twice) and the indices (at most
+    # four int64 per row); scatter_excess takes the token's one read and one write off that
+    assert abs(charges.scatter_excess(cpu, cache_dims, jnp.float32) - 2 * cache) <= 2 * token + 32 * batch
+
+
+# A cuBLAS call as XLA:GPU (jax-cuda12 0.10.2) prints it in Qwen2.5-3B's decode step, trimmed.
+_GEMM_HLO = """
+  %bitcast.5225 = bf16[8,256,2048]{2,1,0} bitcast(%wrapped_slice.180), metadata={op_name="jit(decode_steps)/slice"}
+  %bitcast.3056.0 = bf16[8,8,256]{2,1,0} bitcast(%loop_convert_fusion.36), metadata={op_name="jit(decode_steps)/x"}
+  %custom-call.4 = (f32[8,2048,8]{1,2,0}, s8[4194304]{0}) custom-call(%bitcast.5225, %bitcast.3056.0), \
+custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(decode_steps)/dot_general"}
+"""
+
+
+def test_cublas_calls_are_added_back_as_their_operands_and_result_without_the_workspace():
+    charges = sys.modules["_xla_charges"]
+    expected = 8 * 256 * 2048 * 2 + 8 * 8 * 256 * 2 + 8 * 2048 * 8 * 4
+    assert charges.gemm_call_bytes(_GEMM_HLO.replace("\\\n", "")) == expected
+
+
+def test_attention_loop_trips_follow_the_peeled_first_key_block():
+    from llds_jax.models.attention import CACHED_BLOCK
+
+    assert roofline.attention_loop_trips("decode", CACHED_BLOCK) == {0}  # charged once, never runs
+    assert roofline.attention_loop_trips("decode", CACHED_BLOCK + 1) == {1}
+    assert roofline.attention_loop_trips("decode", 2 * CACHED_BLOCK) == {1}
+    assert roofline.attention_loop_trips("logprobs", 256) == {0, 1}  # two causal pieces of 128 queries
+    assert roofline.attention_loop_trips("update", 256) == {0, 1, 2}  # and their backward loops
+
+
 def _report(argv):
     return roofline.run(roofline.parse_args(argv))
 
@@ -123,7 +163,7 @@ def _report(argv):
 def _check_report(report, target):
     rows = report["rows"]
     assert [(r["program"], r["shape"]) for r in rows] == [
-        ("decode", "B=8 slots=512 live=128"), ("decode", "B=8 slots=2048 live=128"),
+        ("decode", "B=8 slots=512 live=256"), ("decode", "B=8 slots=2048 live=256"),
         ("logprobs", "4x256"), ("update", "16x256")]
     for r in rows:
         assert r["target"] == target and r["xla_flops"] > 0 and r["xla_bytes"] > 0, r
@@ -140,6 +180,13 @@ def _check_report(report, target):
     # CPU/GPU, the Pallas kernel on TPU), so its cost does not grow with the cache
     assert dep["loop_cache_copies"] == (0, 0), [r["loop_cache_copies"] for r in rows[:2]]
     assert low["loop_bytes"] > 0 and high["loop_bytes"] > 0
+    # one more token: one embedding lookup, and (scatter path) one in-place write per layer's k and v
+    layers = roofline.MODELS["tiny"]().num_layers
+    scatters = 0 if "tpu_custom_call" in str(low["note"]) else 2 * layers
+    for row in (low, high):
+        assert f"{scatters} in-place cache scatters" in row["charged_detail"], row["charged_detail"]
+        assert "1 embedding lookups" in row["charged_detail"], row["charged_detail"]
+        assert 0 < row["charged_not_run"] < row["xla_bytes"], row
     json.dumps(report)  # --json prints it: it must serialise
     text = roofline.format_report(report)
     assert "whole-cache passes per step" in text and "tiny" in text
