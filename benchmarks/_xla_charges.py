@@ -48,14 +48,24 @@ def xla_cost(compiled) -> tuple[float, float, str]:
 
 
 _DEFINITION = re.compile(r"%([\w.\-]+) = \w+\[([\d,]*)\]\S* ([\w\-]+)\(%([\w.\-]+)")
+_ARRAY = re.compile(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]")
 
 
-def _ops_reading(hlo: str, opcode: str, dims: tuple[int, ...]) -> int:
-    """How many ``opcode`` instructions (fused or not) take an array of exactly ``dims`` as their
-    first operand: the table a gather reads from, the buffer a scatter writes into."""
-    shapes = dict(re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]", hlo))
-    wanted = ",".join(map(str, dims))
-    return sum(1 for _, _, op, first in _DEFINITION.findall(hlo) if op == opcode and shapes.get(first) == wanted)
+def _array_bytes(dtype: str, dims: str) -> int:
+    return math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
+
+
+def _inventory(hlo: str, cache_dims: tuple[int, ...], table_dims: tuple[int, ...]) -> tuple[int, int, int]:
+    """(scatters into a ``cache_dims`` buffer, gathers from a ``table_dims`` table, bytes the cuBLAS
+    GEMM calls move) in one program, fused computations included, from one pass over its text."""
+    arrays = {name: (dtype, dims) for name, dtype, dims in _ARRAY.findall(hlo)}
+
+    def count(opcode: str, dims: tuple[int, ...]) -> int:
+        wanted = ",".join(map(str, dims))
+        return sum(1 for _, _, op, first in _DEFINITION.findall(hlo)
+                   if op == opcode and arrays.get(first, ("", ""))[1] == wanted)
+
+    return count("scatter", cache_dims), count("gather", table_dims), gemm_call_bytes(hlo, arrays)
 
 
 def _bytes_accessed(fn, *args, donate=()) -> float:
@@ -92,17 +102,15 @@ def scatter_excess(device, cache_shape: tuple[int, int, int, int], dtype) -> flo
 _GEMM_CALL = re.compile(r"= (\([^)]*\)|\w+\[[\d,]*\]\S*) custom-call\(([^)]*)\).*?custom_call_target=\"__cublas")
 
 
-def _array_bytes(text: str) -> int:
-    dtype, dims = re.match(r"\(?(\w+)\[([\d,]*)\]", text).groups()
-    return math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
-
-
-def gemm_call_bytes(hlo: str) -> int:
+def gemm_call_bytes(hlo: str, arrays: dict | None = None) -> int:
     """Bytes the cuBLAS GEMM custom calls read and write (operands + result, not the workspace):
     work HloCostAnalysis leaves out, as much of it as a GEMM must move."""
-    sizes = {name: _array_bytes(shape) for name, shape in re.findall(r"%([\w.\-]+) = (\w+\[[\d,]*\])", hlo)}
-    return sum(_array_bytes(result) + sum(sizes.get(name, 0) for name in re.findall(r"%([\w.\-]+)", operands))
-               for result, operands in _GEMM_CALL.findall(hlo))
+    arrays = arrays if arrays is not None else {name: (d, s) for name, d, s in _ARRAY.findall(hlo)}
+    total = 0
+    for result, operands in _GEMM_CALL.findall(hlo):
+        total += _array_bytes(*re.match(r"\(?(\w+)\[([\d,]*)\]", result).groups())
+        total += sum(_array_bytes(*arrays[name]) for name in re.findall(r"%([\w.\-]+)", operands) if name in arrays)
+    return total
 
 
 def decode_charges(hlo_one: str, hlo_two: str, device, decoder_cfg, batch: int, slots: int
@@ -113,12 +121,11 @@ def decode_charges(hlo_one: str, hlo_two: str, device, decoder_cfg, batch: int, 
     dtype = jnp.dtype(decoder_cfg.dtype)
     cache_dims = (batch, decoder_cfg.num_kv_heads, slots, decoder_cfg.head_dim)
     table_dims = (decoder_cfg.vocab_size, decoder_cfg.hidden_size)
-    scatters = _ops_reading(hlo_two, "scatter", cache_dims) - _ops_reading(hlo_one, "scatter", cache_dims)
-    gathers = _ops_reading(hlo_two, "gather", table_dims) - _ops_reading(hlo_one, "gather", table_dims)
+    one, two = _inventory(hlo_one, cache_dims, table_dims), _inventory(hlo_two, cache_dims, table_dims)
+    scatters, gathers, gemms = (b - a for a, b in zip(one, two, strict=True))
     per_scatter = scatter_excess(device, cache_dims, dtype) if scatters > 0 else 0.0
     per_gather = gather_excess(device, decoder_cfg.vocab_size, decoder_cfg.hidden_size, dtype, batch) if gathers > 0 else 0.0
     total = max(scatters, 0) * per_scatter + max(gathers, 0) * per_gather
-    gemms = gemm_call_bytes(hlo_two) - gemm_call_bytes(hlo_one)
     what = (f"{scatters} in-place cache scatters x {per_scatter / 1e6:.3g} MB + {gathers} embedding lookups x "
             f"{per_gather / 1e6:.3g} MB charged, not run" + (f"; cuBLAS GEMMs not charged {gemms / 1e6:.3g} MB" if gemms else ""))
     return total, float(gemms), what

@@ -66,8 +66,6 @@ class KVCache:
         return jnp.sum(self.valid, axis=-1, dtype=jnp.int32)
 
 
-
-
 def cache_logical_axes(num_layers: int) -> KVCache:
     """A KVCache of logical-axis tuples (one per layer for k and v)."""
     return KVCache(k=(KV_CACHE_AXES,) * num_layers, v=(KV_CACHE_AXES,) * num_layers, valid=("batch", "cache_seq"),
