@@ -115,6 +115,17 @@ def test_the_lab_spiral_sweep_is_both_arms_over_three_seeds_of_the_documented_se
     assert all("--config=configs/lab_spiral.py" in args for _, args in runs)
 
 
+def test_the_smollm2_transfer_is_the_default_job_with_the_lab_spirals_step_shape():
+    """Issue 17 item 5: only the step's shape (groups of 8, four updates per step), the lr schedule,
+    λ = 0 and the checkpoint cadence differ from the default job; the same two CPU devices fit it."""
+    config = load_config("lab_transfer_smollm2")
+    changed = dict(set(_flat(config)) - set(_flat(load_config("cpu_smoke"))))
+    assert changed == {"workdir": "runs/lab_transfer_smollm2", "rl.llds_coef": 0.0,
+                       "rollout.n_samples": 8, "train.total_steps": 200, "train.save_every": 10,
+                       "optim.lr": 1e-5, "optim.warmup_ratio": 10 / 200}, changed
+    assert "16 / 4 = 4 sequential optimizer updates" in batch_arithmetic(validate(config, num_devices=2), num_devices=2)
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("llds_gate", "acton", "rl.llds_gate = 'acton' is not one of"),
     ("ratio_max", 1.1, "rl.ratio_max = 1.1 must be 0 .off. or above 1 . rl.clip_high"),
