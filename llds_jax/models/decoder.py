@@ -93,18 +93,36 @@ def cache_shardings(config: DecoderConfig, batch: int, max_len: int, mesh: jax.s
                         is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, str | None) for a in x))
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def params_in_compute_dtype(params, dtype) -> Any:
-    """The floating leaves of ``params`` cast to ``dtype`` (the others as they are).
+# Gathered by token id: the gradient is a scatter-add over every occurrence of a token.
+LOOKUP_TABLES = ("embed",)
 
-    For sampling: with fp32 master weights and bf16 compute, every use casts the weights,
-    and inside a decode loop that cast runs per token — it reads the fp32 weights and
-    writes bf16 ones each step (seen in the XLA:GPU/TPU programs: a 622 MB convert of
-    Qwen2.5-3B's embedding inside the loop body). Cast once per policy instead; the
-    values are the same casts, so the samples are identical.
+
+@functools.partial(jax.jit, static_argnames=("dtype", "keep_lookup_tables"))
+def params_in_compute_dtype(params, dtype, *, keep_lookup_tables: bool = False) -> Any:
+    """The floating leaves of ``params`` wider than ``dtype`` cast to it (the others as they are).
+
+    With fp32 master weights and bf16 compute, every use casts the weights: inside a decode
+    loop that cast runs per token (seen in the XLA:GPU/TPU programs: a 622 MB convert of
+    Qwen2.5-3B's embedding inside the loop body), inside an update per micro-batch, in the
+    forward, its remat and the backward. Cast once per policy (sampling) or per optimizer
+    update (training) instead; the values are the same casts, so the numbers are identical.
+    Narrower leaves (bf16 reference weights under fp32 compute) are left alone: the model
+    widens them per use anyway, and a widened copy would only cost memory.
+
+    ``keep_lookup_tables`` (for differentiating): the embedding table stays in its master
+    dtype. Its gradient sums over every occurrence of a token; from a bf16 table those sums
+    would run in bf16, while the model's per-use cast (of the gathered rows, and of the tied
+    head) sums them in the master dtype. Every other gradient is the same either way: a
+    cast's transpose is the reverse cast.
     """
     dtype = jnp.dtype(dtype)
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+    def cast(path, x):
+        kept = keep_lookup_tables and getattr(path[0], "key", None) in LOOKUP_TABLES
+        narrower = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > dtype.itemsize
+        return x.astype(dtype) if narrower and not kept else x
+
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:

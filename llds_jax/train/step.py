@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from llds_jax.models import params_in_compute_dtype
 from llds_jax.models.logprobs import sequence_logprobs
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
@@ -155,6 +156,7 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
     rl_cfg, optim_cfg = config.rl, config.optim
     temperature = float(config.rollout.temperature)
     chunk = int(config.model.logprob_chunk_size)
+    compute_dtype = jnp.dtype(config.model.dtype).name
     tx = make_optimizer(optim_cfg)
     with_entropy = rl_cfg.entropy_coef > 0
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -162,6 +164,7 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
 
     def logprobs(params, input_ids, attention_mask):
         """No-grad token-aligned log-probs over the whole batch in ``logprob_batch_size`` chunks (lax.map)."""
+        params = params_in_compute_dtype(params, compute_dtype)  # once, not per chunk
         parts = sizes.trajectories // sizes.logprob_batch_size
         ids, mask = _split_rows((input_ids, attention_mask), parts)
 
@@ -193,17 +196,20 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
                                     mean_searches=batch_mean_searches)
         micros = _split_rows((mini, advantages), sizes.num_micro_batches)
         zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        # θ is fixed across the micro-batches: cast it once, not in every micro-batch's forward,
+        # remat and backward; the gradients are the same (see params_in_compute_dtype).
+        params = params_in_compute_dtype(state.params, compute_dtype, keep_lookup_tables=True)
 
         def accumulate(carry, micro):
             grads, loss, terms, gap = carry
             mb, mb_advantages = _constrain_rows(micro, rules)
-            (mb_loss, (mb_terms, mb_gap)), mb_grads = grad_fn(state.params, mb, mb_advantages, constants, on_policy)
+            (mb_loss, (mb_terms, mb_gap)), mb_grads = grad_fn(params, mb, mb_advantages, constants, on_policy)
             grads = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), grads, mb_grads)
             terms = accumulate_terms(terms, mb_terms)
             return (grads, loss + mb_loss, terms, jnp.maximum(gap, mb_gap)), None
 
         first_mb, first_advantages = jax.tree.map(lambda x: x[0], micros)
-        terms_shape = jax.eval_shape(grad_fn, state.params, first_mb, first_advantages, constants, on_policy)[0][1][0]
+        terms_shape = jax.eval_shape(grad_fn, params, first_mb, first_advantages, constants, on_policy)[0][1][0]
         zero = jnp.zeros((), jnp.float32)
         (grads, loss, terms, gap), _ = jax.lax.scan(
             accumulate, (zero_grads, zero, _empty_terms(terms_shape), zero), micros)

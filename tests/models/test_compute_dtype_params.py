@@ -1,19 +1,31 @@
-"""Sampling from weights cast once to the compute dtype gives the same numbers as casting per use."""
+"""Sampling from, and differentiating through, weights cast once to the compute dtype gives the same
+numbers as casting per use (the sampler casts once per policy, the update once per optimizer update)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from llds_jax.models import params_in_compute_dtype
 from llds_jax.models.testing import tiny_model
 from llds_jax.sampling import decode_loop
+from llds_jax.train.step import forward_logprobs
 
 
 def test_floating_leaves_are_cast_and_others_kept():
     tree = {"w": jnp.ones((2, 3), jnp.float32), "ids": jnp.arange(3, dtype=jnp.int32)}
     out = params_in_compute_dtype(tree, "bfloat16")
     assert out["w"].dtype == jnp.bfloat16 and out["ids"].dtype == jnp.int32
+
+
+def test_narrower_leaves_are_not_widened():
+    """bf16 reference weights under fp32 compute: the model widens them per use; a copy would only cost memory."""
+    tree = {"ref": jnp.ones((2, 3), jnp.bfloat16), "master": jnp.ones((2, 3), jnp.float32)}
+    out = params_in_compute_dtype(tree, "float32")
+    assert out["ref"].dtype == jnp.bfloat16 and out["master"].dtype == jnp.float32
 
 
 def test_bf16_compute_with_precast_weights_is_bit_identical():
@@ -32,3 +44,29 @@ def test_bf16_compute_with_precast_weights_is_bit_identical():
         results.append((np.asarray(logits), np.asarray(step)))
     for got, want in zip(results[1], results[0]):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("family, tied", [("qwen2", True), ("qwen2", False)])
+def test_the_gradient_through_weights_cast_once_is_the_masters_gradient(family, tied):
+    """The update differentiates w.r.t. weights cast once per optimizer update, the embedding table
+    kept fp32: every gradient is bit-identical to casting per use. Casting the table too would sum a
+    repeated token's (and the tied head's) cotangents in bf16: measurably different."""
+    model = tiny_model(family, seed=3, dtype="bfloat16", tie_embeddings=tied)
+    graphdef, params = nnx.split(model)
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 200, (2, 24)), jnp.int32)
+    mask = jnp.ones(ids.shape, bool)
+
+    def loss(p):
+        logp, _ = forward_logprobs(graphdef, p, ids, mask, temperature=1.0, chunk_size=8, with_entropy=False)
+        return logp.astype(jnp.float32).sum()
+
+    def grads_through(keep_lookup_tables):
+        cast = functools.partial(params_in_compute_dtype, dtype="bfloat16", keep_lookup_tables=keep_lookup_tables)
+        return jax.jit(lambda p: jax.tree.map(lambda g: g.astype(jnp.float32), jax.grad(loss)(cast(p))))(params)
+
+    per_use = jax.jit(jax.grad(loss))(params)
+    for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(per_use), jax.tree.leaves(grads_through(True)),
+                                 strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path))
+    bf16_table = grads_through(False)["embed"][...]
+    assert np.any(np.asarray(bf16_table) != np.asarray(per_use["embed"][...]))
