@@ -27,16 +27,25 @@ def target_platform() -> str:
 
 
 def row_sum(x: jax.Array, *, keepdims: bool = False) -> jax.Array:
-    """``jnp.sum(x, axis=-1)``, rounded the same whatever the leading dimensions on XLA:CPU."""
+    """``jnp.sum(x, axis=-1)``, rounded the same whatever the leading dimensions on XLA:CPU.
+
+    The tree halves the row until one column is left; at an odd width the last column is set
+    aside and added at the end (a fixed order too). No padding: a pad to the next power of two
+    (576 → 1024 for SmolLM2's RMSNorm, 49152 → 65536 for its vocabulary) was a separate
+    XLA:CPU fusion that wrote the padded row out before the adds read it.
+    """
     if target_platform() != "cpu":
         return jnp.sum(x, axis=-1, keepdims=keepdims)
-    width = x.shape[-1]
-    size = 1 << max(width - 1, 0).bit_length()
-    if size != width:  # zeros add exactly
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - width)])
+    set_aside = None
     while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
+        width = x.shape[-1]
+        half = width // 2
+        if width % 2:
+            odd = x[..., width - 1:]
+            set_aside = odd if set_aside is None else set_aside + odd
+        x = x[..., :half] + x[..., half:2 * half]
+    if set_aside is not None:
+        x = x + set_aside
     return x if keepdims else x[..., 0]
 
 
@@ -44,3 +53,11 @@ def log_softmax(x: jax.Array) -> jax.Array:
     """``jax.nn.log_softmax(x, axis=-1)`` with its normaliser summed by :func:`row_sum`."""
     shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
     return shifted - jnp.log(row_sum(jnp.exp(shifted), keepdims=True))
+
+
+def log_softmax_at(x: jax.Array, index: jax.Array) -> jax.Array:
+    """``log_softmax(x)[..., index]`` (``index`` one per row), bit for bit, without writing out
+    the ``[..., V]`` log-probabilities: the sampler needs one entry per row."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    picked = jnp.take_along_axis(x, index[..., None], axis=-1) - top
+    return (picked - jnp.log(row_sum(jnp.exp(x - top), keepdims=True)))[..., 0]

@@ -37,9 +37,9 @@ from llds_jax.sampling.session import MIN_CACHE_SLOTS, cache_slots_at_peak
 
 logger = logging.getLogger(__name__)
 
-# fp32 [V] arrays a decode step keeps per row: the carried and the new logits, the scaled,
-# sorted, softmaxed and cumulated copies of top-p, the filtered logits, their log-softmax
-# and the Gumbel noise of the draw.
+# 4-byte [V] arrays a decode step keeps per row: the carried and the new logits, the scaled
+# copy, its order keys and exp weights (the top-k/top-p cut-off search), one masked pass of
+# that search, the filtered logits, and the Gumbel draw's random bits and noise.
 SAMPLER_VOCAB_ARRAYS = 9
 # [T, hidden]-sized activations of one layer alive together in a cached forward (residual,
 # normed input, attention output, MLP output), besides q/k/v and the MLP's two up projections.

@@ -5,15 +5,20 @@ logits, then keep the smallest set of the remaining tokens (largest first) whose
 probability mass reaches ``top_p``. Tokens tied with the last kept one are kept too.
 
 All knobs are traced scalars, so one compiled decode loop serves greedy evaluation and
-sampled training. The sort that top-k/top-p need is skipped with ``lax.cond`` when
-neither is active (``top_k == 0`` and ``top_p >= 1``): sorting a 152k vocabulary every
-step is the most expensive thing here after the model itself.
+sampled training. Neither filter sorts the vocabulary: each finds its cut-off logit by
+bisection over the 2³² float32 values (a monotone integer key per logit), 32 fused passes
+over the row that count tokens (top-k) or sum probability mass (top-p) above a candidate
+cut-off. Measured on XLA:CPU for 8 rows of SmolLM2's 49k vocabulary: 7.5 ms per token for
+top-p 0.95, against 75 ms for the ``jnp.sort`` it replaces. The result is exact (the same
+kept set as sorting), and a filter that is off (``top_k == 0``, ``top_p >= 1``) is skipped
+with ``lax.cond``.
 
 ``temperature <= 0`` means greedy. The log-prob returned for a token is under the
 distribution it was drawn from (temperature-scaled and filtered); for greedy it is the
 plain log-softmax of the logits, i.e. the model's own log-prob at temperature 1. Its
 normaliser is summed so that a row's log-prob does not depend on the batch it was drawn
-in (``models.reductions``): a rollout in waves of any size gets the same numbers.
+in (``models.reductions``): a rollout in waves of any size gets the same numbers. So are
+the top-p masses, so a row's kept set does not depend on the batch either.
 """
 
 from __future__ import annotations
@@ -21,24 +26,51 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from llds_jax.models.reductions import log_softmax
+from llds_jax.models.reductions import log_softmax_at, row_sum
 
 _NEG_INF = -jnp.inf
+_KEY_BITS = 32  # bisection steps that pin any cut-off among the float32 values
+
+
+def _ordered_key(x: jax.Array) -> jax.Array:
+    """uint32 keys in the order of the float32 values (-0.0 counted as +0.0; logits are not NaN)."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _bisect(holds, lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """The largest key ``t`` in ``[lo, hi)`` with ``holds(t)``, given ``holds(lo)``, not ``holds(hi)``,
+    and ``holds`` true up to a point and false after it."""
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = holds(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    # A loop, not unrolled: unrolled, XLA:CPU fuses the 32 passes into one that recomputes each
+    # pass's inputs (578 ms per token for top-p on 8 × 49k, against 7 ms as a loop).
+    return jax.lax.fori_loop(0, _KEY_BITS, step, (lo, hi))[0]
 
 
 def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    vocab = scaled.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth_largest = jax.lax.dynamic_index_in_dim(sorted_desc, k - 1, axis=-1, keepdims=True)
-    in_top_k = jnp.arange(vocab)[None, :] < k
-    sorted_kept = jnp.where(in_top_k, sorted_desc, _NEG_INF)
-    probs = jax.nn.softmax(sorted_kept, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    in_nucleus = in_top_k & (mass_before < top_p)  # the top token always has mass_before == 0
-    nucleus_floor = jnp.min(jnp.where(in_nucleus, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    threshold = jnp.maximum(kth_largest, nucleus_floor)
-    return jnp.where(scaled < threshold, _NEG_INF, scaled)
+    keys = _ordered_key(scaled)
+    lowest = jnp.min(keys, axis=-1, keepdims=True)
+    highest = jnp.max(keys, axis=-1, keepdims=True)
+
+    def kth_largest(_):  # the largest cut-off with at least k tokens at or above it
+        count = lambda t: jnp.sum(keys >= t, axis=-1, keepdims=True, dtype=jnp.int32)  # noqa: E731
+        return _bisect(lambda t: count(t) >= top_k, lowest, highest + 1)
+
+    top_k_floor = jax.lax.cond((top_k > 0) & (top_k < scaled.shape[-1]), kth_largest, lambda _: lowest, None)
+    weights = jnp.where(keys >= top_k_floor, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)
+
+    def nucleus_floor(_):  # the lowest cut-off whose mass strictly above it falls short of top_p
+        needed = top_p * row_sum(weights, keepdims=True)
+        above = lambda t: row_sum(jnp.where(keys > t, weights, 0.0), keepdims=True)  # noqa: E731
+        return _bisect(lambda t: above(t) >= needed, top_k_floor - 1, highest) + 1
+
+    floor = jax.lax.cond(top_p < 1.0, nucleus_floor, lambda _: top_k_floor, None)
+    return jnp.where(keys >= floor, scaled, _NEG_INF)
 
 
 def filter_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
@@ -48,8 +80,8 @@ def filter_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
     top_k = jnp.asarray(top_k, jnp.int32)
     top_p = jnp.asarray(top_p, jnp.float32)
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-    needs_sort = (top_k > 0) | (top_p < 1.0)
-    return jax.lax.cond(needs_sort, lambda x: _truncate(x, top_k, top_p), lambda x: x, scaled)
+    filters = (top_k > 0) | (top_p < 1.0)
+    return jax.lax.cond(filters, lambda x: _truncate(x, top_k, top_p), lambda x: x, scaled)
 
 
 def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k, top_p
@@ -60,13 +92,12 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k, top_p
 
     def draw(logits):
         filtered = filter_logits(logits, temperature, top_k, top_p)
-        tokens = jax.random.categorical(key, filtered, axis=-1)
-        return tokens, log_softmax(filtered)
+        tokens = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+        return tokens, log_softmax_at(filtered, tokens)
 
     def argmax(logits):
         logits = logits.astype(jnp.float32)
-        return jnp.argmax(logits, axis=-1), log_softmax(logits)
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return tokens, log_softmax_at(logits, tokens)
 
-    tokens, logprobs = jax.lax.cond(greedy, argmax, draw, logits)
-    tokens = tokens.astype(jnp.int32)
-    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return jax.lax.cond(greedy, argmax, draw, logits)

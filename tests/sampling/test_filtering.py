@@ -74,3 +74,75 @@ def test_sampling_with_a_fixed_key_is_reproducible():
     c = sample_tokens(logits, jax.random.key(8), 1.0, 50, 0.9)
     np.testing.assert_array_equal(a[0], b[0])
     assert not np.array_equal(np.asarray(a[0]), np.asarray(c[0]))
+
+
+# --- the sort-free cut-offs against the definitions and against transformers' warpers -------------
+
+def _kept_mask(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    return np.isfinite(np.asarray(filter_logits(jnp.asarray(logits, jnp.float32), 1.0, top_k, top_p)))
+
+
+def _definition(row: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, float]:
+    """The kept set by the module docstring's definition, in float64 with a sort; and how far top_p
+    is from the nearest cumulative mass (a cut-off closer than fp32 rounding is not decidable)."""
+    values, counts = np.unique(row[np.isfinite(row)], return_counts=True)
+    values, counts = values[::-1], counts[::-1]  # distinct values, largest first
+    if 0 < top_k < row.size:  # down to the k-th largest value; ties with it are kept
+        last = np.searchsorted(np.cumsum(counts), top_k) + 1
+        values, counts = values[:last], counts[:last]
+    mass = counts * np.exp(values - values[0])
+    mass /= mass.sum()
+    before = np.cumsum(mass) - mass
+    keep_values = values[before < top_p] if top_p < 1.0 else values
+    floor = keep_values[-1] if keep_values.size else values[0]  # top_p 0: the top token (HF keeps one)
+    margin = float(np.min(np.abs(np.cumsum(mass) - top_p))) if 0.0 < top_p < 1.0 else np.inf
+    return row >= floor, margin
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 49152])
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.95), (0, 0.5), (40, 1.0), (40, 0.9), (1, 0.7), (0, 0.0)])
+def test_cut_offs_match_the_definition_with_ties_and_masked_tokens(vocab, top_k, top_p):
+    rng = np.random.default_rng(vocab + top_k)
+    smooth = rng.normal(size=(6, vocab)) * np.array([[0.3], [1.0], [3.0], [8.0], [1.0], [1.0]])
+    smooth[4] = np.round(smooth[4] * 2)  # many ties
+    smooth[5, rng.random(vocab) < 0.4] = -np.inf  # tokens already filtered out
+    logits = smooth.astype(np.float32)
+    got = _kept_mask(logits, top_k, top_p)
+    for row, kept_row in zip(logits.astype(np.float64), got):
+        want, margin = _definition(row, top_k, top_p)
+        if margin < 1e-5:  # our masses are pairwise fp32 sums, off by ≲ log2(V)·eps ≈ 1e-6
+            continue  # within rounding of the boundary: either answer is right
+        np.testing.assert_array_equal(kept_row, want)
+        assert kept_row.any(), "at least the top token is always kept"
+
+
+def test_top_p_one_keeps_every_token_after_top_k():
+    """A wide top-k with top-p 1 keeps the whole row (the sort-based filter used to drop tail tokens
+    whose cumulative mass rounded to 1.0 and so failed ``mass_before < 1``)."""
+    logits = np.random.default_rng(3).normal(size=(4, 49152)).astype(np.float32) * 6
+    assert _kept_mask(logits, 49152 + 5, 1.0).all()
+    assert _kept_mask(logits, 0, 1.0).all()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.95), (0, 0.6), (50, 1.0), (50, 0.8), (7, 0.99)])
+def test_kept_sets_match_transformers_warpers(top_k, top_p):
+    """transformers' TopKLogitsWarper then TopPLogitsWarper (what HF ``generate`` runs) keep the same
+    tokens on tie-free logits, apart from rows whose cut-off is within fp32 rounding."""
+    torch = pytest.importorskip("torch")
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    logits = (np.random.default_rng(top_k).normal(size=(16, 32000)) * 8.0).astype(np.float32)
+    scores = torch.as_tensor(logits)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    theirs = torch.isfinite(scores).numpy()
+    ours = _kept_mask(logits, top_k, top_p)
+    compared = 0
+    for row, ours_row, theirs_row in zip(logits.astype(np.float64), ours, theirs):
+        if _definition(row, top_k, top_p)[1] < 1e-4:
+            continue
+        np.testing.assert_array_equal(ours_row, theirs_row)
+        compared += 1
+    assert compared >= 12

@@ -1,0 +1,40 @@
+"""The batch-invariant row sums the sampler and the norms rely on (``models.reductions``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llds_jax.models.reductions import log_softmax, log_softmax_at, row_sum
+
+F32_EPS = float(np.finfo(np.float32).eps)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 7, 64, 576, 49152, 151936])
+def test_row_sum_is_the_sum(width):
+    x = np.random.default_rng(width).normal(size=(3, width)).astype(np.float32)
+    got = np.asarray(jax.jit(row_sum)(jnp.asarray(x)), np.float64)
+    want = x.astype(np.float64).sum(axis=-1)
+    # a pairwise tree: each sum rounds at most ⌈log2 width⌉ + 1 times, each by ≤ eps of |x| summed
+    bound = (np.ceil(np.log2(width)) + 1) * F32_EPS * np.abs(x).astype(np.float64).sum(axis=-1)
+    assert np.all(np.abs(got - want) <= bound), (got - want, bound)
+
+
+@pytest.mark.parametrize("width", [576, 49152])
+def test_a_rows_sum_does_not_depend_on_how_many_rows_there_are(width):
+    """Bit for bit, on XLA:CPU, whose own reductions pick kernels by the row count."""
+    rows = np.random.default_rng(0).normal(size=(64, width)).astype(np.float32) * 3
+    alone = [np.asarray(jax.jit(row_sum)(jnp.asarray(rows[i:i + 1])))[0] for i in range(4)]
+    for count in (4, 16, 64):
+        together = np.asarray(jax.jit(row_sum)(jnp.asarray(rows[:count])))
+        np.testing.assert_array_equal(together[:4], alone)
+
+
+def test_log_softmax_at_is_log_softmax_then_take_bit_for_bit():
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 49152)).astype(np.float32) * 4)
+    index = jnp.asarray(np.random.default_rng(2).integers(0, 49152, size=8), jnp.int32)
+    full = jax.jit(log_softmax)(x)
+    np.testing.assert_array_equal(np.asarray(jax.jit(log_softmax_at)(x, index)),
+                                  np.asarray(jnp.take_along_axis(full, index[:, None], axis=-1)[:, 0]))
