@@ -13,7 +13,9 @@ target, and each program is the project's own jitted function, lowered and compi
   ``Decoder.forward_cached`` it, the loop's bookkeeping), charged per token as the cost of two
   body steps in a row minus one: the once-per-call set-up (layer weight slices, XLA:TPU's
   layout copies of the weights) cancels. The weights are in the compute dtype, as the learner
-  hands them to the sampler (``models.params_in_compute_dtype``, once per policy);
+  hands them to the sampler (``models.params_in_compute_dtype``, once per policy). The sampler
+  is fixed at compile time (``--sampling``, ``_decode_program.py``): greedy by default, or the
+  rollout's top-p draw, whose cut-off bisection is a 32-trip loop (so that row is NOT EXACT);
 * logprobs — ``train.step.build_update_fns(...).policy_logprobs`` (π_old / π_ref pass);
 * update   — ``train.step.build_update_fns(...).update``: GRPO + LLDS loss, gradient, AdamW.
 
@@ -61,7 +63,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA compile-only plugin ne
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
-import functools  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -73,6 +74,7 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _decode_program import SAMPLING_MODES, decode_arguments, decode_steps  # noqa: E402
 from _hlo_reading import (  # noqa: E402, F401
     BOOKKEEPING_CALLS,
     attention_loop_trips,
@@ -251,7 +253,7 @@ def _trainer_config(batch: int, length: int, compute: str, params: str, remat: s
 
 
 def build_program(program: str, decoder_cfg: DecoderConfig, device, *, batch: int, length: int = 0,
-                  slots: int = 0, remat: str = "none"):
+                  slots: int = 0, remat: str = "none", sampling_mode: str = "greedy"):
     """(jitted function, abstract arguments, static keyword arguments) of one program on one device."""
 
     from llds_jax.parallel.mesh import make_mesh
@@ -264,28 +266,10 @@ def build_program(program: str, decoder_cfg: DecoderConfig, device, *, batch: in
     config = _trainer_config(batch, length or 2, decoder_cfg.dtype, decoder_cfg.param_dtype, remat)
     # Not under set_mesh: building the optimizer runs eager ops, which a compile-only mesh cannot.
     graphdef, state, state_shardings = plan_run._abstract_train_state(config, decoder_cfg, mesh, rules)
-    replicated = jax.NamedSharding(mesh, jax.P())
-
-    def arr(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
-
     if program == "decode":
-        from llds_jax.sampling.decode_loop import SamplingParams
-
         cache = plan_run._abstract_cache(decoder_cfg, batch, slots, mesh, rules)
-        keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
-        stop_states = 16  # stop_strings._STATE_BUCKET: "</search>", "</answer>" fit one bucket
-        sampling = SamplingParams(arr((), jnp.float32), arr((), jnp.int32), arr((), jnp.float32),
-                                  arr((8,), jnp.int32), arr((2, stop_states, decoder_cfg.vocab_size), jnp.int8))
-        # The learner hands the sampler its weights cast to the compute dtype once per policy
-        # (``models.params_in_compute_dtype``); fp32 masters here would charge a cast per token.
-        compute = jnp.dtype(decoder_cfg.dtype)
-        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, compute if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, sharding=x.sharding), state.params)
-        args = (graphdef, params, arr((batch, decoder_cfg.vocab_size), jnp.float32), cache,
-                arr((batch,), jnp.bool_), arr((batch,), jnp.int32), arr(keys.shape, keys.dtype),
-                arr((batch,), jnp.int32), sampling)
-        return mesh, decode_steps, args, dict(tokens=1)
+        args = (graphdef, *decode_arguments(decoder_cfg, state, cache, mesh, batch))
+        return mesh, decode_steps, args, dict(tokens=1, sampling_mode=sampling_mode)
     batch_abs = TrainBatch.abstract(batch, length, with_ref=state.ref_params is not None, mesh=mesh, rules=rules)
     with jax.set_mesh(mesh):
         fns = build_update_fns(graphdef, state_shardings, batch_abs.shardings(mesh, rules), mesh,
@@ -295,18 +279,6 @@ def build_program(program: str, decoder_cfg: DecoderConfig, device, *, batch: in
     if program == "update":
         return mesh, fns.update, (state, batch_abs), {}
     raise ValueError(f"program={program!r}: expected one of {PROGRAMS}")
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "tokens"), donate_argnames=("cache",))
-def decode_steps(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, *, tokens: int):
-    """``tokens`` steps of the decode loop's body in a row, no while loop, after its once-per-call
-    set-up: compiled at 1 and 2 tokens, the difference is what one more token costs."""
-    from llds_jax.sampling.decode_loop import decode_program
-
-    state, step = decode_program(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, width=tokens)
-    for _ in range(tokens):
-        state = step(state)
-    return state
 
 
 def compile_for(jitted, args, kwargs, mesh, platform: str):
@@ -372,13 +344,14 @@ def predicted_seconds(flops: float, bytes_: float, chip: Chip) -> float:
 
 
 def measure_program(model: str, target: str, precision: str, program: str, device, chip: Chip, *,
-                    batch: int, length: int = 0, slots: int = 0, live: int = 0, remat: str = "none") -> Row:
+                    batch: int, length: int = 0, slots: int = 0, live: int = 0, remat: str = "none",
+                    sampling_mode: str = "greedy") -> Row:
     compute, params = PRECISIONS[precision]
     decoder_cfg = MODELS[model](dtype=compute, param_dtype=params, scan_layers=False, remat=remat)
     shapes = Shapes(decoder_cfg)
     start = time.perf_counter()
     mesh, jitted, args, kwargs = build_program(program, decoder_cfg, device, batch=batch, length=length,
-                                               slots=slots, remat=remat)
+                                               slots=slots, remat=remat, sampling_mode=sampling_mode)
     compiled, note = compile_for(jitted, args, kwargs, mesh, device.platform)
     flops, bytes_, how = xla_cost(compiled)
     hlo = compiled.as_text()
@@ -396,7 +369,7 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
     loops = while_loops(hlo)
     if program == "decode":
         ideal = ideal_decode(shapes, batch, live)
-        shape = f"B={batch} slots={slots} live={live}"
+        shape = f"B={batch} slots={slots} live={live} {sampling_mode}"
     else:
         ideal = (ideal_logprobs if program == "logprobs" else ideal_update)(shapes, batch, length)
         shape = f"{batch}x{length}"
@@ -532,7 +505,8 @@ def run(args) -> dict:
                 if program == "decode":
                     for slots in args.slots:
                         mine.append(measure_program(model, target, precision, program, device, chips[target],
-                                                    batch=args.batch, slots=slots, live=args.live, remat=args.remat))
+                                                    batch=args.batch, slots=slots, live=args.live, remat=args.remat,
+                                                    sampling_mode=args.sampling))
                 else:
                     batch, length = args.logprob_shape if program == "logprobs" else args.update_shape
                     mine.append(measure_program(model, target, precision, program, device, chips[target],
@@ -573,6 +547,8 @@ def parse_args(argv=None):
     parser.add_argument("--slots", type=int, nargs="+", default=[512, 2048], help="decode cache slots (one compile each)")
     parser.add_argument("--live", type=int, default=256, help="decode live slots per row (the ideal's KV read); "
                         "129-256 runs the key-block loop once after the peeled first block: exact")
+    parser.add_argument("--sampling", choices=tuple(SAMPLING_MODES), default="greedy",
+                        help="decode's sampler, fixed at compile time (greedy: eval; top-p: T 1, top-p 0.95, the rollout's)")
     parser.add_argument("--logprob-shape", type=_shape, default=(4, 256), help="BATCHxLENGTH of the log-prob pass")
     parser.add_argument("--update-shape", type=_shape, default=(16, 256), help="BATCHxLENGTH of the update")
     parser.add_argument("--remat", choices=("none", "full", "dots_saveable", "nothing_saveable"), default="full",

@@ -163,7 +163,7 @@ def _report(argv):
 def _check_report(report, target):
     rows = report["rows"]
     assert [(r["program"], r["shape"]) for r in rows] == [
-        ("decode", "B=8 slots=512 live=256"), ("decode", "B=8 slots=2048 live=256"),
+        ("decode", "B=8 slots=512 live=256 greedy"), ("decode", "B=8 slots=2048 live=256 greedy"),
         ("logprobs", "4x256"), ("update", "16x256")]
     for r in rows:
         assert r["target"] == target and r["xla_flops"] > 0 and r["xla_bytes"] > 0, r
