@@ -57,17 +57,22 @@ def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arra
     lowest = jnp.min(keys, axis=-1, keepdims=True)
     highest = jnp.max(keys, axis=-1, keepdims=True)
 
+    def at_least_k_from(t):
+        return jnp.sum(keys >= t, axis=-1, keepdims=True, dtype=jnp.int32) >= top_k
+
     def kth_largest(_):  # the largest cut-off with at least k tokens at or above it
-        count = lambda t: jnp.sum(keys >= t, axis=-1, keepdims=True, dtype=jnp.int32)  # noqa: E731
-        return _bisect(lambda t: count(t) >= top_k, lowest, highest + 1)
+        return _bisect(at_least_k_from, lowest, highest + 1)
 
     top_k_floor = jax.lax.cond((top_k > 0) & (top_k < scaled.shape[-1]), kth_largest, lambda _: lowest, None)
     weights = jnp.where(keys >= top_k_floor, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)
 
     def nucleus_floor(_):  # the lowest cut-off whose mass strictly above it falls short of top_p
         needed = top_p * row_sum(weights, keepdims=True)
-        above = lambda t: row_sum(jnp.where(keys > t, weights, 0.0), keepdims=True)  # noqa: E731
-        return _bisect(lambda t: above(t) >= needed, top_k_floor - 1, highest) + 1
+
+        def reaches_p_above(t):
+            return row_sum(jnp.where(keys > t, weights, 0.0), keepdims=True) >= needed
+
+        return _bisect(reaches_p_above, top_k_floor - 1, highest) + 1
 
     floor = jax.lax.cond(top_p < 1.0, nucleus_floor, lambda _: top_k_floor, None)
     return jnp.where(keys >= floor, scaled, _NEG_INF)
