@@ -26,10 +26,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from llds_jax.models.reductions import log_softmax_at, row_sum
+from llds_jax.models.reductions import log_softmax_at, row_sum, target_platform
 
 _NEG_INF = -jnp.inf
-_KEY_BITS = 32  # bisection steps that pin any cut-off among the float32 values
+_KEY_BITS = 32  # a cut-off is one of 2³² float32 values (as uint32 order keys)
 
 
 def _ordered_key(x: jax.Array) -> jax.Array:
@@ -38,30 +38,49 @@ def _ordered_key(x: jax.Array) -> jax.Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def _bisect(holds, lo: jax.Array, hi: jax.Array) -> jax.Array:
+def search_ways() -> int:
+    """Candidate cut-offs per pass: 2 on XLA:CPU, 16 on TPU/GPU.
+
+    A pass reads the row's keys and weights once whatever the number of candidates, so on
+    memory-bound TPU/GPU 16 candidates (8 passes) move a quarter of bisection's bytes (32 passes).
+    XLA:CPU computes the 15 masked sums per element at its compute rate and runs plain bisection
+    faster.
+    """
+    return 2 if target_platform() == "cpu" else 16
+
+
+def _search(holds, lo: jax.Array, hi: jax.Array, ways: int) -> jax.Array:
     """The largest key ``t`` in ``[lo, hi)`` with ``holds(t)``, given ``holds(lo)``, not ``holds(hi)``,
-    and ``holds`` true up to a point and false after it."""
+    and ``holds`` true up to a point and false after it. ``holds`` maps candidates ``[..., m]`` to
+    ``[..., m]`` booleans; each pass tries ``ways − 1`` evenly spaced candidates."""
+    offsets = jnp.arange(1, ways, dtype=jnp.uint32)
+
     def step(_, bounds):
         lo, hi = bounds
-        mid = lo + (hi - lo) // 2
-        ok = holds(mid)
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+        stride = (hi - lo - 1) // ways + 1  # ⌈(hi − lo) / ways⌉: never overflows uint32
+        cuts = jnp.minimum(lo + stride * offsets, hi)
+        holding = jnp.sum(holds(cuts) & (cuts < hi), axis=-1, keepdims=True)
+        edges = jnp.concatenate([lo, cuts, hi], axis=-1)
+        return (jnp.take_along_axis(edges, holding, axis=-1),
+                jnp.take_along_axis(edges, holding + 1, axis=-1))
 
-    # A loop, not unrolled: unrolled, XLA:CPU fuses the 32 passes into one that recomputes each
+    passes = -(-_KEY_BITS // (ways.bit_length() - 1))
+    # A loop, not unrolled: unrolled, XLA:CPU fuses the passes into one that recomputes each
     # pass's inputs (578 ms per token for top-p on 8 × 49k, against 7 ms as a loop).
-    return jax.lax.fori_loop(0, _KEY_BITS, step, (lo, hi))[0]
+    return jax.lax.fori_loop(0, passes, step, (lo, hi))[0]
 
 
-def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, ways: int | None = None) -> jax.Array:
+    ways = ways or search_ways()
     keys = _ordered_key(scaled)
     lowest = jnp.min(keys, axis=-1, keepdims=True)
     highest = jnp.max(keys, axis=-1, keepdims=True)
 
-    def at_least_k_from(t):
-        return jnp.sum(keys >= t, axis=-1, keepdims=True, dtype=jnp.int32) >= top_k
+    def at_least_k_from(cuts):
+        return jnp.sum(keys[..., None, :] >= cuts[..., None], axis=-1, dtype=jnp.int32) >= top_k
 
     def kth_largest(_):  # the largest cut-off with at least k tokens at or above it
-        return _bisect(at_least_k_from, lowest, highest + 1)
+        return _search(at_least_k_from, lowest, highest + 1, ways)
 
     top_k_floor = jax.lax.cond((top_k > 0) & (top_k < scaled.shape[-1]), kth_largest, lambda _: lowest, None)
     weights = jnp.where(keys >= top_k_floor, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)
@@ -69,10 +88,10 @@ def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arra
     def nucleus_floor(_):  # the lowest cut-off whose mass strictly above it falls short of top_p
         needed = top_p * row_sum(weights, keepdims=True)
 
-        def reaches_p_above(t):
-            return row_sum(jnp.where(keys > t, weights, 0.0), keepdims=True) >= needed
+        def reaches_p_above(cuts):
+            return row_sum(jnp.where(keys[..., None, :] > cuts[..., None], weights[..., None, :], 0.0)) >= needed
 
-        return _bisect(reaches_p_above, top_k_floor - 1, highest) + 1
+        return _search(reaches_p_above, top_k_floor - 1, highest, ways) + 1
 
     floor = jax.lax.cond(top_p < 1.0, nucleus_floor, lambda _: top_k_floor, None)
     return jnp.where(keys >= floor, scaled, _NEG_INF)

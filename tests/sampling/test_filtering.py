@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from llds_jax.plan.targets import target_installed
 from llds_jax.sampling import filtering
 
 filter_logits = jax.jit(filtering.filter_logits)
@@ -78,8 +81,12 @@ def test_sampling_with_a_fixed_key_is_reproducible():
 
 # --- the sort-free cut-offs against the definitions and against transformers' warpers -------------
 
-def _kept_mask(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
-    return np.isfinite(np.asarray(filter_logits(jnp.asarray(logits, jnp.float32), 1.0, top_k, top_p)))
+def _kept_mask(logits: np.ndarray, top_k: int, top_p: float, ways: int | None = None) -> np.ndarray:
+    if ways is None:  # the platform's own search, through the public entry point
+        return np.isfinite(np.asarray(filter_logits(jnp.asarray(logits, jnp.float32), 1.0, top_k, top_p)))
+    truncate = jax.jit(filtering._truncate, static_argnames="ways")
+    return np.isfinite(np.asarray(truncate(jnp.asarray(logits, jnp.float32), jnp.int32(top_k), jnp.float32(top_p),
+                                           ways=ways)))
 
 
 def _definition(row: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, float]:
@@ -99,15 +106,16 @@ def _definition(row: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, 
     return row >= floor, margin
 
 
+@pytest.mark.parametrize("ways", [2, 16])  # bisection (XLA:CPU) and the 16-way search TPU/GPU run
 @pytest.mark.parametrize("vocab", [7, 1000, 49152])
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.95), (0, 0.5), (40, 1.0), (40, 0.9), (1, 0.7), (0, 0.0)])
-def test_cut_offs_match_the_definition_with_ties_and_masked_tokens(vocab, top_k, top_p):
+def test_cut_offs_match_the_definition_with_ties_and_masked_tokens(vocab, top_k, top_p, ways):
     rng = np.random.default_rng(vocab + top_k)
     smooth = rng.normal(size=(6, vocab)) * np.array([[0.3], [1.0], [3.0], [8.0], [1.0], [1.0]])
     smooth[4] = np.round(smooth[4] * 2)  # many ties
     smooth[5, rng.random(vocab) < 0.4] = -np.inf  # tokens already filtered out
     logits = smooth.astype(np.float32)
-    got = _kept_mask(logits, top_k, top_p)
+    got = _kept_mask(logits, top_k, top_p, ways)
     for row, kept_row in zip(logits.astype(np.float64), got):
         want, margin = _definition(row, top_k, top_p)
         if margin < 1e-5:  # our masses are pairwise fp32 sums, off by ≲ log2(V)·eps ≈ 1e-6
@@ -122,6 +130,29 @@ def test_top_p_one_keeps_every_token_after_top_k():
     logits = np.random.default_rng(3).normal(size=(4, 49152)).astype(np.float32) * 6
     assert _kept_mask(logits, 49152 + 5, 1.0).all()
     assert _kept_mask(logits, 0, 1.0).all()
+
+
+def _search_passes(device=None) -> set[str]:
+    """Trip counts of the while loops in top-p filtering compiled for ``device`` (default: this host)."""
+    from llds_jax.parallel.mesh import make_mesh
+
+    mesh = make_mesh((1, 1, 1), [device or jax.devices()[0]])
+    logits = jax.ShapeDtypeStruct((8, 1000), jnp.float32, sharding=jax.NamedSharding(mesh, jax.P()))
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(lambda x: filtering.filter_logits(x, 1.0, 0, 0.9)).lower(logits).compile().as_text()
+    return set(re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', hlo))
+
+
+def test_xla_cpu_bisects_in_32_passes():
+    assert _search_passes() == {"32"}
+
+
+@pytest.mark.skipif(bool(target_installed("gpu")), reason=target_installed("gpu") or "installed")
+def test_xla_gpu_searches_sixteen_ways_in_8_passes():
+    """Compiled for an H100 from this host (the compile-only target ``--mode=plan`` uses)."""
+    from llds_jax.plan.targets import gpu_target
+
+    assert _search_passes(gpu_target("h100", 1, 1).devices[0]) == {"8"}
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.95), (0, 0.6), (50, 1.0), (50, 0.8), (7, 0.99)])
