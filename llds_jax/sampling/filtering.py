@@ -44,8 +44,8 @@ def search_ways() -> int:
 
     A pass reads the row's keys and weights once whatever the number of candidates, so on
     memory-bound TPU/GPU 16 candidates (8 passes) move a quarter of bisection's bytes (32 passes).
-    XLA:CPU computes the 15 masked sums per element at its compute rate and runs plain bisection
-    faster.
+    XLA:CPU writes the ``[B, 15, V]`` levels of the batch-invariant ``row_sum`` tree out (a pass at
+    8 × 49k: 9.4 MB for 16 candidates, 6.5 MB for one; 281 MB at a 152k vocabulary), so it bisects.
     """
     return 2 if target_platform() == "cpu" else 16
 
