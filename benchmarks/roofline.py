@@ -15,7 +15,7 @@ target, and each program is the project's own jitted function, lowered and compi
   layout copies of the weights) cancels. The weights are in the compute dtype, as the learner
   hands them to the sampler (``models.params_in_compute_dtype``, once per policy). The sampler
   is fixed at compile time (``--sampling``, ``_decode_program.py``): greedy by default, or the
-  rollout's top-p draw, whose cut-off bisection is a 32-trip loop (so that row is NOT EXACT);
+  rollout's top-p draw, whose cut-off search is a loop (32 trips on CPU, 8 on TPU/GPU: NOT EXACT);
 * logprobs — ``train.step.build_update_fns(...).policy_logprobs`` (π_old / π_ref pass);
 * update   — ``train.step.build_update_fns(...).update``: GRPO + LLDS loss, gradient, AdamW.
 

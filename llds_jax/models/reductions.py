@@ -49,15 +49,20 @@ def row_sum(x: jax.Array, *, keepdims: bool = False) -> jax.Array:
     return x if keepdims else x[..., 0]
 
 
+def _shift_and_log_normaliser(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The row maximum and log Σ exp(x − max), summed by :func:`row_sum`."""
+    top = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    return top, jnp.log(row_sum(jnp.exp(x - top), keepdims=True))
+
+
 def log_softmax(x: jax.Array) -> jax.Array:
     """``jax.nn.log_softmax(x, axis=-1)`` with its normaliser summed by :func:`row_sum`."""
-    shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
-    return shifted - jnp.log(row_sum(jnp.exp(shifted), keepdims=True))
+    top, log_normaliser = _shift_and_log_normaliser(x)
+    return (x - top) - log_normaliser
 
 
 def log_softmax_at(x: jax.Array, index: jax.Array) -> jax.Array:
     """``log_softmax(x)[..., index]`` (``index`` one per row), bit for bit, without writing out
     the ``[..., V]`` log-probabilities: the sampler needs one entry per row."""
-    top = jnp.max(x, axis=-1, keepdims=True)
-    picked = jnp.take_along_axis(x, index[..., None], axis=-1) - top
-    return (picked - jnp.log(row_sum(jnp.exp(x - top), keepdims=True)))[..., 0]
+    top, log_normaliser = _shift_and_log_normaliser(x)
+    return ((jnp.take_along_axis(x, index[..., None], axis=-1) - top) - log_normaliser)[..., 0]
