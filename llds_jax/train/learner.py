@@ -97,6 +97,9 @@ class Learner:
     batch_shardings: TrainBatch
     fns: Any
     seq_len: int
+    # The fresh state whose π_ref is a same-dtype copy of its params: while ``state`` is still this
+    # object (no update, restore or λ change since), π_ref's log-probs are π_old's, bit for bit.
+    reference_is_policy_in: TrainState | None = None
 
     @classmethod
     def create(cls, model: nnx.Module, config, mesh, rules: ShardingRules | None = None,
@@ -104,7 +107,8 @@ class Learner:
         """Split ``model`` (already placed on ``mesh``) into graphdef + fp32 params and jit the step.
 
         π_ref is a copy of the current params (``ref_model``'s if given) cast to
-        ``model.ref_dtype``; it is skipped entirely when ``rl.kl_coef == 0``.
+        ``model.ref_dtype``; it is skipped entirely when ``rl.kl_coef == 0``, and its pass is
+        skipped in the first step when it is a same-dtype copy of the policy (its log-probs are π_old's).
         """
         rules = rules or DEFAULT_RULES
         graphdef, params = nnx.split(model, nnx.Param)
@@ -125,7 +129,9 @@ class Learner:
         example = TrainBatch.abstract(StepSizes.from_config(config).trajectories, seq_len, with_ref=ref is not None)
         batch_shardings = example.shardings(mesh, rules)
         fns = build_update_fns(graphdef, state_shardings, batch_shardings, mesh, config, rules)
-        return cls(config, mesh, rules, graphdef, state, state_shardings, batch_shardings, fns, seq_len)
+        same = ref is not None and ref_model is None and ref_dtype is None
+        return cls(config, mesh, rules, graphdef, state, state_shardings, batch_shardings, fns, seq_len,
+                   reference_is_policy_in=state if same else None)
 
     # -- what the sampler reads -------------------------------------------------------------
     def set_llds_coef(self, value: float) -> None:
@@ -211,7 +217,9 @@ class Learner:
             clock = time.perf_counter()
             old_logp = self.fns.policy_logprobs(self.state.params, batch.input_ids, batch.attention_mask)
             ref_logp = None
-            if self.fns.reference_logprobs is not None:
+            if self.state is self.reference_is_policy_in:  # step 0: π_ref = π_θ, one program, equal inputs
+                ref_logp = old_logp
+            elif self.fns.reference_logprobs is not None:
                 ref_logp = self.fns.reference_logprobs(self.state.ref_params, batch.input_ids, batch.attention_mask)
             jax.block_until_ready((old_logp, ref_logp))
             logprob_s = time.perf_counter() - clock
@@ -246,7 +254,7 @@ class Learner:
         return distributed.local_rows(logp, self.host_rows())
 
     def compile_counts(self) -> dict[str, int]:
-        """Jit cache sizes (one entry per compiled signature): must stay 1 for a whole run."""
+        """Jit cache sizes (one entry per compiled signature): at most 1 for a whole run (π_ref: 0 until step 1)."""
         fns = {"policy_logprobs": self.fns.policy_logprobs, "update": self.fns.update}
         if self.fns.reference_logprobs is not None:
             fns["reference_logprobs"] = self.fns.reference_logprobs
