@@ -454,6 +454,7 @@ def format_report(report: dict) -> str:
                      f"{_si(r['xla_bytes'], 'B'):>11}{_si(r['ideal_bytes'], 'B'):>11}{r['bytes_ratio']:>7.2f}"
                      f"{_ms(r['seconds_xla']):>9}{_ms(r['seconds_ideal']):>9}  {len(r['loops'])}{mark}"
                      + (f"  ({r['note']})" if r["note"] else ""))
+    lines += [f"not compiled: {why}" for why in report.get("refused", [])]
     if report["slot_dependence"]:
         lines += ["", "decode bytes vs cache slots at the same live length (0 passes = cost follows live bytes only):"]
         for key, dep in report["slot_dependence"].items():
@@ -484,7 +485,7 @@ def format_report(report: dict) -> str:
 
 
 def run(args) -> dict:
-    chips, compilers, rows, dependence, model_info = {}, {}, [], {}, {}
+    chips, compilers, rows, dependence, model_info, refused = {}, {}, [], {}, {}, []
     for target in args.target:
         device, compilers[target] = target_device(target)
         precision = args.precision or DEFAULT_PRECISION[target]
@@ -509,8 +510,14 @@ def run(args) -> dict:
                                                     sampling_mode=args.sampling))
                 else:
                     batch, length = args.logprob_shape if program == "logprobs" else args.update_shape
-                    mine.append(measure_program(model, target, precision, program, device, chips[target],
-                                                batch=batch, length=length, remat=args.remat))
+                    try:
+                        mine.append(measure_program(model, target, precision, program, device, chips[target],
+                                                    batch=batch, length=length, remat=args.remat))
+                    except jax.errors.JaxRuntimeError as err:  # e.g. XLA:TPU's "Invalid TPU program" past OOM
+                        reason = str(err).strip().splitlines()[0][:300]
+                        refused.append(f"{model} {program} {batch}x{length} remat={args.remat} on {target}: {reason}")
+                        print(f"could not compile {refused[-1]}", file=sys.stderr, flush=True)
+                        continue
                 for row in mine[-len(args.slots) if program == "decode" else -1:]:  # progress: a long run is not all-or-nothing
                     print(f"compiled {model} {program} {row.shape} for {target} in {row.compile_seconds:.0f} s: "
                           f"{_si(row.xla_flops, 'FLOP')} ({row.flops_ratio:.2f}x ideal), {_si(row.xla_bytes, 'B')} "
@@ -523,7 +530,7 @@ def run(args) -> dict:
                 chips={k: dataclasses.asdict(v) for k, v in chips.items()}, compilers=compilers, models=model_info,
                 rows=[dict(dataclasses.asdict(r), bytes_ratio=r.bytes_ratio, flops_ratio=r.flops_ratio,
                           bytes_ratio_run=r.bytes_ratio_run) for r in rows],
-                slot_dependence=dependence, show_ops=args.show_ops)
+                slot_dependence=dependence, show_ops=args.show_ops, refused=refused)
 
 
 def _shape(text: str) -> tuple[int, int]:
