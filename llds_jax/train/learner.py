@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from typing import Any
 
 import jax
@@ -97,9 +98,10 @@ class Learner:
     batch_shardings: TrainBatch
     fns: Any
     seq_len: int
-    # The fresh state whose π_ref is a same-dtype copy of its params: while ``state`` is still this
-    # object (no update, restore or λ change since), π_ref's log-probs are π_old's, bit for bit.
-    reference_is_policy_in: TrainState | None = None
+    # A weak reference to the fresh state, whose π_ref is a same-dtype copy of its params: while
+    # ``state`` is still that object (no update, restore or λ change since), π_ref's log-probs are
+    # π_old's, bit for bit. Weak, so a restored state does not keep the fresh one's buffers alive.
+    reference_is_policy_in: weakref.ref | None = None
 
     @classmethod
     def create(cls, model: nnx.Module, config, mesh, rules: ShardingRules | None = None,
@@ -131,7 +133,7 @@ class Learner:
         fns = build_update_fns(graphdef, state_shardings, batch_shardings, mesh, config, rules)
         same = ref is not None and ref_model is None and ref_dtype is None
         return cls(config, mesh, rules, graphdef, state, state_shardings, batch_shardings, fns, seq_len,
-                   reference_is_policy_in=state if same else None)
+                   reference_is_policy_in=weakref.ref(state) if same else None)
 
     # -- what the sampler reads -------------------------------------------------------------
     def set_llds_coef(self, value: float) -> None:
@@ -217,7 +219,8 @@ class Learner:
             clock = time.perf_counter()
             old_logp = self.fns.policy_logprobs(self.state.params, batch.input_ids, batch.attention_mask)
             ref_logp = None
-            if self.state is self.reference_is_policy_in:  # step 0: π_ref = π_θ, one program, equal inputs
+            if self.reference_is_policy_in is not None and self.reference_is_policy_in() is self.state:
+                # step 0: π_ref = π_θ, one program on equal inputs
                 ref_logp = old_logp
             elif self.fns.reference_logprobs is not None:
                 ref_logp = self.fns.reference_logprobs(self.state.ref_params, batch.input_ids, batch.attention_mask)

@@ -224,7 +224,8 @@ def test_first_step_reads_pi_old_as_pi_ref_and_later_steps_run_the_reference_pas
                                                              batch.attention_mask))
     np.testing.assert_array_equal(np.asarray(extra["batch"].ref_logp), ran_pass)
     np.testing.assert_array_equal(np.asarray(extra["batch"].ref_logp), np.asarray(extra["batch"].old_logp))
-    assert learner.reference_is_policy_in is not None and learner.state is not learner.reference_is_policy_in
+    assert learner.reference_is_policy_in is not None and learner.reference_is_policy_in() is None, \
+        "the donated fresh state must not stay alive"
     _, extra = learner.update(TrainBatch.from_arrays(synthetic_rollout(seed=1), length=learner.seq_len))
     gap = np.abs(np.asarray(extra["batch"].ref_logp) - np.asarray(extra["batch"].old_logp)).max()
     assert calls and gap > 0, "step 1 must score π_ref with the frozen reference, not the updated policy"
