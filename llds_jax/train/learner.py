@@ -219,8 +219,7 @@ class Learner:
             clock = time.perf_counter()
             old_logp = self.fns.policy_logprobs(self.state.params, batch.input_ids, batch.attention_mask)
             ref_logp = None
-            if self.reference_is_policy_in is not None and self.reference_is_policy_in() is self.state:
-                # step 0: π_ref = π_θ, one program on equal inputs
+            if self._reference_is_policy():  # step 0: π_ref = π_θ, one program on equal inputs
                 ref_logp = old_logp
             elif self.fns.reference_logprobs is not None:
                 ref_logp = self.fns.reference_logprobs(self.state.ref_params, batch.input_ids, batch.attention_mask)
@@ -255,6 +254,9 @@ class Learner:
         with jax.set_mesh(self.mesh):
             logp = self.fns.policy_logprobs(self.state.params, batch.input_ids, batch.attention_mask)
         return distributed.local_rows(logp, self.host_rows())
+
+    def _reference_is_policy(self) -> bool:
+        return self.reference_is_policy_in is not None and self.reference_is_policy_in() is self.state
 
     def compile_counts(self) -> dict[str, int]:
         """Jit cache sizes (one entry per compiled signature): at most 1 for a whole run (π_ref: 0 until step 1)."""

@@ -15,15 +15,19 @@ from llds_jax.train.checkpoint import Checkpointer, abstract_like
 from llds_jax.train.learner import Learner
 
 
+def tiny_learner(config, mesh_shape=(1, 1, 1), **create_kwargs) -> Learner:
+    mesh = make_mesh(mesh_shape)
+    with jax.set_mesh(mesh):
+        model = shard_model(tiny_model("qwen2"), mesh)
+    return Learner.create(model, config, mesh, **create_kwargs)
+
+
 def run_steps(mesh_shape, steps: int = 1, eps: float | None = None, **train_overrides):
     config = tiny_train_config(**train_overrides)
     if eps is not None:
         config.optim.eps = eps
     config.mesh.shape = mesh_shape
-    mesh = make_mesh(mesh_shape)
-    with jax.set_mesh(mesh):
-        model = shard_model(tiny_model("qwen2"), mesh)
-    learner = Learner.create(model, config, mesh)
+    learner = tiny_learner(config, mesh_shape)
     history = []
     for step in range(steps):
         arrays = synthetic_rollout(seed=step)
@@ -208,18 +212,14 @@ def test_adaptive_ma_reads_searches_over_the_scope_the_config_names(count, expec
 def test_first_step_reads_pi_old_as_pi_ref_and_later_steps_run_the_reference_pass():
     """Before the first update π_ref is a same-dtype copy of π_θ: step 0 skips its pass and hands the
     update π_old's log-probs, which is exactly what the pass would return (one program, equal inputs)."""
-    config = tiny_train_config()
-    mesh = make_mesh((1, 1, 1))
-    with jax.set_mesh(mesh):
-        model = shard_model(tiny_model("qwen2"), mesh)
-    learner = Learner.create(model, config, mesh)
+    learner = tiny_learner(tiny_train_config())
     calls = []
     reference_pass = learner.fns.reference_logprobs
     learner.fns = learner.fns._replace(reference_logprobs=lambda *args: calls.append(1) or reference_pass(*args))
     batch = learner.upload(TrainBatch.from_arrays(synthetic_rollout(seed=0), length=learner.seq_len))
     _, extra = learner.update(batch)
     assert not calls, "step 0 ran the reference pass"
-    with jax.set_mesh(mesh):  # π_ref is frozen: the pass the step skipped, run now on the same batch
+    with jax.set_mesh(learner.mesh):  # π_ref is frozen: the pass the step skipped, run now on the same batch
         ran_pass = np.asarray(learner.fns.reference_logprobs(learner.state.ref_params, batch.input_ids,
                                                              batch.attention_mask))
     np.testing.assert_array_equal(np.asarray(extra["batch"].ref_logp), ran_pass)
@@ -234,10 +234,7 @@ def test_first_step_reads_pi_old_as_pi_ref_and_later_steps_run_the_reference_pas
 def test_a_reference_model_or_dtype_of_its_own_always_runs_the_reference_pass():
     config = tiny_train_config()
     config.model.ref_dtype = "bfloat16"
-    mesh = make_mesh((1, 1, 1))
-    with jax.set_mesh(mesh):
-        model = shard_model(tiny_model("qwen2"), mesh)
-    assert Learner.create(model, config, mesh).reference_is_policy_in is None
+    assert tiny_learner(config).reference_is_policy_in is None
     config.model.ref_dtype = config.model.param_dtype
-    assert Learner.create(model, config, mesh, ref_model=model).reference_is_policy_in is None
-    assert Learner.create(model, config, mesh).reference_is_policy_in is not None
+    assert tiny_learner(config, ref_model=tiny_model("qwen2")).reference_is_policy_in is None
+    assert tiny_learner(config).reference_is_policy_in is not None
