@@ -75,11 +75,10 @@ def jax_update_fn(model, arrays):
     learner = Learner.create(model, jax_config(), make_mesh((1, 1, 1)))
     batch = learner.upload(TrainBatch.from_arrays(arrays, length=learner.seq_len))
     with jax.set_mesh(learner.mesh):
-        old_logp = learner.fns.policy_logprobs(learner.state.params, batch.input_ids, batch.attention_mask)
+        old_logp = learner.fns.policy_logprobs(learner.state.params, *batch.logprob_inputs)
         ref_logp = None
         if learner.fns.reference_logprobs is not None:
-            ref_logp = learner.fns.reference_logprobs(learner.state.ref_params, batch.input_ids,
-                                                      batch.attention_mask)
+            ref_logp = learner.fns.reference_logprobs(learner.state.ref_params, *batch.logprob_inputs)
         batch = jax.block_until_ready(batch._replace(old_logp=old_logp, ref_logp=ref_logp))
 
     def update():

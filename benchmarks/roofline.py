@@ -249,6 +249,8 @@ def _trainer_config(batch: int, length: int, compute: str, params: str, remat: s
     c.model.logprob_chunk_size = length
     c.train.prompts_per_step, c.rollout.n_samples = batch, 1
     c.train.mini_batch_size = c.train.micro_batch_size = c.train.logprob_batch_size = batch
+    # Every position scored (the ideal's 2·N per token): a row of action tokens only.
+    c.train.max_action_tokens_per_row = max(length - 1, 1)
     return c
 
 
@@ -275,7 +277,7 @@ def build_program(program: str, decoder_cfg: DecoderConfig, device, *, batch: in
         fns = build_update_fns(graphdef, state_shardings, batch_abs.shardings(mesh, rules), mesh,
                                config, rules)
     if program == "logprobs":
-        return mesh, fns.policy_logprobs, (state.params, batch_abs.input_ids, batch_abs.attention_mask), {}
+        return mesh, fns.policy_logprobs, (state.params, *batch_abs.logprob_inputs), {}
     if program == "update":
         return mesh, fns.update, (state, batch_abs), {}
     raise ValueError(f"program={program!r}: expected one of {PROGRAMS}")

@@ -82,6 +82,9 @@ def base_config() -> ml_collections.ConfigDict:
         mini_batch_size=256,
         micro_batch_size=32,
         logprob_batch_size=64,
+        # Positions per trajectory whose log-probs π_old, π_ref, the loss and the Δ pass compute: 0 =
+        # the rollout's bound on action tokens, (rollout.max_turns + 1) × rollout.max_action_tokens.
+        max_action_tokens_per_row=0,
         warmup_sft_steps=0,        # format warm-up steps run before RL (see the sft section)
         save_every=100,
         tensorboard=True,
@@ -98,6 +101,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.resume = "auto"  # "auto" | "never" | a step number (llds_jax.train.checkpoint)
     c.sft = ml_collections.ConfigDict(dict(
         steps=20, batch_size=4, lr=1e-4, warmup_steps=0, max_seq_len=512,
+        max_action_tokens_per_row=0,  # positions per example the loss scores (its action targets); 0 = every one
         data=("bundled:nq_train", "bundled:hotpotqa_train"),
     ))
     c.eval = ml_collections.ConfigDict(dict(
@@ -248,7 +252,7 @@ def _check_train(config) -> None:
     limit = t.get("max_nonfinite_updates", 0)
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise TrainConfigError(f"train.max_nonfinite_updates={limit!r} must be an integer ≥ 0 (0 = never stop)")
-    for path in ("train.save_every", "train.samples_per_step"):
+    for path in ("train.save_every", "train.samples_per_step", "train.max_action_tokens_per_row"):
         _non_negative(config, path)
     _positive(config, "train.delta_every")
 
@@ -257,6 +261,7 @@ def _check_sft(config) -> None:
     if config.train.warmup_sft_steps:
         for path in ("sft.batch_size", "sft.max_seq_len"):
             _positive(config, path)
+        _non_negative(config, "sft.max_action_tokens_per_row")
         _number_in(config, "sft.lr", 0.0)
         if not config.sft.data:
             raise TrainConfigError("sft.data is empty while train.warmup_sft_steps > 0")

@@ -236,7 +236,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
     """
     from llds_jax.parallel.mesh import make_mesh  # noqa: PLC0415
     from llds_jax.parallel.rules import DEFAULT  # noqa: PLC0415
-    from llds_jax.train.batch import TrainBatch  # noqa: PLC0415
+    from llds_jax.train.batch import TrainBatch, padded_length  # noqa: PLC0415
     from llds_jax.train.step import build_update_fns  # noqa: PLC0415
 
     section = config.get("plan") or default_plan_config()
@@ -254,8 +254,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
     decoder_cfg = decoder_config(config.model)
 
     trajectories = config.train.prompts_per_step * config.rollout.n_samples
-    multiple = max(1, int(config.rollout.pad_to_multiple))
-    length = -(-int(config.rollout.max_context) // multiple) * multiple
+    length = padded_length(config)
     dp_rows = shape[0] * shape[1]
     rollout_rows, wave_note = _rollout_rows(config, section, decoder_cfg, target, devices, trajectories, dp_rows)
 
@@ -271,7 +270,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
     }
     phase_extra = {
         "update": {"batch": bytes_per_device(batch)},
-        "logprobs": {"batch": bytes_per_device((batch.input_ids, batch.attention_mask))},
+        "logprobs": {"batch": bytes_per_device(batch.logprob_inputs)},
         "prefill": {"kv_cache": bytes_per_device(cache)},
         "decode": {"kv_cache": bytes_per_device(cache)},
     }
@@ -286,8 +285,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
                                                      platform=target.platform)
             if "logprobs" in phases:
                 programs["logprobs"] = compile_program("logprobs", fns.policy_logprobs, state.params,
-                                                       batch.input_ids, batch.attention_mask,
-                                                       platform=target.platform)
+                                                       *batch.logprob_inputs, platform=target.platform)
         prompt_tokens = int(config.rollout.max_prompt_tokens)
         chunk = int(config.rollout.get("prefill_chunk", 0))
         sampler_tokens = {"prefill": min(chunk, prompt_tokens) if chunk else prompt_tokens, "decode": 1}

@@ -117,8 +117,51 @@ class TrainBatch(NamedTuple):
         return jax.tree.map(lambda x: batch_sharding(mesh, rules, x.ndim, x.shape), self)
 
     @property
+    def logprob_inputs(self) -> tuple:
+        """(input_ids, attention_mask, action_mask): a log-prob pass's arguments after the params
+        (the action mask picks the positions it scores)."""
+        return self.input_ids, self.attention_mask, self.action_mask
+
+    @property
     def rows(self) -> int:
         return self.input_ids.shape[0]
+
+
+def padded_length(config) -> int:
+    """The trainer's fixed row length: ``rollout.max_context`` rounded up to ``rollout.pad_to_multiple``."""
+    multiple = max(1, int(config.rollout.pad_to_multiple))
+    return -(-int(config.rollout.max_context) // multiple) * multiple
+
+
+def scored_positions_per_row(config, length: int, section: str = "train") -> int:
+    """How many next-token positions per row a loss's log-prob pass computes (static: one compile).
+
+    ``<section>.max_action_tokens_per_row`` if set; else, for ``train``, the rollout's bound on a
+    trajectory's action tokens, (``max_turns`` + 1) actions × ``max_action_tokens``, and for
+    ``sft`` every position (its synthetic thoughts are not held to the rollout's caps). Never
+    more than the ``length - 1`` targets a row has, which means every position.
+    """
+    explicit = int(config[section].get("max_action_tokens_per_row", 0) or 0)
+    if explicit:
+        bound = explicit
+    elif section == "train":
+        bound = (int(config.rollout.max_turns) + 1) * int(config.rollout.max_action_tokens)
+    else:
+        bound = length - 1
+    return max(1, min(bound, length - 1))
+
+
+def check_action_tokens(action_mask: np.ndarray, bound: int, knob: str) -> None:
+    """Fail, naming the row, when a token-aligned ``action_mask`` row has more than ``bound`` action targets.
+
+    The log-prob pass keeps ``bound`` positions per row (``models.logprobs.scored_positions``)
+    and would silently drop the rest.
+    """
+    counts = (np.asarray(action_mask)[:, 1:] > 0).sum(axis=1)
+    if counts.size and counts.max() > bound:
+        row = int(counts.argmax())
+        raise ValueError(f"row {row} has {int(counts[row])} action tokens, more than the {bound} positions the loss "
+                         f"scores per row: raise {knob}")
 
 
 def batch_sharding(mesh, rules: ShardingRules | None, ndim: int, shape=None):

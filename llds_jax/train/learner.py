@@ -40,15 +40,9 @@ from llds_jax.models import params_in_compute_dtype
 from llds_jax.parallel import distributed
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
-from llds_jax.train.batch import TrainBatch
+from llds_jax.train.batch import TrainBatch, check_action_tokens, padded_length
 from llds_jax.train.state import TrainState, init_train_state, train_state_shardings
 from llds_jax.train.step import StepSizes, build_update_fns
-
-
-def padded_length(config) -> int:
-    multiple = max(1, int(config.rollout.pad_to_multiple))
-    return -(-int(config.rollout.max_context) // multiple) * multiple
-
 
 _REDUCE_MINI_BATCHES = {"mean": np.mean, "max": np.max, "min": np.min, "sum": np.sum,
                         "first": lambda a: a[0], "last": lambda a: a[-1], "count": len}
@@ -197,6 +191,8 @@ class Learner:
         if host.input_ids.shape[1] != self.seq_len:
             raise ValueError(f"batch is {host.input_ids.shape[1]} tokens wide, the trainer's fixed length is "
                              f"{self.seq_len}: build it with TrainBatch.from_rollout(..., length=learner.seq_len)")
+        check_action_tokens(host.action_mask, StepSizes.from_config(self.config).scored_positions,
+                            "train.max_action_tokens_per_row")
         host = host._replace(old_logp=None, ref_logp=None)
         shardings = self.batch_shardings._replace(old_logp=None, ref_logp=None)
         with jax.set_mesh(self.mesh):
@@ -217,12 +213,12 @@ class Learner:
         rows = self.host_rows()
         with jax.set_mesh(self.mesh):
             clock = time.perf_counter()
-            old_logp = self.fns.policy_logprobs(self.state.params, batch.input_ids, batch.attention_mask)
+            old_logp = self.fns.policy_logprobs(self.state.params, *batch.logprob_inputs)
             ref_logp = None
             if self._reference_is_policy():  # step 0: π_ref = π_θ, one program on equal inputs
                 ref_logp = old_logp
             elif self.fns.reference_logprobs is not None:
-                ref_logp = self.fns.reference_logprobs(self.state.ref_params, batch.input_ids, batch.attention_mask)
+                ref_logp = self.fns.reference_logprobs(self.state.ref_params, *batch.logprob_inputs)
             jax.block_until_ready((old_logp, ref_logp))
             logprob_s = time.perf_counter() - clock
             batch = batch._replace(old_logp=old_logp, ref_logp=ref_logp)
@@ -252,7 +248,7 @@ class Learner:
         if not isinstance(batch.input_ids, jax.Array):
             batch = self.upload(batch)
         with jax.set_mesh(self.mesh):
-            logp = self.fns.policy_logprobs(self.state.params, batch.input_ids, batch.attention_mask)
+            logp = self.fns.policy_logprobs(self.state.params, *batch.logprob_inputs)
         return distributed.local_rows(logp, self.host_rows())
 
     def _reference_is_policy(self) -> bool:

@@ -16,7 +16,9 @@ optimizer step is the RL update's (``train.state.apply_update``). Docs are whate
 ``ShortDocsRetriever`` view the RL rollouts use when ``retrieval.max_doc_tokens`` is set.
 
 The loss is the token-mean negative log-likelihood over action tokens, through the same
-chunked ``forward_logprobs`` the RL step uses (never a [B, T, V] fp32 array).
+chunked ``forward_logprobs`` the RL step uses (never a [B, T, V] fp32 array), scoring at most
+``sft.max_action_tokens_per_row`` positions per example when set (the action targets, gathered
+in order, as the RL step does; 0 = every position).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from llds_jax.data.benchmarks import QARecord
+from llds_jax.models.logprobs import scored_positions
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
 from llds_jax.retrieval.hit import format_docs
@@ -40,7 +43,12 @@ from llds_jax.rollout import protocol
 from llds_jax.rollout.trajectory import Trajectory, token_layout
 from llds_jax.sampling.decode_loop import FinishReason
 from llds_jax.sampling.token_bytes import vocab_bytes
-from llds_jax.train.batch import batch_sharding, next_token_targets
+from llds_jax.train.batch import (
+    batch_sharding,
+    check_action_tokens,
+    next_token_targets,
+    scored_positions_per_row,
+)
 from llds_jax.train.state import (
     TrainState,
     apply_update,
@@ -143,6 +151,7 @@ class SFTStep:
             self.state: TrainState = jax.jit(lambda p: init_train_state(p, optim, config.seed),
                                              out_shardings=self.state_shardings)(params)
         n, length = config.sft.batch_size, config.sft.max_seq_len
+        self.scored = scored_positions_per_row(config, length, "sft")
         self.batch_shardings = {k: batch_sharding(mesh, rules, 2, (n, length))
                                 for k in ("input_ids", "attention_mask", "action_mask")}
         self._step = jax.jit(self._update, in_shardings=(self.state_shardings, self.batch_shardings),
@@ -152,10 +161,15 @@ class SFTStep:
     def _update(self, state: TrainState, batch: dict[str, jax.Array]):
         cfg = self.config
         mask = next_token_targets(batch["action_mask"])  # the forward scores next-token targets
+        positions = None
+        if self.scored < mask.shape[1]:  # only the action targets: [B, scored], in order
+            positions, valid = scored_positions(mask, self.scored)
+            mask = jnp.where(valid, jnp.take_along_axis(mask, positions, axis=1), 0.0)
 
         def loss_fn(params):
             logp, _ = forward_logprobs(self.graphdef, params, batch["input_ids"], batch["attention_mask"],
-                                       temperature=1.0, chunk_size=cfg.model.logprob_chunk_size, with_entropy=False)
+                                       temperature=1.0, chunk_size=cfg.model.logprob_chunk_size, with_entropy=False,
+                                       positions=positions)
             return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
@@ -168,6 +182,7 @@ class SFTStep:
                        "sft/action_tokens": mask.sum(), "update/skipped": optimizer_metrics["update/skipped"]}
 
     def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        check_action_tokens(arrays["action_mask"], self.scored, "sft.max_action_tokens_per_row")
         with jax.set_mesh(self.mesh):
             batch = jax.device_put({k: arrays[k] for k in self.batch_shardings}, self.batch_shardings)
             self.state, metrics = self._step(self.state, batch)

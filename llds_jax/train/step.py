@@ -2,7 +2,7 @@
 
 A training step, after the rollout, is exactly the reference's:
 
-1. ``logπ_old`` of every rollout token, once, with the *training* model's own forward
+1. ``logπ_old`` of every action token, once, with the *training* model's own forward
    (``policy_logprobs``: same code path and temperature as the loss) — before any update;
 2. ``logπ_ref`` with the frozen reference params (``reference_logprobs``; bf16 allowed);
 3. ``update``: the rollout batch split **in order, without shuffling** into
@@ -35,6 +35,13 @@ state, so no host round trip precedes the update and several hosts need no gathe
 optimizer step (clip, non-finite skip, AdamW, counters) is ``train.state.apply_update``,
 shared with the SFT warm-up.
 
+Scored positions: the loss reads log-probs of action tokens only, so every pass computes the
+output projection and softmax for at most ``StepSizes.scored_positions`` positions per row (the
+rollout's bound on a row's action tokens, ``batch.scored_positions_per_row``): the final hidden
+states of a row's action targets are gathered, in order, before the projection
+(``compact_view``); π_old / π_ref come back token-aligned with 0 off the action tokens.
+The loss's sums visit the same terms, so this changes rounding only (tests/train).
+
 Token alignment: the batch is token-aligned (``llds_jax.train.batch``); ``policy_logprobs``
 returns token-aligned log-probs and the loss reads the objective's next-token view
 (``_objective_view``). Nothing here materialises [B, T, V] logits (``token_logprobs`` chunks).
@@ -51,7 +58,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from llds_jax.models import params_in_compute_dtype
-from llds_jax.models.logprobs import sequence_logprobs
+from llds_jax.models.logprobs import scored_positions, sequence_logprobs
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
 from llds_jax.rl.advantages import compute_advantages
@@ -64,7 +71,14 @@ from llds_jax.rl.objective import (
     micro_batch_loss,
 )
 from llds_jax.rl.objective import accumulate as accumulate_terms
-from llds_jax.train.batch import TrainBatch, batch_sharding, next_token_targets, token_aligned
+from llds_jax.train.batch import (
+    TrainBatch,
+    batch_sharding,
+    next_token_targets,
+    padded_length,
+    scored_positions_per_row,
+    token_aligned,
+)
 from llds_jax.train.state import TrainState, apply_update, learning_rate, make_optimizer
 
 
@@ -77,6 +91,9 @@ class StepSizes:
     micro_batch_size: int
     logprob_batch_size: int
     total_steps: int
+    # Next-token positions per row that π_old, π_ref, the loss and the Δ pass compute: the bound
+    # on a row's action tokens (``batch.scored_positions_per_row``), or length - 1 (all of them).
+    scored_positions: int
 
     @property
     def num_mini_batches(self) -> int:
@@ -90,7 +107,7 @@ class StepSizes:
     def from_config(cls, config) -> StepSizes:
         t = config.train
         return cls(t.prompts_per_step * config.rollout.n_samples, t.mini_batch_size, t.micro_batch_size,
-                   t.logprob_batch_size, t.total_steps)
+                   t.logprob_batch_size, t.total_steps, scored_positions_per_row(config, padded_length(config)))
 
 
 def _constrain_rows(tree, rules: ShardingRules):
@@ -108,10 +125,40 @@ def _split_rows(tree, parts: int):
 
 
 def forward_logprobs(graphdef, params, input_ids, attention_mask, *, temperature: float, chunk_size: int,
-                     with_entropy: bool):
-    """log π(token t+1 | ≤ t) [N, T-1] *target-aligned* (and entropy) — the one forward of π_old, π_ref and the loss."""
+                     with_entropy: bool, positions=None):
+    """log π(token t+1 | ≤ t) [N, T-1] *target-aligned* (and entropy) — the one forward of π_old, π_ref and the loss.
+
+    With ``positions`` [N, K] only those target columns: [N, K] (``sequence_logprobs``).
+    """
     return sequence_logprobs(nnx.merge(graphdef, params), input_ids, attention_mask, temperature=temperature,
-                             chunk_size=chunk_size, with_entropy=with_entropy)
+                             chunk_size=chunk_size, with_entropy=with_entropy, positions=positions)
+
+
+def compact_view(masks: LossMasks, old_logp, ref_logp, size: int):
+    """The objective's target-aligned view cut to each row's first ``size`` action targets, in order.
+
+    Returns (positions [N, K], valid [N, K], masks, π_old, π_ref) with every [N, T-1] array gathered to [N, K];
+    the unused tail of a row is masked out (action mask 0, action index -1). Every loss term is
+    a masked sum over action tokens, and an action run is told apart by its index, so the
+    objective's value is the full view's (the sums visit the same terms in the same order).
+    """
+    positions, valid = scored_positions(masks.action_mask, size)
+    take = lambda x: None if x is None else jnp.take_along_axis(x, positions, axis=1)
+    compact = masks._replace(
+        action_mask=jnp.where(valid, take(masks.action_mask), 0).astype(masks.action_mask.dtype),
+        answer_mask=None if masks.answer_mask is None else jnp.where(valid, take(masks.answer_mask), 0),
+        action_index=None if masks.action_index is None else jnp.where(valid, take(masks.action_index), -1))
+    return positions, valid, compact, take(old_logp), take(ref_logp)
+
+
+def scatter_targets(values, positions, valid, length: int):
+    """[N, K] values at target columns ``positions`` → [N, length] target-aligned, 0 elsewhere.
+
+    Adds rather than sets, so a padding entry (``valid`` False, column 0, added as 0) cannot
+    overwrite a real one.
+    """
+    rows = jnp.arange(values.shape[0])[:, None]
+    return jnp.zeros((values.shape[0], length), values.dtype).at[rows, positions].add(jnp.where(valid, values, 0))
 
 
 def _objective_view(mb: TrainBatch) -> tuple[LossMasks, jax.Array, jax.Array | None]:
@@ -143,8 +190,8 @@ class StepOutputs(NamedTuple):
 
 
 class UpdateFns(NamedTuple):
-    policy_logprobs: Any  # (params, input_ids, attention_mask) -> token-aligned logp [N, T]
-    reference_logprobs: Any  # (ref_params, input_ids, attention_mask) -> token-aligned logp [N, T]
+    policy_logprobs: Any  # (params, input_ids, attention_mask, action_mask) -> token-aligned logp [N, T]
+    reference_logprobs: Any  # (ref_params, input_ids, attention_mask, action_mask) -> token-aligned logp [N, T]
     update: Any  # (state, batch) -> (state, metrics with a leading [num_mini_batches] axis, StepOutputs)
 
 
@@ -154,6 +201,16 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
     rules = rules or DEFAULT_RULES
     sizes = StepSizes.from_config(config)
     rl_cfg, optim_cfg = config.rl, config.optim
+    if rl_cfg.aggregation == "token-sum-norm" and not rl_cfg.token_sum_norm_length:
+        # Dr. GRPO's constant L defaults to the width of the arrays it sums, which compaction
+        # narrows: pin it to the trainer's target count (what the full view would use).
+        rl_cfg = rl_cfg.copy_and_resolve_references()
+        rl_cfg.token_sum_norm_length = padded_length(config) - 1
+
+    def scored(input_ids) -> int | None:
+        """Positions per row the pass computes, or None for all of them (the bound is no smaller)."""
+        targets = input_ids.shape[1] - 1
+        return sizes.scored_positions if sizes.scored_positions < targets else None
     temperature = float(config.rollout.temperature)
     chunk = int(config.model.logprob_chunk_size)
     compute_dtype = jnp.dtype(config.model.dtype).name
@@ -162,25 +219,42 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
     replicated = NamedSharding(mesh, PartitionSpec())
     logp_sharding = batch_sharding(mesh, rules, 2)
 
-    def logprobs(params, input_ids, attention_mask):
-        """No-grad token-aligned log-probs over the whole batch in ``logprob_batch_size`` chunks (lax.map)."""
+    def logprobs(params, input_ids, attention_mask, action_mask):
+        """No-grad token-aligned log-probs of the action tokens in ``logprob_batch_size`` chunks (lax.map).
+
+        Other positions hold 0 when the rows are compacted (``scored``): every reader masks them
+        out (the loss, the diagnostics, the sampler-gap metric).
+        """
         params = params_in_compute_dtype(params, compute_dtype)  # once, not per chunk
         parts = sizes.trajectories // sizes.logprob_batch_size
-        ids, mask = _split_rows((input_ids, attention_mask), parts)
+        ids, mask, actions = _split_rows((input_ids, attention_mask, action_mask), parts)
 
         def one(chunk_arrays):
-            chunk_ids, chunk_mask = _constrain_rows(chunk_arrays, rules)
+            chunk_ids, chunk_mask, chunk_actions = _constrain_rows(chunk_arrays, rules)
+            positions = valid = None
+            if scored(chunk_ids):
+                positions, valid = scored_positions(next_token_targets(chunk_actions), scored(chunk_ids))
             logp, _ = forward_logprobs(graphdef, params, chunk_ids, chunk_mask, temperature=temperature,
-                                       chunk_size=chunk, with_entropy=False)
+                                       chunk_size=chunk, with_entropy=False, positions=positions)
+            if positions is not None:
+                logp = scatter_targets(logp, positions, valid, chunk_ids.shape[1] - 1)
             return _constrain_rows(token_aligned(logp), rules)
 
-        out = jax.lax.map(one, (ids, mask))
+        out = jax.lax.map(one, (ids, mask, actions))
         return jax.lax.stop_gradient(out.reshape((sizes.trajectories,) + out.shape[2:]))
 
+    def objective_view(mb: TrainBatch):
+        """(positions or None, masks, π_old, π_ref) as the loss reads them, compacted to ``scored`` positions."""
+        masks, old_logp, ref_logp = _objective_view(mb)
+        if not scored(mb.input_ids):
+            return None, masks, old_logp, ref_logp
+        positions, _, masks, old_logp, ref_logp = compact_view(masks, old_logp, ref_logp, scored(mb.input_ids))
+        return positions, masks, old_logp, ref_logp
+
     def micro_loss(params, mb: TrainBatch, advantages, constants, on_policy):
+        positions, masks, precomputed_old, ref_logp = objective_view(mb)
         logp, entropy = forward_logprobs(graphdef, params, mb.input_ids, mb.attention_mask, temperature=temperature,
-                                         chunk_size=chunk, with_entropy=with_entropy)
-        masks, precomputed_old, ref_logp = _objective_view(mb)
+                                         chunk_size=chunk, with_entropy=with_entropy, positions=positions)
         own = jax.lax.stop_gradient(logp)
         gap = jnp.max(jnp.where(masks.action_mask > 0, jnp.abs(own - precomputed_old), 0.0))
         old_logp = jnp.where(on_policy, own, precomputed_old)
@@ -192,7 +266,7 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def one_update(state: TrainState, mini: TrainBatch, advantages, lr, on_policy, batch_mean_searches):
-        constants = batch_constants(advantages, _objective_view(mini)[0], rl_cfg, llds_coef=state.llds_coef,
+        constants = batch_constants(advantages, objective_view(mini)[1], rl_cfg, llds_coef=state.llds_coef,
                                     mean_searches=batch_mean_searches)
         micros = _split_rows((mini, advantages), sizes.num_micro_batches)
         zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
@@ -239,12 +313,11 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         outputs = StepOutputs(advantages, batch.action_mask.sum(), batch.attention_mask.sum(dtype=jnp.float32))
         return state, metrics, outputs
 
-    ids_sh, mask_sh = batch_shardings.input_ids, batch_shardings.attention_mask
-    policy_logprobs = jax.jit(logprobs, in_shardings=(state_shardings.params, ids_sh, mask_sh),
-                              out_shardings=logp_sharding)
+    token_sh = (batch_shardings.input_ids, batch_shardings.attention_mask, batch_shardings.action_mask)
+    policy_logprobs = jax.jit(logprobs, in_shardings=(state_shardings.params, *token_sh), out_shardings=logp_sharding)
     reference_logprobs = None
     if state_shardings.ref_params is not None:
-        reference_logprobs = jax.jit(logprobs, in_shardings=(state_shardings.ref_params, ids_sh, mask_sh),
+        reference_logprobs = jax.jit(logprobs, in_shardings=(state_shardings.ref_params, *token_sh),
                                      out_shardings=logp_sharding)
     outputs_sharding = StepOutputs(batch_sharding(mesh, rules, 1), replicated, replicated)
     update_jit = jax.jit(update, in_shardings=(state_shardings, batch_shardings),

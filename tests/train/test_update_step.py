@@ -220,8 +220,7 @@ def test_first_step_reads_pi_old_as_pi_ref_and_later_steps_run_the_reference_pas
     _, extra = learner.update(batch)
     assert not calls, "step 0 ran the reference pass"
     with jax.set_mesh(learner.mesh):  # π_ref is frozen: the pass the step skipped, run now on the same batch
-        ran_pass = np.asarray(learner.fns.reference_logprobs(learner.state.ref_params, batch.input_ids,
-                                                             batch.attention_mask))
+        ran_pass = np.asarray(learner.fns.reference_logprobs(learner.state.ref_params, *batch.logprob_inputs))
     np.testing.assert_array_equal(np.asarray(extra["batch"].ref_logp), ran_pass)
     np.testing.assert_array_equal(np.asarray(extra["batch"].ref_logp), np.asarray(extra["batch"].old_logp))
     assert learner.reference_is_policy_in is not None and learner.reference_is_policy_in() is None, \
