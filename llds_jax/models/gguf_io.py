@@ -11,6 +11,7 @@ Qwen2/Qwen3 GGUFs are written without that permutation.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -54,15 +55,37 @@ def _field(reader, key, default=None):
     return default if field is None else field.contents()
 
 
+def open_gguf(path: str | Path):
+    """A ``gguf.GGUFReader`` for ``path``, parsed once per file version.
+
+    The weights and the tokenizer read the same file, and parsing its metadata (≈ 100k
+    vocabulary strings, one memmap slice each) takes 2.3 s for SmolLM2; the reader only maps
+    the file, so keeping the last two costs no memory.
+    """
+    path = Path(path)
+    try:
+        stat = path.resolve().stat()
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read the GGUF file ({err})") from err
+    return _open_gguf(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, mtime_ns: int, size: int):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as err:  # the reader raises bare ValueError/struct errors on damage
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from err
+
+
 def read_gguf(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
     """(HF-style config dict, HF tensor name → fp32 array) for a GGUF file."""
     import gguf
 
     path = Path(path)
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as err:  # the reader raises bare ValueError/struct errors on damage
-        raise CheckpointError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from err
+    reader = open_gguf(path)
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"{path}: general.architecture={arch!r}; supported {SUPPORTED_ARCHITECTURES}")

@@ -18,9 +18,9 @@ _SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", 
 
 
 def _metadata(path: Path) -> dict:
-    import gguf  # noqa: PLC0415
+    from llds_jax.models.gguf_io import open_gguf  # noqa: PLC0415
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)  # parsed once: the weights read the same file
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
