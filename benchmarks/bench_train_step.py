@@ -15,7 +15,9 @@ per step) after one untimed step each; refuses to run on a loaded machine unless
 
 The PyTorch side is a straightforward eager implementation (transformers ``LlamaForCausalLM``
 built from the same config + safetensors export); it materialises [B, T, V] logits per
-micro-batch, which at these sizes is the fast path for torch.
+micro-batch, which at these sizes is the fast path for torch, and, like verl's actor, projects
+every position. Ours scores each row's 80 action targets (``train.max_action_tokens_per_row``,
+the trainer's default behaviour); ``--positions=all`` times it projecting every position too.
 """
 
 from __future__ import annotations
@@ -53,10 +55,16 @@ def batch_arrays(vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
                 group_ids=np.repeat(np.arange(N // 4), 4))
 
 
-def jax_config():
+ACTION_TOKENS = 80  # per row of ``batch_arrays``: two actions of 40
+
+
+def jax_config(positions: str = "actions"):
+    """The trainer config of this batch; ``positions="actions"`` scores each row's 80 action targets
+    (the trainer's default for a rollout of 2 actions × 40 tokens), ``"all"`` every position."""
     from llds_jax.app.config import base_config
 
     c = base_config()
+    c.train.max_action_tokens_per_row = ACTION_TOKENS if positions == "actions" else T
     c.mesh.shape = (1, 1, 1)
     c.train.update(dict(prompts_per_step=N // 4, mini_batch_size=MINI, micro_batch_size=MICRO,
                         logprob_batch_size=N, total_steps=1000))
@@ -66,13 +74,13 @@ def jax_config():
     return c
 
 
-def jax_update_fn(model, arrays):
+def jax_update_fn(model, arrays, positions: str = "actions"):
     """One call = the jitted update phase of ``Learner.update`` (advantages inside; π_old/π_ref computed once, outside)."""
     from llds_jax.parallel.mesh import make_mesh
     from llds_jax.train.batch import TrainBatch
     from llds_jax.train.learner import Learner
 
-    learner = Learner.create(model, jax_config(), make_mesh((1, 1, 1)))
+    learner = Learner.create(model, jax_config(positions), make_mesh((1, 1, 1)))
     batch = learner.upload(TrainBatch.from_arrays(arrays, length=learner.seq_len))
     with jax.set_mesh(learner.mesh):
         old_logp = learner.fns.policy_logprobs(learner.state.params, *batch.logprob_inputs)
@@ -158,6 +166,9 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,smollm2")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per side (after one untimed step)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--positions", choices=("actions", "all"), default="actions",
+                        help="what our step scores: each row's action targets (the trainer's default) or every "
+                             "position (as the PyTorch step, like verl, always does)")
     _harness.add_arguments(parser)
     args = parser.parse_args()
     session = _harness.start("bench_train_step", args)
@@ -176,9 +187,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as hf_dir:
             save_pretrained(model, hf_dir)
             theirs = torch_update_fn(hf_dir, arrays, adv.astype(np.float32))
-        ours = jax_update_fn(model, arrays)
+        ours = jax_update_fn(model, arrays, args.positions)
         times = _harness.alternate({_harness.OURS: ours, "torch": theirs}, args.steps)
-        session.add_case(f"{name} GRPO+LLDS update {N}x{T}, {N // MINI} mini-batches x {MINI // MICRO} micro",
+        scored = f"ours scores {ACTION_TOKENS if args.positions == 'actions' else T - 1} positions/row"
+        session.add_case(f"{name} GRPO+LLDS update {N}x{T}, {N // MINI} mini-batches x {MINI // MICRO} micro, {scored}",
                          times, tokens=tokens, params=params)
     session.finish()
 

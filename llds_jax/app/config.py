@@ -332,6 +332,15 @@ def validate(config, num_devices: int | None = None) -> ml_collections.ConfigDic
     return config
 
 
+def _scored_text(config) -> str:
+    from llds_jax.train.batch import padded_length, scored_positions_per_row  # noqa: PLC0415
+
+    length = padded_length(config)
+    scored = scored_positions_per_row(config, length)
+    return (f"every one of the {length - 1} targets per row" if scored == length - 1 else
+            f"≤ {scored} action targets per row of {length - 1} (train.max_action_tokens_per_row)")
+
+
 def batch_arithmetic(config, num_devices: int | None = None) -> str:
     """The human-readable batch / mini-batch / micro-batch table printed at start-up."""
     t = config.train
@@ -347,7 +356,7 @@ def batch_arithmetic(config, num_devices: int | None = None) -> str:
         f"micro-batches : {t.mini_batch_size} / {t.micro_batch_size} = {micros} accumulated per update; "
         f"{t.micro_batch_size // dp} per data-parallel shard (data×fsdp = {dp})",
         f"log-probs     : π_old and π_ref in chunks of {t.logprob_batch_size} "
-        f"({trajectories // t.logprob_batch_size} chunks)",
+        f"({trajectories // t.logprob_batch_size} chunks); LM head on {_scored_text(config)}",
         f"schedule      : {t.total_steps} steps, lr {config.optim.lr:g}, warmup {warmup} steps "
         f"({config.optim.warmup_ratio:.1%}), first step lr 0: {config.optim.lr_first_step_zero}; "
         f"{t.total_steps * minis} optimizer updates in total",
