@@ -137,10 +137,10 @@ def forward_logprobs(graphdef, params, input_ids, attention_mask, *, temperature
 def compact_view(masks: LossMasks, old_logp, ref_logp, size: int):
     """The objective's target-aligned view cut to each row's first ``size`` action targets, in order.
 
-    Returns (positions [N, K], valid [N, K], masks, π_old, π_ref) with every [N, T-1] array gathered to [N, K];
+    Returns (positions [N, K], valid [N, K], masks, π_old, π_ref), every [N, T-1] array gathered to [N, K];
     the unused tail of a row is masked out (action mask 0, action index -1). Every loss term is
     a masked sum over action tokens, and an action run is told apart by its index, so the
-    objective's value is the full view's (the sums visit the same terms in the same order).
+    objective sums the full view's terms (in a different reduction order: rounding only).
     """
     positions, valid = scored_positions(masks.action_mask, size)
     take = lambda x: None if x is None else jnp.take_along_axis(x, positions, axis=1)
@@ -232,8 +232,8 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         def one(chunk_arrays):
             chunk_ids, chunk_mask, chunk_actions = _constrain_rows(chunk_arrays, rules)
             positions = valid = None
-            if scored(chunk_ids):
-                positions, valid = scored_positions(next_token_targets(chunk_actions), scored(chunk_ids))
+            if size := scored(chunk_ids):
+                positions, valid = scored_positions(next_token_targets(chunk_actions), size)
             logp, _ = forward_logprobs(graphdef, params, chunk_ids, chunk_mask, temperature=temperature,
                                        chunk_size=chunk, with_entropy=False, positions=positions)
             if positions is not None:
@@ -246,9 +246,9 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
     def objective_view(mb: TrainBatch):
         """(positions or None, masks, π_old, π_ref) as the loss reads them, compacted to ``scored`` positions."""
         masks, old_logp, ref_logp = _objective_view(mb)
-        if not scored(mb.input_ids):
+        if not (size := scored(mb.input_ids)):
             return None, masks, old_logp, ref_logp
-        positions, _, masks, old_logp, ref_logp = compact_view(masks, old_logp, ref_logp, scored(mb.input_ids))
+        positions, _, masks, old_logp, ref_logp = compact_view(masks, old_logp, ref_logp, size)
         return positions, masks, old_logp, ref_logp
 
     def micro_loss(params, mb: TrainBatch, advantages, constants, on_policy):

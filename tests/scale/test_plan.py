@@ -30,6 +30,7 @@ from llds_jax.plan.run import (
     plan_devices,
 )
 from llds_jax.plan.targets import resolve_target, target_installed
+from llds_jax.train.step import StepSizes
 from tests.scale import toy_train
 
 needs_tpu = pytest.mark.skipif(bool(target_installed("tpu")), reason=target_installed("tpu") or "installed")
@@ -41,7 +42,9 @@ def _tiny_config():
     c.model.source = "tiny:qwen2"
     c.mesh.shape = (1, -1, 1)
     c.train.update(prompts_per_step=8, mini_batch_size=16, micro_batch_size=8, logprob_batch_size=16)
-    c.rollout.update(n_samples=4, max_context=128, max_prompt_tokens=32)
+    # ≤ 2 actions × 24 tokens: the update and log-prob programs score 48 of a row's 127 targets,
+    # so every target's compiler below builds the gather that training runs.
+    c.rollout.update(n_samples=4, max_context=128, max_prompt_tokens=32, max_turns=1, max_action_tokens=24)
     c.plan = default_plan_config()
     return c
 
@@ -140,6 +143,7 @@ def test_sizes_are_read_from_xla_tpu_out_of_memory_messages():
 
 def _check_tiny_plan(plan, devices: int):
     assert set(plan.programs) == {"update", "logprobs", "prefill", "decode"}
+    assert StepSizes.from_config(_tiny_config()).scored_positions == 48
     # The update program receives params, Adam moments, reference and counters as arguments.
     update = plan.programs["update"]
     assert update.argument_bytes >= sum(plan.resident.values())
