@@ -17,7 +17,9 @@ def get_config():
     c = base_config()
     c.workdir = "runs/cpu_smoke"
     c.model.source = "smollm2"
-    c.model.logprob_chunk_size = 64
+    # One chunk covers a row's scored targets (RL 3 × 48 = 144, warm-up 96), so the LM head's
+    # logits are kept for the backward, not recomputed: 2 × 144 × 49152 fp32 is 57 MB.
+    c.model.logprob_chunk_size = 144
     # Keep the matmul outputs, recompute the cheap elementwise ops: ≈ 0.6 GB of activations for a
     # 2 × 512-token micro-batch of SmolLM2, and no second forward in the backward ("full" recomputes it).
     c.model.remat = "dots_saveable"

@@ -5,7 +5,8 @@ fp32 logits of a Qwen2.5 batch are 0.61 MB per token. ``token_logprobs`` walks t
 sequence in chunks under ``lax.scan``; each chunk's body is rematerialised, so the
 forward keeps only [B, chunk, V] alive at once and the backward recomputes a chunk's
 logits instead of storing them. Peak temporary memory therefore scales with
-``B * chunk_size * V``, independent of the sequence length.
+``B * chunk_size * V``, independent of the sequence length. When one chunk covers the
+sequence there is nothing to trade and it is not rematerialised.
 
 Temperature divides the logits before the softmax, as the reference does when it
 recomputes log-probs of tokens sampled at that temperature.
@@ -100,13 +101,16 @@ def token_logprobs(hidden: jax.Array, table: jax.Array, targets: jax.Array, *, v
     hidden_chunks = hidden.reshape(batch, n_chunks, chunk, width).swapaxes(0, 1)
     target_chunks = targets.astype(jnp.int32).reshape(batch, n_chunks, chunk).swapaxes(0, 1)
 
-    body = jax.checkpoint(functools.partial(_chunk_stats, temperature=temperature, with_entropy=with_entropy,
-                                            vocab_major=vocab_major))
-
-    def step(_, xs):
-        return None, body(xs[0], table, xs[1])
-
-    _, (logp, entropy) = jax.lax.scan(step, None, (hidden_chunks, target_chunks))
+    body = functools.partial(_chunk_stats, temperature=temperature, with_entropy=with_entropy,
+                             vocab_major=vocab_major)
+    if n_chunks == 1:
+        # A lone chunk's logits die before the decoder's backward starts whether they are kept
+        # or recomputed, so rematerialising them would only repeat the projection.
+        logp, entropy = jax.tree.map(lambda x: x[None], body(hidden_chunks[0], table, target_chunks[0]))
+    else:
+        body = jax.checkpoint(body)
+        _, (logp, entropy) = jax.lax.scan(lambda _, xs: (None, body(xs[0], table, xs[1])), None,
+                                          (hidden_chunks, target_chunks))
     logp = logp.swapaxes(0, 1).reshape(batch, padded)[:, :length]
     entropy = entropy.swapaxes(0, 1).reshape(batch, padded)[:, :length]
     return logp, (entropy if with_entropy else None)

@@ -35,10 +35,11 @@ def test_chunked_values_equal_naive_softmax(chunk_size, temperature):
     np.testing.assert_allclose(entropy, want_entropy, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("vocab_major", [False, True])
-def test_chunked_gradients_equal_naive_softmax(vocab_major):
+@pytest.mark.parametrize("vocab_major,chunk_size", [(False, 8), (True, 8), (False, 64)])
+def test_chunked_gradients_equal_naive_softmax(vocab_major, chunk_size):
     """A vocab-major table ([V, D], a tied embedding as stored) gives the same values and its
-    gradient comes back [V, D], the transpose of the [D, V] one."""
+    gradient comes back [V, D], the transpose of the [D, V] one; one chunk covering the
+    sequence (64 ≥ 37, not rematerialised) gives them too."""
     hidden, unembed, targets = _inputs()
     weights = jax.random.normal(jax.random.key(9), targets.shape)
     table = unembed.T if vocab_major else unembed
@@ -47,7 +48,7 @@ def test_chunked_gradients_equal_naive_softmax(vocab_major):
         logp, entropy = fn(h, u)
         return jnp.sum(weights * logp) + 0.1 * jnp.sum(entropy)
 
-    chunked = lambda h, u: token_logprobs(h, u, targets, vocab_major=vocab_major, temperature=0.9, chunk_size=8)
+    chunked = lambda h, u: token_logprobs(h, u, targets, vocab_major=vocab_major, temperature=0.9, chunk_size=chunk_size)
     naive = lambda h, u: _naive(h, u, targets, 0.9)
     got = jax.grad(lambda h, u: loss(chunked, h, u), argnums=(0, 1))(hidden, table)
     want = jax.grad(lambda h, u: loss(naive, h, u), argnums=(0, 1))(hidden, unembed)
@@ -55,6 +56,21 @@ def test_chunked_gradients_equal_naive_softmax(vocab_major):
     for name, g, w in zip(("d hidden", "d table"), got, want):
         assert g.shape == w.shape, name
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=name)
+
+
+def _vocab_projections(length, chunk_size):
+    """How many [.., V]-wide matmuls the gradient of the log-probs runs."""
+    hidden, unembed, targets = _inputs(length=length)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda h: jnp.sum(token_logprobs(h, unembed, targets, chunk_size=chunk_size)[0])))(hidden)
+    text = str(jaxpr)
+    return text.count(f"{unembed.shape[1]}] = dot_general")
+
+
+def test_lone_chunk_is_not_rematerialised():
+    """Rematerialising a chunk saves memory only when another chunk follows it: a single chunk's
+    logits die before the decoder's backward either way, so its projection runs once."""
+    assert _vocab_projections(37, 64) == 1
+    assert _vocab_projections(37, 8) == 2  # chunked: the backward recomputes each chunk's logits
 
 
 def _temp_bytes(length, vocab, chunk_size):
