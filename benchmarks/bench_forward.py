@@ -7,7 +7,11 @@ timed at each ``--torch-threads`` count (one side each); every side runs in alte
 Refuses to run on a loaded machine unless ``--allow-noisy`` (benchmarks/_harness.py);
 ``--json`` prints one JSON object. The log-prob row is what training needs:
 per-token log π of the given ids plus entropy; ours via ``hidden_states`` + chunked
-``token_logprobs``, torch via full logits + ``log_softmax`` (transformers' usual path). The decode row prefills half the length and
+``token_logprobs``, torch via full logits + ``log_softmax`` (transformers' usual path). The
+action-target row is the trainer's π_old / π_ref pass as it runs: a rollout-shaped row (two
+actions, 31 % of the positions, as in ``bench_train_step.py``) scores only its action targets
+(``scored_positions``), while torch, like verl's ``compute_log_prob``, scores every position and
+masks afterwards. The decode row prefills half the length and
 decodes 32 tokens one at a time (ours: ``forward_cached`` + ``KVCache``; torch:
 ``past_key_values``), counting prefill and decoded tokens.
 
@@ -29,18 +33,35 @@ import transformers
 from flax import nnx
 
 from llds_jax.models import from_pretrained, init_cache, save_pretrained
-from llds_jax.models.logprobs import sequence_logprobs
+from llds_jax.models.logprobs import scored_positions, sequence_logprobs
 from llds_jax.models.testing import tiny_model
 from llds_jax.utils.assets import smollm2_gguf_path
+
+
+def action_targets(batch: int, length: int) -> np.ndarray:
+    """[B, T-1] target mask of two actions per row, spans (96, 136) and (196, 236) of 256 scaled to ``length``."""
+    mask = np.zeros((batch, length), np.float32)
+    for start, stop in ((96, 136), (196, 236)):
+        mask[:, start * length // 256:stop * length // 256] = 1
+    return mask[:, 1:]
 
 
 def _ours_fns(model, ids, mask):
     graphdef, state = nnx.split(model)
     forward = jax.jit(lambda s, a, m: nnx.merge(graphdef, s)(a, m))
     logprobs = jax.jit(lambda s, a, m: sequence_logprobs(nnx.merge(graphdef, s), a, m, chunk_size=128))
-    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    targets = action_targets(*ids.shape)
+    size = int(targets.sum(axis=1).max())
+
+    @jax.jit
+    def action_logprobs(s, a, m, t):
+        positions, _ = scored_positions(t, size)
+        return sequence_logprobs(nnx.merge(graphdef, s), a, m, chunk_size=128, positions=positions)
+
+    ids, mask, targets = jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(targets)
     return (lambda: forward(state, ids, mask).block_until_ready(),
-            lambda: jax.block_until_ready(logprobs(state, ids, mask)))
+            lambda: jax.block_until_ready(logprobs(state, ids, mask)),
+            lambda: jax.block_until_ready(action_logprobs(state, ids, mask, targets)))
 
 
 def _torch_fns(model, ids, mask):
@@ -58,7 +79,7 @@ def _torch_fns(model, ids, mask):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp, entropy
 
-    return forward, logprobs
+    return forward, logprobs, logprobs  # torch scores every position for the action-target row too
 
 
 def _with_threads(fn, threads: int):
@@ -107,7 +128,9 @@ def bench(session, name: str, model, batch: int, length: int, repeats: int, torc
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)
         torch_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-    cases = list(zip(("forward", "log-probs+entropy"), _ours_fns(model, ids, mask), _torch_fns(torch_model, ids, mask)))
+    scored = int(action_targets(batch, length).sum(axis=1).max())
+    cases = list(zip(("forward", "log-probs+entropy", f"log-probs+entropy of {scored} action targets/row (torch: all)"),
+                     _ours_fns(model, ids, mask), _torch_fns(torch_model, ids, mask)))
     cases.append((f"prefill {length // 2} + {decode_steps} decode", *_decode_fns(model, torch_model, batch,
                                                                                  length // 2, decode_steps)))
     for what, ours_fn, torch_fn in cases:
