@@ -42,7 +42,8 @@ Ideal (what the step has to do; N is printed per model):
   bytes = weights read twice (forward, backward) and written once, fp32 gradient written and
   read once, Adam m and v read and written once, one residual-stream save and load per layer.
   N_layers = parameters of the transformer blocks + final norm (no embedding, no LM head);
-  the LM head (D·V) is listed because every token multiplies through it.
+  the LM head (D·V) is listed because every token multiplies through it, or with ``--scored K``
+  only K per row (the trainer's compacted action targets: T_tok·D·V becomes B·K·D·V).
 
 Peaks: TPU v5e 197 TFLOP/s bf16, 819 GB/s HBM (cloud.google.com/tpu/docs/v5e); H100 SXM
 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3 (NVIDIA H100 datasheet); this CPU is measured at start
@@ -180,16 +181,23 @@ def _causal_attention_flops(s: Shapes, batch: int, length: int) -> float:
     return 2.0 * batch * c.num_layers * c.num_heads * c.head_dim * length * length
 
 
-def ideal_logprobs(s: Shapes, batch: int, length: int) -> tuple[float, float]:
+def _head_rows(batch: int, length: int, scored: int) -> int:
+    """Positions the LM head projects: ``scored`` per row when the trainer compacts, else every one."""
+    return batch * (scored if 0 < scored < length - 1 else length)
+
+
+def ideal_logprobs(s: Shapes, batch: int, length: int, scored: int = 0) -> tuple[float, float]:
     tokens = batch * length
-    flops = 2.0 * tokens * (s.n_layers + s.n_head) + _causal_attention_flops(s, batch, length)
+    flops = 2.0 * (tokens * s.n_layers + _head_rows(batch, length, scored) * s.n_head) + _causal_attention_flops(
+        s, batch, length)
     bytes_ = s.param_bytes + 2 * s.config.num_layers * s.residual_bytes(tokens) + tokens * (4 + 1) + batch * (length - 1) * 4
     return flops, float(bytes_)
 
 
-def ideal_update(s: Shapes, batch: int, length: int) -> tuple[float, float]:
+def ideal_update(s: Shapes, batch: int, length: int, scored: int = 0) -> tuple[float, float]:
     tokens = batch * length
-    flops = 6.0 * tokens * (s.n_layers + s.n_head) + 3 * _causal_attention_flops(s, batch, length)
+    flops = 6.0 * (tokens * s.n_layers + _head_rows(batch, length, scored) * s.n_head) + 3 * _causal_attention_flops(
+        s, batch, length)
     fp32 = 4 * s.total_params
     bytes_ = 3 * s.param_bytes + 2 * fp32 + 4 * fp32 + 2 * s.config.num_layers * s.residual_bytes(tokens)
     return flops, float(bytes_)
@@ -240,7 +248,7 @@ def _plan_helpers():
     return plan_run
 
 
-def _trainer_config(batch: int, length: int, compute: str, params: str, remat: str):
+def _trainer_config(batch: int, length: int, compute: str, params: str, remat: str, scored: int = 0):
     """The trainer's config with every loop of the update at one trip (see the module docstring)."""
     from llds_jax.app.config import base_config
 
@@ -249,13 +257,13 @@ def _trainer_config(batch: int, length: int, compute: str, params: str, remat: s
     c.model.logprob_chunk_size = length
     c.train.prompts_per_step, c.rollout.n_samples = batch, 1
     c.train.mini_batch_size = c.train.micro_batch_size = c.train.logprob_batch_size = batch
-    # Every position scored (the ideal's 2·N per token): a row of action tokens only.
-    c.train.max_action_tokens_per_row = max(length - 1, 1)
+    # ``scored`` action targets per row, as the trainer compacts them (``--scored``); 0: every position.
+    c.train.max_action_tokens_per_row = scored or max(length - 1, 1)
     return c
 
 
 def build_program(program: str, decoder_cfg: DecoderConfig, device, *, batch: int, length: int = 0,
-                  slots: int = 0, remat: str = "none", sampling_mode: str = "greedy"):
+                  slots: int = 0, remat: str = "none", sampling_mode: str = "greedy", scored: int = 0):
     """(jitted function, abstract arguments, static keyword arguments) of one program on one device."""
 
     from llds_jax.parallel.mesh import make_mesh
@@ -265,7 +273,7 @@ def build_program(program: str, decoder_cfg: DecoderConfig, device, *, batch: in
 
     plan_run = _plan_helpers()
     mesh = make_mesh((1, 1, 1), [device])
-    config = _trainer_config(batch, length or 2, decoder_cfg.dtype, decoder_cfg.param_dtype, remat)
+    config = _trainer_config(batch, length or 2, decoder_cfg.dtype, decoder_cfg.param_dtype, remat, scored)
     # Not under set_mesh: building the optimizer runs eager ops, which a compile-only mesh cannot.
     graphdef, state, state_shardings = plan_run._abstract_train_state(config, decoder_cfg, mesh, rules)
     if program == "decode":
@@ -347,13 +355,13 @@ def predicted_seconds(flops: float, bytes_: float, chip: Chip) -> float:
 
 def measure_program(model: str, target: str, precision: str, program: str, device, chip: Chip, *,
                     batch: int, length: int = 0, slots: int = 0, live: int = 0, remat: str = "none",
-                    sampling_mode: str = "greedy") -> Row:
+                    sampling_mode: str = "greedy", scored: int = 0) -> Row:
     compute, params = PRECISIONS[precision]
     decoder_cfg = MODELS[model](dtype=compute, param_dtype=params, scan_layers=False, remat=remat)
     shapes = Shapes(decoder_cfg)
     start = time.perf_counter()
     mesh, jitted, args, kwargs = build_program(program, decoder_cfg, device, batch=batch, length=length,
-                                               slots=slots, remat=remat, sampling_mode=sampling_mode)
+                                               slots=slots, remat=remat, sampling_mode=sampling_mode, scored=scored)
     compiled, note = compile_for(jitted, args, kwargs, mesh, device.platform)
     flops, bytes_, how = xla_cost(compiled)
     hlo = compiled.as_text()
@@ -373,8 +381,8 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
         ideal = ideal_decode(shapes, batch, live)
         shape = f"B={batch} slots={slots} live={live} {sampling_mode}"
     else:
-        ideal = (ideal_logprobs if program == "logprobs" else ideal_update)(shapes, batch, length)
-        shape = f"{batch}x{length}"
+        ideal = (ideal_logprobs if program == "logprobs" else ideal_update)(shapes, batch, length, scored)
+        shape = f"{batch}x{length}" + (f" scoring {scored}" if 0 < scored < length - 1 else "")
     # Loops whose trip count XLA knows to be > 1 are undercounted; unknown ones are the attention
     # key-block loops, whose trips at this length attention_loop_trips gives.
     known_many = [loop for loop in loops if "(trips=?)" not in loop and "(trips=1)" not in loop]
@@ -514,7 +522,8 @@ def run(args) -> dict:
                     batch, length = args.logprob_shape if program == "logprobs" else args.update_shape
                     try:
                         mine.append(measure_program(model, target, precision, program, device, chips[target],
-                                                    batch=batch, length=length, remat=args.remat))
+                                                    batch=batch, length=length, remat=args.remat,
+                                                    scored=args.scored))
                     except jax.errors.JaxRuntimeError as err:  # e.g. XLA:TPU's "Invalid TPU program" past OOM
                         reason = str(err).strip().splitlines()[0][:300]
                         refused.append(f"{model} {program} {batch}x{length} remat={args.remat} on {target}: {reason}")
@@ -562,11 +571,16 @@ def parse_args(argv=None):
     parser.add_argument("--update-shape", type=_shape, default=(16, 256), help="BATCHxLENGTH of the update")
     parser.add_argument("--remat", choices=("none", "full", "dots_saveable", "nothing_saveable"), default="full",
                         help="the update's remat policy (the shipped configs use full)")
+    parser.add_argument("--scored", type=int, default=0,
+                        help="action targets per row the log-prob pass and the update project through the LM head "
+                             "(the trainer's train.max_action_tokens_per_row); 0: every position")
     parser.add_argument("--cpu-flops", type=float, default=0.0, help="this CPU's FLOP/s (skip measuring)")
     parser.add_argument("--cpu-bandwidth", type=float, default=0.0, help="this CPU's bytes/s (skip measuring)")
     parser.add_argument("--show-ops", action="store_true", help="list each program's largest HLO ops")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
+    if args.scored < 0:
+        parser.error(f"--scored {args.scored}: must be ≥ 0 (0 scores every position)")
     if min(args.slots) < 1 or args.live < 1 or args.batch < 1:
         parser.error(f"--slots {args.slots}, --live {args.live}, --batch {args.batch}: all must be ≥ 1")
     if args.live > min(args.slots):

@@ -87,6 +87,10 @@ def test_ideal_logprobs_and_update_by_hand():
     assert flops == 6 * 1024 * (TINY_N_LAYERS + TINY_HEAD) + 3 * attention
     params = TINY_N_LAYERS + TINY_HEAD
     assert bytes_ == 3 * 4 * params + 2 * 4 * params + 4 * 4 * params + 2 * 2 * residual
+    # --scored 80: the head projects 4 x 80 positions, the layers every one of the 1024 tokens
+    assert roofline.ideal_logprobs(shapes, 4, 256, scored=80)[0] == 2 * (1024 * TINY_N_LAYERS + 320 * TINY_HEAD) + attention
+    assert roofline.ideal_update(shapes, 4, 256, scored=80)[0] == 6 * (1024 * TINY_N_LAYERS + 320 * TINY_HEAD) + 3 * attention
+    assert roofline.ideal_update(shapes, 4, 256, scored=255) == roofline.ideal_update(shapes, 4, 256)  # = every target
 
 
 def test_paper_precision_keeps_fp32_weights_and_a_bf16_cache():
@@ -196,6 +200,20 @@ def test_report_runs_for_a_tiny_model_on_xla_cpu():
     _check_report(_report(["--model", "tiny", "--target", "cpu", *NO_MEASURE]), "cpu")
 
 
+def test_scored_programs_drop_at_least_the_head_work_the_ideal_drops():
+    """``--scored 48``: the trainer's compacted log-prob pass and update, 48 of 255 targets per row
+    through the LM head. XLA counts every dot exactly, so its saving is at least the ideal's
+    (2 or 6 · B · (T - K) · D · V) plus the softmax's elementwise work; a compaction that
+    stopped applying would save nothing."""
+    argv = ["--model", "tiny", "--target", "cpu", "--program", "logprobs", "update", *NO_MEASURE]
+    full, scored = _report(argv)["rows"], _report([*argv, "--scored", "48"])["rows"]
+    assert [r["shape"] for r in scored] == ["4x256 scoring 48", "16x256 scoring 48"]
+    for a, b in zip(full, scored):
+        assert a["ideal_flops"] - b["ideal_flops"] == (2 if a["program"] == "logprobs" else 6) * int(
+            a["shape"].split("x")[0]) * (256 - 48) * TINY_HEAD, (a, b)
+        assert a["xla_flops"] - b["xla_flops"] >= a["ideal_flops"] - b["ideal_flops"], (a["program"], a, b)
+
+
 def test_cpu_peaks_are_measured_when_not_given():
     chip = roofline.measure_cpu_chip("float32")
     assert chip.flops > 1e9 and chip.bandwidth > 1e8, chip
@@ -222,6 +240,8 @@ def test_bad_flags_are_refused_with_the_values():
         roofline.parse_args(["--live", "4096", "--slots", "512"])
     with pytest.raises(SystemExit):
         roofline.parse_args(["--update-shape", "16by256"])
+    with pytest.raises(SystemExit):
+        roofline.parse_args(["--scored", "-1"])
 
 
 def test_kernel_custom_calls_are_reported_and_xla_tpu_bookkeeping_calls_are_not():
