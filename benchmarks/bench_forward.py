@@ -46,11 +46,10 @@ def action_targets(batch: int, length: int) -> np.ndarray:
     return mask[:, 1:]
 
 
-def _ours_fns(model, ids, mask):
+def _ours_fns(model, ids, mask, targets):
     graphdef, state = nnx.split(model)
     forward = jax.jit(lambda s, a, m: nnx.merge(graphdef, s)(a, m))
     logprobs = jax.jit(lambda s, a, m: sequence_logprobs(nnx.merge(graphdef, s), a, m, chunk_size=128))
-    targets = action_targets(*ids.shape)
     size = int(targets.sum(axis=1).max())
 
     @jax.jit
@@ -128,9 +127,10 @@ def bench(session, name: str, model, batch: int, length: int, repeats: int, torc
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)
         torch_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-    scored = int(action_targets(batch, length).sum(axis=1).max())
+    targets = action_targets(batch, length)
+    scored = int(targets.sum(axis=1).max())
     cases = list(zip(("forward", "log-probs+entropy", f"log-probs+entropy of {scored} action targets/row (torch: all)"),
-                     _ours_fns(model, ids, mask), _torch_fns(torch_model, ids, mask)))
+                     _ours_fns(model, ids, mask, targets), _torch_fns(torch_model, ids, mask)))
     cases.append((f"prefill {length // 2} + {decode_steps} decode", *_decode_fns(model, torch_model, batch,
                                                                                  length // 2, decode_steps)))
     for what, ours_fn, torch_fn in cases:

@@ -182,7 +182,8 @@ def _causal_attention_flops(s: Shapes, batch: int, length: int) -> float:
 
 
 def _head_rows(batch: int, length: int, scored: int) -> int:
-    """Positions the LM head projects: ``scored`` per row when the trainer compacts, else every one."""
+    """Positions the LM head projects: ``scored`` per row when the trainer compacts (only below the
+    row's length - 1), else every one."""
     return batch * (scored if 0 < scored < length - 1 else length)
 
 
@@ -382,7 +383,7 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
         shape = f"B={batch} slots={slots} live={live} {sampling_mode}"
     else:
         ideal = (ideal_logprobs if program == "logprobs" else ideal_update)(shapes, batch, length, scored)
-        shape = f"{batch}x{length}" + (f" scoring {scored}" if 0 < scored < length - 1 else "")
+        shape = f"{batch}x{length}" + (f" scoring {scored}" if _head_rows(batch, length, scored) < batch * length else "")
     # Loops whose trip count XLA knows to be > 1 are undercounted; unknown ones are the attention
     # key-block loops, whose trips at this length attention_loop_trips gives.
     known_many = [loop for loop in loops if "(trips=?)" not in loop and "(trips=1)" not in loop]
