@@ -153,11 +153,12 @@ def load_model(name: str):
     from llds_jax.models.testing import tiny_model
 
     if name == "tiny":
-        return tiny_model("llama", vocab_size=4096)
+        return tiny_model("llama", vocab_size=4096, remat=jax_config().model.remat)
     if name == "smollm2":
         from llds_jax.utils.assets import smollm2_gguf_path
 
-        return models.from_pretrained(smollm2_gguf_path(), dtype="float32")
+        # The trainer builds its model with the config's remat policy (models.loading); so does this.
+        return models.from_pretrained(smollm2_gguf_path(), dtype="float32", remat=jax_config().model.remat)
     raise ValueError(f"--models entry {name!r}: expected tiny or smollm2")
 
 

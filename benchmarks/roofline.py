@@ -86,7 +86,7 @@ from _hlo_reading import (  # noqa: E402, F401
 )
 from _xla_charges import decode_charges, xla_cost  # noqa: E402
 
-from llds_jax.models.config import DecoderConfig  # noqa: E402
+from llds_jax.models.config import REMAT_POLICIES, DecoderConfig  # noqa: E402
 from llds_jax.models.loading import KNOWN_MODELS  # noqa: E402
 from llds_jax.models.testing import tiny_config  # noqa: E402
 
@@ -570,8 +570,8 @@ def parse_args(argv=None):
                         help="decode's sampler, fixed at compile time (greedy: eval; top-p: T 1, top-p 0.95, the rollout's)")
     parser.add_argument("--logprob-shape", type=_shape, default=(4, 256), help="BATCHxLENGTH of the log-prob pass")
     parser.add_argument("--update-shape", type=_shape, default=(16, 256), help="BATCHxLENGTH of the update")
-    parser.add_argument("--remat", choices=("none", "full", "dots_saveable", "nothing_saveable"), default="full",
-                        help="the update's remat policy (the shipped configs use full)")
+    parser.add_argument("--remat", choices=REMAT_POLICIES, default="full",
+                        help="the update's remat policy (the paper configs use full, base_config minimal)")
     parser.add_argument("--scored", type=int, default=0,
                         help="action targets per row the log-prob pass and the update project through the LM head "
                              "(the trainer's train.max_action_tokens_per_row); 0: every position")

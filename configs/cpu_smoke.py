@@ -20,9 +20,8 @@ def get_config():
     # One chunk covers a row's scored targets (RL 3 × 48 = 144, warm-up 96), so the LM head's
     # logits are kept for the backward, not recomputed: 2 × 144 × 49152 fp32 is 57 MB.
     c.model.logprob_chunk_size = 144
-    # Keep the matmul outputs, recompute the cheap elementwise ops: ≈ 0.6 GB of activations for a
-    # 2 × 512-token micro-batch of SmolLM2, and no second forward in the backward ("full" recomputes it).
-    c.model.remat = "dots_saveable"
+    # remat stays base_config's "minimal": the backward recomputes norms, RoPE and activations but
+    # no matmul and no attention ("full" reruns the whole forward).
     c.mesh.shape = (-1, 1, 1)
     c.data.train = ("bundled:nq_train", "bundled:hotpotqa_train")
     c.retrieval.method = "bm25"  # over the bundled corpus (llds_jax/data/bundled), index cached on first use

@@ -12,7 +12,7 @@ Config
                   intermediate_size, family="qwen2"|"qwen3"|"llama", rope_theta, rope_scaling,
                   rms_eps, tie_embeddings, qkv_bias, qk_norm, max_position_embeddings,
                   bos_token_id, eos_token_id, scan_layers=True, remat="none"|"full"|
-                  "dots_saveable"|"nothing_saveable", dtype="float32", param_dtype="float32")
+                  "dots_saveable"|"nothing_saveable"|"minimal", dtype="float32", param_dtype="float32")
     DecoderConfig.from_hf_config(dict | config.json path | dir, **overrides); cfg.replace(**changes);
     cfg.to_hf_config() -> dict. Frozen and hashable (static under jit).
 

@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from llds_jax.models.reductions import row_sum
 from llds_jax.parallel.rules import constrain
@@ -94,6 +95,6 @@ def unembed(hidden: jax.Array, table: jax.Array, *, vocab_major: bool, preferred
 
 
 def swiglu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    hidden = jax.nn.silu(project(x, gate)) * project(x, up)
+    hidden = jax.nn.silu(checkpoint_name(project(x, gate), "mlp_gate")) * checkpoint_name(project(x, up), "mlp_up")
     hidden = constrain(hidden, ("batch", "seq", "act_mlp"))
     return project(hidden, down)

@@ -1,5 +1,9 @@
 """Decoder structure: scan compiles one block, remat keeps gradients, config round-trips."""
 
+import contextlib
+import io
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +30,8 @@ def test_scanned_model_traces_one_block_whatever_the_depth():
     assert unrolled > deep
 
 
-def test_remat_and_scan_leave_gradients_unchanged():
+@pytest.mark.parametrize("remat", ["dots_saveable", "minimal", "full"])
+def test_remat_and_scan_leave_gradients_unchanged(remat):
     ids = jax.random.randint(jax.random.key(1), (2, 9), 0, 256)
     mask = jnp.arange(9)[None, :] >= jnp.array([[0], [3]])
 
@@ -40,9 +45,43 @@ def test_remat_and_scan_leave_gradients_unchanged():
         return jax.jit(jax.grad(loss))(params)
 
     plain = grads(tiny_model("qwen3", scan_layers=False))
-    checkpointed = grads(tiny_model("qwen3", scan_layers=True, remat="dots_saveable"))
+    checkpointed = grads(tiny_model("qwen3", scan_layers=True, remat=remat))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(plain), jax.tree.leaves(checkpointed)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def _saved_per_layer_floats(remat: str, batch: int = 2, length: int = 12, num_layers: int = 3) -> int:
+    """Elements the gradient of a log-prob loss keeps per layer (scan-stacked residuals, weights aside)."""
+    model = tiny_model("llama", num_layers=num_layers, remat=remat)  # attention "auto": xla_blockwise on CPU
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ids = jnp.ones((batch, length), jnp.int32)
+    mask = jnp.ones((batch, length), bool)
+
+    def loss(p):
+        return sequence_logprobs(nnx.merge(graphdef, p, rest), ids, mask, chunk_size=length)[0].sum()
+
+    report = io.StringIO()  # print_saved_residuals is the public form of the residual list
+    with contextlib.redirect_stdout(report):
+        jax.ad_checkpoint.print_saved_residuals(loss, params)
+    total = 0
+    for line in report.getvalue().splitlines():  # "f32[3,2,12,64] output of scan from ..."
+        shape = [int(n) for n in line[line.index("[") + 1:line.index("]")].split(",") if n]
+        if shape and shape[0] == num_layers and "from the argument" not in line:
+            total += math.prod(shape)
+    return total // num_layers
+
+
+def test_minimal_remat_keeps_exactly_the_named_values():
+    """Per token: the layer input and mid-block residual (2·D), gate and up (2·F), and the blockwise
+    kernel's q and output (2·H·Dh), k and v (2·KVH·Dh) and log-sum-exp (H). A lost name would drop
+    a term (its producer, a matmul or the attention kernel, rerun in the backward); an unnamed
+    intermediate kept would add one."""
+    c = tiny_config("llama")
+    per_token = (2 * c.hidden_size + 2 * c.intermediate_size + 2 * c.num_heads * c.head_dim
+                 + 2 * c.num_kv_heads * c.head_dim + c.num_heads)
+    minimal = _saved_per_layer_floats("minimal")
+    assert minimal == 2 * 12 * per_token
+    assert _saved_per_layer_floats("none") > 1.5 * minimal
 
 
 def test_positions_from_mask_handles_left_and_right_padding():

@@ -5,7 +5,9 @@ largest buffer of a training step. Here the forward walks the keys one block at 
 time, keeping a running max ``m``, normaliser ``l`` and un-normalised output per query,
 so its temporaries are O(T x block) per head (running max ``m``, sum ``total``); a ``jax.custom_vjp`` saves only the
 output and the log-sum-exp [B, H, T] and recomputes each block's probabilities in the
-backward (FlashAttention-2's dq/dk/dv recurrences), so the gradient is bounded too.
+backward (FlashAttention-2's dq/dk/dv recurrences), so the gradient is bounded too. Those residuals
+carry ``checkpoint_name``s, so a layer remat policy can keep them ("minimal" does) instead of
+rerunning the forward.
 
 The loop runs over key blocks below ``mask.live_keys()`` only — a dynamic trip count —
 so one-token decode over a large cache reads the blocks rows have reached, not the
@@ -32,6 +34,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from llds_jax.models.attention.mask import AttentionMask
 from llds_jax.models.attention.naive import MASKED_SCORE
@@ -80,6 +83,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Attentio
         k, v = (constrain(x.transpose(0, 2, 1, 3), _KV_AXES) for x in (k, v))
     kv_heads, slots = k.shape[1], k.shape[2]
     grouped = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim).transpose(0, 2, 3, 1, 4)
+    grouped = checkpoint_name(grouped, "attention_q")
+    k, v = checkpoint_name(k, "attention_kv"), checkpoint_name(v, "attention_kv")
     piece = query_piece(length, query_block)
     if mask.self_attention and length > piece:
         # query_index[b, t] == t, so the key loop of queries [start, stop) ends at the block
@@ -156,6 +161,7 @@ def _flash(grouped, k, v, query_index, key_valid, block: int):
 
 def _flash_fwd(grouped, k, v, query_index, key_valid, block: int):
     out, lse = _forward(grouped, k, v, query_index, key_valid, block)
+    out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
     return out, (grouped, k, v, query_index, key_valid, out, lse)
 
 
