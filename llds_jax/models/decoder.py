@@ -203,7 +203,8 @@ def _block(config: DecoderConfig, weights: dict[str, jax.Array], x: jax.Array, c
 # RoPE, SiLU·up and layout transposes, is recomputed in the backward from these and the layer's
 # input. Without remat JAX keeps every intermediate, several in two layouts: SmolLM2 at 4 x 256
 # saved 71 MB per layer, this 24 MB (the update's XLA:CPU temp buffer 3.50 -> 2.09 GB). Opaque
-# kernels (splash, cuDNN) name nothing inside, so their forward is recomputed as under "full".
+# kernels (splash, cuDNN) keep their residuals inside, so the backward reruns their forward from
+# the saved q, k, v, as under "full" but without the projections.
 MINIMAL_SAVED_NAMES = ("block_mid", "mlp_gate", "mlp_up",
                        "attention_q", "attention_kv", "attention_out", "attention_lse")
 

@@ -50,15 +50,18 @@ def test_remat_and_scan_leave_gradients_unchanged(remat):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
 
 
-def _saved_per_layer_floats(remat: str, batch: int = 2, length: int = 12, num_layers: int = 3) -> int:
+_BATCH, _LENGTH = 2, 12
+
+
+def _saved_per_layer_floats(remat: str, attention: str = "auto", num_layers: int = 3) -> int:
     """Elements the gradient of a log-prob loss keeps per layer (scan-stacked residuals, weights aside)."""
-    model = tiny_model("llama", num_layers=num_layers, remat=remat)  # attention "auto": xla_blockwise on CPU
+    model = tiny_model("llama", num_layers=num_layers, remat=remat, attention=attention)  # auto: xla_blockwise on CPU
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    ids = jnp.ones((batch, length), jnp.int32)
-    mask = jnp.ones((batch, length), bool)
+    ids = jnp.ones((_BATCH, _LENGTH), jnp.int32)
+    mask = jnp.ones((_BATCH, _LENGTH), bool)
 
     def loss(p):
-        return sequence_logprobs(nnx.merge(graphdef, p, rest), ids, mask, chunk_size=length)[0].sum()
+        return sequence_logprobs(nnx.merge(graphdef, p, rest), ids, mask, chunk_size=_LENGTH)[0].sum()
 
     report = io.StringIO()  # print_saved_residuals is the public form of the residual list
     with contextlib.redirect_stdout(report):
@@ -80,8 +83,17 @@ def test_minimal_remat_keeps_exactly_the_named_values():
     per_token = (2 * c.hidden_size + 2 * c.intermediate_size + 2 * c.num_heads * c.head_dim
                  + 2 * c.num_kv_heads * c.head_dim + c.num_heads)
     minimal = _saved_per_layer_floats("minimal")
-    assert minimal == 2 * 12 * per_token
+    assert minimal == _BATCH * _LENGTH * per_token
     assert _saved_per_layer_floats("none") > 1.5 * minimal
+
+
+def test_minimal_remat_keeps_the_inputs_of_an_opaque_kernel():
+    """A kernel that keeps its residuals inside (naive here; splash and cuDNN on TPU/GPU) is rerun in
+    the backward from the saved q, k, v [B, T, H|KVH, Dh], not from a rerun of the projections."""
+    c = tiny_config("llama")
+    per_token = (2 * c.hidden_size + 2 * c.intermediate_size + c.num_heads * c.head_dim
+                 + 2 * c.num_kv_heads * c.head_dim)
+    assert _saved_per_layer_floats("minimal", attention="naive") == _BATCH * _LENGTH * per_token
 
 
 def test_positions_from_mask_handles_left_and_right_padding():

@@ -27,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from llds_jax.models.attention.blockwise import (
     CACHED_BLOCK,
@@ -80,6 +81,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, backen
         return blockwise_attention(q, k, v, mask, block_size, kv_heads_major=kv_heads_major)
     if kv_heads_major:
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    # The kernels below keep their residuals inside (splash's and cuDNN's custom VJPs), so a remat
+    # policy reruns their forward; named inputs spare it the q/k/v projections before that.
+    q = checkpoint_name(q, "attention_q")
+    k, v = checkpoint_name(k, "attention_kv"), checkpoint_name(v, "attention_kv")
     if backend == "naive":
         return naive_attention(q, k, v, mask)
     if backend == "splash":
