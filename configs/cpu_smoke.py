@@ -53,7 +53,7 @@ def get_config():
     c.sft.lr = 1e-4
     c.sft.max_seq_len = 512
     # The loss scores the action targets only (RL: the rollout's bound, 3 × 48 = 144 per row): the
-    # bundled warm-up examples have at most 85 action tokens (mean 56) of ≈ 444.
+    # bundled warm-up examples have at most 72 action tokens (mean 56; each action ≤ 48) of ≈ 444.
     c.sft.max_action_tokens_per_row = 96
     c.retrieval.max_doc_tokens = 60  # docs cut to 60 tokens in warm-up, RL and eval (≈30% shorter sequences)
     c.eval.data = "bundled:nq_dev"

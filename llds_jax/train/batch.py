@@ -138,7 +138,7 @@ def scored_positions_per_row(config, length: int, section: str = "train") -> int
 
     ``<section>.max_action_tokens_per_row`` if set; else, for ``train``, the rollout's bound on a
     trajectory's action tokens, (``max_turns`` + 1) actions × ``max_action_tokens``, and for
-    ``sft`` every position (its synthetic thoughts are not held to the rollout's caps). Never
+    ``sft`` every position (hand-built ``SFTExample`` masks are not held to the rollout's caps). Never
     more than the ``length - 1`` targets a row has, which means every position.
     """
     explicit = int(config[section].get("max_action_tokens_per_row", 0) or 0)

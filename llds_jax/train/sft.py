@@ -11,9 +11,13 @@ standard remedy is a few supervised steps on trajectories in the protocol's exac
 The prompt and feedback come from the same code the rollout uses (``rollout.protocol``,
 ``retrieval.format_docs``, the real retriever), each example is a rollout ``Trajectory`` and its
 masks come from the rollout's own layout (``rollout.trajectory.token_layout``), so the warm-up
-conditions on the very tokens RL will see; feedback and prompt tokens carry no loss. The
-optimizer step is the RL update's (``train.state.apply_update``). Docs are whatever the retriever returns — the trainer hands in the same
-``ShortDocsRetriever`` view the RL rollouts use when ``retrieval.max_doc_tokens`` is set.
+conditions on the very tokens RL will see; feedback and prompt tokens carry no loss. Each action
+fits ``rollout.max_action_tokens`` as a rollout's must (:func:`fitted_action`: the thought goes
+first, then the query's last words; a gold answer is never cut, and questions none of whose
+answers fit are left out up front, :func:`answerable_within`). The optimizer step is the RL
+update's (``train.state.apply_update``). Docs are whatever the retriever returns — the trainer
+hands in the same ``ShortDocsRetriever`` view the RL rollouts use when ``retrieval.max_doc_tokens``
+is set.
 
 The loss is the token-mean negative log-likelihood over action tokens, through the same
 chunked ``forward_logprobs`` the RL step uses (never a [B, T, V] fp32 array), scoring at most
@@ -79,22 +83,68 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def _tagged(tag: str, body: str) -> str:
+    return f"<{tag}> {body} </{tag}>"
+
+
+def fitted_action(tokenizer, thought: str, tag: str, bodies: Sequence[str], cap: int, *,
+                  cut_words: bool = False) -> list[int]:
+    """The action's ids within ``cap`` tokens (``rollout.max_action_tokens``), as the rollout could write it.
+
+    A warm-up action the rollout would cut mid-tag teaches a format RL cannot finish. The thought
+    goes first, then the first of ``bodies`` that fits is used (an answer's aliases: a gold answer
+    is never cut), and with ``cut_words`` (a search query) the body loses its last words.
+    """
+    for body in bodies:
+        for text in (thought + _tagged(tag, body), _tagged(tag, body)):
+            if len(ids := _encode(tokenizer, text)) <= cap:
+                return ids
+    if cut_words:
+        words = bodies[0].split()
+        while len(words) > 1:
+            words.pop()
+            if len(ids := _encode(tokenizer, _tagged(tag, " ".join(words)))) <= cap:
+                return ids
+    shortest = min(len(_encode(tokenizer, _tagged(tag, body))) for body in bodies)
+    raise ValueError(f"a warm-up <{tag}> action needs {shortest} tokens > rollout.max_action_tokens={cap} "
+                     f"(body {bodies[0]!r}); raise rollout.max_action_tokens or set train.warmup_sft_steps=0")
+
+
+def answerable_within(records: Sequence[QARecord], tokenizer, cap: int) -> list[QARecord]:
+    """The records with a gold answer the rollout could write within ``cap`` action tokens.
+
+    The rest cannot be taught (a gold answer is never cut) nor earn reward in RL; the warm-up leaves
+    them out up front, counted, rather than failing on one of them mid-run.
+    """
+    kept = [r for r in records
+            if any(len(_encode(tokenizer, _tagged("answer", a))) <= cap for a in r.golden_answers)]
+    if not kept:
+        raise ValueError(f"no warm-up question has a gold answer within rollout.max_action_tokens={cap} tokens; "
+                         "raise it or set train.warmup_sft_steps=0")
+    if len(kept) < len(records):
+        print(f"warm-up: {len(records) - len(kept)} of {len(records)} questions have no gold answer within "
+              f"rollout.max_action_tokens={cap} tokens and are left out", flush=True)
+    return kept
+
+
 def synthetic_trajectories(records: Sequence[QARecord], tokenizer, retriever, rollout_cfg) -> list[Trajectory]:
-    """One think → search → feedback → think → answer trajectory per record (first gold answer).
+    """One think → search → feedback → think → answer trajectory per record (a gold answer).
 
     Recorded exactly as a rollout records its trajectories (``Trajectory.add_action`` /
-    ``add_feedback``), so :func:`collate_sft` lays them out with the rollout's own code.
+    ``add_feedback``), so :func:`collate_sft` lays them out with the rollout's own code; each
+    action is held to ``rollout.max_action_tokens`` (:func:`fitted_action`).
     """
     vocab = vocab_bytes(tokenizer)
+    cap = int(rollout_cfg.max_action_tokens)
     hits = retriever.search([r.question for r in records], rollout_cfg.topk)
     trajectories = []
     for row, (record, row_hits) in enumerate(zip(records, hits)):
         prompt = protocol.encode_prompt(tokenizer, record.question, rollout_cfg.max_prompt_tokens)
-        search = _encode(tokenizer, f"{FIRST_THOUGHT}<search> {protocol.format_question(record.question).rstrip('?')}"
-                                    f" </search>")
+        query = protocol.format_question(record.question).rstrip("?")
+        search = fitted_action(tokenizer, FIRST_THOUGHT, "search", [query], cap, cut_words=True)
         feedback = protocol.encode_feedback(tokenizer, protocol.search_feedback(format_docs(row_hits)),
                                             rollout_cfg.max_obs_tokens)
-        answer = _encode(tokenizer, f"{SECOND_THOUGHT}<answer> {record.golden_answers[0]} </answer>")
+        answer = fitted_action(tokenizer, SECOND_THOUGHT, "answer", record.golden_answers, cap)
         trajectory = Trajectory(prompt_ids=list(prompt), group_id=row)
         trajectory.add_action(search, [0.0] * len(search), FinishReason.STOP_STRING, vocab)
         trajectory.add_feedback(feedback, "search")
@@ -209,6 +259,7 @@ def run_sft(model: nnx.Module, tokenizer, retriever, config, mesh, writer, *, st
     from llds_jax.rollout.multi_turn import pad_token_id
 
     sft = SFTStep(model, config, mesh)
+    records = answerable_within(records, tokenizer, int(config.rollout.max_action_tokens))
     prompts = PromptIterator(records, config.sft.batch_size, seed=config.seed + 1)
     history = []
     bar = tqdm(range(steps), desc="sft", unit="step", dynamic_ncols=True)

@@ -42,6 +42,7 @@ def test_train_in_two_processes_warms_up_trains_logs_once_checkpoints_exports_an
     overrides = {
         **tiny_run_overrides(workdir, shared_dir), "train.total_steps": STEPS, "train.save_every": 1,
         "train.warmup_sft_steps": 1, "sft.batch_size": 8, "sft.max_seq_len": 384,
+        "rollout.max_action_tokens": 16,  # the warm-up's bare "<answer> … </answer>" takes 9+ Qwen tokens
         "eval.data": "bundled:nq_dev", "eval.limit": 2, "eval.batch_size": 2,
         "train.export_hf": True, "train.samples_per_step": 16,
     }

@@ -213,3 +213,52 @@ def test_synthetic_warmup_trajectories_mask_feedback_exactly_like_rollouts(qwen_
     assert not arrays["attention_mask"][:, width:].any()
     with pytest.raises(ValueError, match="sft.max_seq_len=10"):
         collate_sft(examples, 10, pad_id=0)
+
+
+def test_warmup_actions_fit_the_rollouts_action_cap_and_never_cut_a_gold_answer(qwen_tokenizer, capsys):
+    from llds_jax.data.benchmarks import QARecord
+    from llds_jax.retrieval.config import default_retrieval_config
+    from llds_jax.retrieval.factory import build_retriever
+    from llds_jax.retrieval.short_docs import ShortDocsRetriever
+    from llds_jax.rollout import protocol
+    from llds_jax.rollout.config import default_config
+    from llds_jax.train.sft import FIRST_THOUGHT, answerable_within, fitted_action, synthetic_trajectories
+
+    def length(text):
+        return len(qwen_tokenizer.encode(text, add_special_tokens=False))
+
+    query = "who sang the theme song of the long running television series cheers"
+    whole = f"{FIRST_THOUGHT}<search> {query} </search>"
+    bare = length(f"<search> {query} </search>")
+    assert fitted_action(qwen_tokenizer, FIRST_THOUGHT, "search", [query], length(whole)) == \
+        qwen_tokenizer.encode(whole, add_special_tokens=False)
+    # Over the cap: the thought goes first, then the query's last words.
+    assert qwen_tokenizer.decode(fitted_action(qwen_tokenizer, FIRST_THOUGHT, "search", [query], bare)) == \
+        f"<search> {query} </search>"
+    cut = qwen_tokenizer.decode(fitted_action(qwen_tokenizer, FIRST_THOUGHT, "search", [query], bare - 3, cut_words=True))
+    assert cut.startswith("<search> who sang the theme") and cut.endswith(" </search>") and length(cut) <= bare - 3
+    # An answer takes the first alias that fits and is never cut; none fitting names the knob.
+    aliases = ["Gary Portnoy and Judy Hart Angelo", "Gary Portnoy"]
+    fits = length("<answer> Gary Portnoy </answer>")
+    assert qwen_tokenizer.decode(fitted_action(qwen_tokenizer, "", "answer", aliases, fits)) == \
+        "<answer> Gary Portnoy </answer>"
+    with pytest.raises(ValueError, match=f"needs {fits} tokens > rollout.max_action_tokens={fits - 1}"):
+        fitted_action(qwen_tokenizer, "", "answer", aliases, fits - 1)
+    # The warm-up leaves out, up front and counted, the questions no gold answer of which fits.
+    long_only = QARecord("q2", "who wrote it", ("Gary Portnoy and Judy Hart Angelo",), "nq")
+    records = [QARecord("q1", "who sang cheers", tuple(aliases), "nq"), long_only]
+    assert answerable_within(records, qwen_tokenizer, fits) == records[:1]
+    assert "1 of 2 questions have no gold answer within rollout.max_action_tokens" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=f"rollout.max_action_tokens={fits - 1} tokens"):
+        answerable_within(records, qwen_tokenizer, fits - 1)
+
+    cfg = default_config()
+    cfg.max_action_tokens = 24
+    records = load_questions(["bundled:nq_train", "bundled:hotpotqa_train"])[:40]
+    retriever = ShortDocsRetriever(build_retriever(default_retrieval_config()), qwen_tokenizer, 20)
+    examples = synthetic_trajectories(records, qwen_tokenizer, retriever, cfg)
+    actions = [action for ex in examples for action in ex.actions]
+    assert len(actions) == 2 * len(records) and max(len(action.ids) for action in actions) <= 24
+    assert all(ex.actions[1].answer_token_span() is not None for ex in examples)
+    queries = [protocol.format_question(r.question).rstrip("?") for r in records]
+    assert sum(length(f"{FIRST_THOUGHT}<search> {q} </search>") > 24 for q in queries) > len(records) // 2  # the cap bit

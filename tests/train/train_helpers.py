@@ -32,7 +32,8 @@ def tiny_loop_config(workdir: str, tokenizer_dir: str):
     c.workdir = workdir
     c.model.tokenizer = tokenizer_dir
     c.mesh.shape = (2, 1, 1)  # data-parallel: the sampler reads params laid out for the update
-    c.rollout.update(dict(n_samples=2, max_turns=1, max_action_tokens=8, max_obs_tokens=32, max_prompt_tokens=224,
+    # 16 action tokens: the warm-up's bare "<answer> … </answer>" takes 9+ Qwen tokens (sft.fitted_action).
+    c.rollout.update(dict(n_samples=2, max_turns=1, max_action_tokens=16, max_obs_tokens=32, max_prompt_tokens=224,
                           max_context=256, pad_to_multiple=128, top_p=1.0))  # top-p renormalises sampler logp
     t = c.train
     t.prompts_per_step, t.mini_batch_size, t.micro_batch_size, t.logprob_batch_size = 4, 4, 2, 8
