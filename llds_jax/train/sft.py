@@ -28,6 +28,7 @@ in order, as the RL step does; 0 = every position).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -95,17 +96,15 @@ def fitted_action(tokenizer, thought: str, tag: str, bodies: Sequence[str], cap:
     goes first, then the first of ``bodies`` that fits is used (an answer's aliases: a gold answer
     is never cut), and with ``cut_words`` (a search query) the body loses its last words.
     """
-    for body in bodies:
-        for text in (thought + _tagged(tag, body), _tagged(tag, body)):
-            if len(ids := _encode(tokenizer, text)) <= cap:
-                return ids
+    candidates = [text for body in bodies for text in (thought + _tagged(tag, body), _tagged(tag, body))]
     if cut_words:
         words = bodies[0].split()
-        while len(words) > 1:
-            words.pop()
-            if len(ids := _encode(tokenizer, _tagged(tag, " ".join(words)))) <= cap:
-                return ids
-    shortest = min(len(_encode(tokenizer, _tagged(tag, body))) for body in bodies)
+        candidates += [_tagged(tag, " ".join(words[:n])) for n in range(len(words) - 1, 0, -1)]
+    shortest = math.inf
+    for text in candidates:
+        if len(ids := _encode(tokenizer, text)) <= cap:
+            return ids
+        shortest = min(shortest, len(ids))
     raise ValueError(f"a warm-up <{tag}> action needs {shortest} tokens > rollout.max_action_tokens={cap} "
                      f"(body {bodies[0]!r}); raise rollout.max_action_tokens or set train.warmup_sft_steps=0")
 

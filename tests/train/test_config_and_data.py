@@ -237,6 +237,8 @@ def test_warmup_actions_fit_the_rollouts_action_cap_and_never_cut_a_gold_answer(
         f"<search> {query} </search>"
     cut = qwen_tokenizer.decode(fitted_action(qwen_tokenizer, FIRST_THOUGHT, "search", [query], bare - 3, cut_words=True))
     assert cut.startswith("<search> who sang the theme") and cut.endswith(" </search>") and length(cut) <= bare - 3
+    with pytest.raises(ValueError, match=f"needs {length('<search> who </search>')} tokens > rollout.max_action_tokens=3"):
+        fitted_action(qwen_tokenizer, FIRST_THOUGHT, "search", [query], 3, cut_words=True)
     # An answer takes the first alias that fits and is never cut; none fitting names the knob.
     aliases = ["Gary Portnoy and Judy Hart Angelo", "Gary Portnoy"]
     fits = length("<answer> Gary Portnoy </answer>")
