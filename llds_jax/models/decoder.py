@@ -25,6 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from llds_jax.models import layers as L
 from llds_jax.models.attention import (
+    ATTENTION_RESIDUALS,
     DEFAULT_BLOCK,
     KV_CACHE_AXES,
     AttentionMask,
@@ -205,8 +206,7 @@ def _block(config: DecoderConfig, weights: dict[str, jax.Array], x: jax.Array, c
 # saved 71 MB per layer, this 24 MB (the update's XLA:CPU temp buffer 3.50 -> 2.09 GB). Opaque
 # kernels (splash, cuDNN) keep their residuals inside, so the backward reruns their forward from
 # the saved q, k, v, as under "full" but without the projections.
-MINIMAL_SAVED_NAMES = ("block_mid", "mlp_gate", "mlp_up",
-                       "attention_q", "attention_kv", "attention_out", "attention_lse")
+MINIMAL_SAVED_NAMES = ("block_mid", *L.MLP_RESIDUALS, *ATTENTION_RESIDUALS)
 
 
 def _remat(config: DecoderConfig, fn):

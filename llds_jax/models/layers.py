@@ -94,7 +94,11 @@ def unembed(hidden: jax.Array, table: jax.Array, *, vocab_major: bool, preferred
     return logits.reshape(*hidden.shape[:-1], table.shape[0])
 
 
+# ``checkpoint_name``s of the MLP's two input projections (models.decoder.MINIMAL_SAVED_NAMES).
+MLP_RESIDUALS = GATE_RESIDUAL, UP_RESIDUAL = ("mlp_gate", "mlp_up")
+
+
 def swiglu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    hidden = jax.nn.silu(checkpoint_name(project(x, gate), "mlp_gate")) * checkpoint_name(project(x, up), "mlp_up")
+    hidden = jax.nn.silu(checkpoint_name(project(x, gate), GATE_RESIDUAL)) * checkpoint_name(project(x, up), UP_RESIDUAL)
     hidden = constrain(hidden, ("batch", "seq", "act_mlp"))
     return project(hidden, down)

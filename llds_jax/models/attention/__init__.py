@@ -30,8 +30,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from llds_jax.models.attention.blockwise import (
+    ATTENTION_RESIDUALS,
     CACHED_BLOCK,
     DEFAULT_BLOCK,
+    KV_RESIDUAL,
+    Q_RESIDUAL,
     QUERY_BLOCK,
     blockwise_attention,
     query_piece,
@@ -46,7 +49,7 @@ from llds_jax.parallel.rules import constrain, current_rules
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
-__all__ = ["ATTENTION_BACKENDS", "CACHED_BLOCK", "DEFAULT_BLOCK", "KV_CACHE_AXES", "MASKED_SCORE", "QUERY_BLOCK",
+__all__ = ["ATTENTION_BACKENDS", "ATTENTION_RESIDUALS", "CACHED_BLOCK", "DEFAULT_BLOCK", "KV_CACHE_AXES", "MASKED_SCORE", "QUERY_BLOCK",
            "AttentionMask", "attend", "attend_cached",
            "blockwise_attention", "cudnn_attention", "naive_attention", "query_piece", "resolve_backend",
            "splash_attention", "target_platform"]
@@ -83,8 +86,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, backen
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     # The kernels below keep their residuals inside (splash's and cuDNN's custom VJPs), so a remat
     # policy reruns their forward; named inputs spare it the q/k/v projections before that.
-    q = checkpoint_name(q, "attention_q")
-    k, v = checkpoint_name(k, "attention_kv"), checkpoint_name(v, "attention_kv")
+    q = checkpoint_name(q, Q_RESIDUAL)
+    k, v = checkpoint_name(k, KV_RESIDUAL), checkpoint_name(v, KV_RESIDUAL)
     if backend == "naive":
         return naive_attention(q, k, v, mask)
     if backend == "splash":

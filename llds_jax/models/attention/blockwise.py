@@ -61,6 +61,10 @@ def query_piece(length: int, query_block: int = QUERY_BLOCK) -> int:
 # DEFAULT_BLOCK because a one-token decode step reads every slot of the blocks below the
 # furthest row: its cost follows the live length in steps of this many slots.
 CACHED_BLOCK = 128
+# ``checkpoint_name``s of what the backward needs from the attention: its inputs in the kernel's layout
+# and the custom VJP's residuals, so a layer remat policy can keep them (models.decoder.MINIMAL_SAVED_NAMES).
+ATTENTION_RESIDUALS = Q_RESIDUAL, KV_RESIDUAL, OUT_RESIDUAL, LSE_RESIDUAL = (
+    "attention_q", "attention_kv", "attention_out", "attention_lse")
 _STAT_AXES = ("batch", "act_kv_heads", None, "seq")  # m, l, lse: [B, KVH, G, T]
 _KV_AXES = ("batch", "act_kv_heads", None, None)  # keys / values heads-major: [B, KVH, S, Dh]
 
@@ -83,8 +87,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Attentio
         k, v = (constrain(x.transpose(0, 2, 1, 3), _KV_AXES) for x in (k, v))
     kv_heads, slots = k.shape[1], k.shape[2]
     grouped = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim).transpose(0, 2, 3, 1, 4)
-    grouped = checkpoint_name(grouped, "attention_q")
-    k, v = checkpoint_name(k, "attention_kv"), checkpoint_name(v, "attention_kv")
+    grouped = checkpoint_name(grouped, Q_RESIDUAL)
+    k, v = checkpoint_name(k, KV_RESIDUAL), checkpoint_name(v, KV_RESIDUAL)
     piece = query_piece(length, query_block)
     if mask.self_attention and length > piece:
         # query_index[b, t] == t, so the key loop of queries [start, stop) ends at the block
@@ -161,7 +165,7 @@ def _flash(grouped, k, v, query_index, key_valid, block: int):
 
 def _flash_fwd(grouped, k, v, query_index, key_valid, block: int):
     out, lse = _forward(grouped, k, v, query_index, key_valid, block)
-    out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
+    out, lse = checkpoint_name(out, OUT_RESIDUAL), checkpoint_name(lse, LSE_RESIDUAL)
     return out, (grouped, k, v, query_index, key_valid, out, lse)
 
 
