@@ -229,8 +229,11 @@ def _run_layers(config: DecoderConfig, stacked: dict, carry, layer_fn):
         layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
         carry, _ = jax.lax.scan(lambda c, xs: (layer_fn(xs[0], c, xs[1]), None), carry, (stacked, layer_ids))
         return carry
+    # One split per weight, not a slice per layer: the gradient of a split is one concatenate,
+    # the gradients of per-layer slices are padded to the whole stack and summed.
+    per_layer = jax.tree.map(lambda a: [x[0] for x in jnp.split(a, config.num_layers)], stacked)
     for i in range(config.num_layers):
-        carry = layer_fn(jax.tree.map(lambda a, i=i: a[i], stacked), carry, i)
+        carry = layer_fn({name: layers[i] for name, layers in per_layer.items()}, carry, i)
     return carry
 
 

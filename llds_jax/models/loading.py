@@ -46,7 +46,8 @@ def padded_vocab(size: int, multiple: int = 128) -> int:
 
 def _overrides(model_cfg) -> dict:
     return dict(dtype=model_cfg.get("dtype", "float32"), param_dtype=model_cfg.get("param_dtype", "float32"),
-                remat=model_cfg.get("remat", "none"), attention=model_cfg.get("attention", "auto"))
+                remat=model_cfg.get("remat", "none"), attention=model_cfg.get("attention", "auto"),
+                scan_layers=model_cfg.get("scan_layers", True))
 
 
 def resolve_model_path(source: str) -> Path:

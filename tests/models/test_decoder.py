@@ -3,6 +3,7 @@
 import contextlib
 import io
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,24 @@ def test_remat_and_scan_leave_gradients_unchanged(remat):
     checkpointed = grads(tiny_model("qwen3", scan_layers=True, remat=remat))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(plain), jax.tree.leaves(checkpointed)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def test_unrolled_layers_gradient_concatenates_per_layer_weights_instead_of_padding_each():
+    """Slicing layer i out of a stacked weight has a pad to the whole stack as its gradient: summed
+    over L layers that is L full-stack adds (SmolLM2's update spent 5.3 s in them). One split per
+    weight transposes to one concatenate."""
+    layers = 5
+    model = tiny_model("qwen2", num_layers=layers, scan_layers=False)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ids = jnp.ones((1, 6), jnp.int32)
+
+    def loss(p):
+        return jnp.sum(nnx.merge(graphdef, p, rest)(ids))
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
+    stack_pads = re.findall(rf"f32\[{layers},[\d,]*\] = pad\[", jaxpr)
+    assert not stack_pads, f"{len(stack_pads)} per-layer gradients padded to the whole [{layers}, ...] stack"
+    assert re.search(rf"f32\[{layers},[\d,]*\] = concatenate\[", jaxpr), "no stacked gradient is concatenated"
 
 
 _BATCH, _LENGTH = 2, 12

@@ -65,6 +65,16 @@ def test_known_model_names_give_the_real_parameter_count(name, billions):
     assert count / 1e9 == pytest.approx(billions, abs=0.001)
 
 
+def test_the_model_sections_switches_reach_the_decoder_config():
+    c = base_config()
+    c.model.update(dict(source="/models/Qwen2.5-3B", remat="full", attention="naive", scan_layers=False))
+    cfg = decoder_config(c.model)
+    assert (cfg.remat, cfg.attention, cfg.scan_layers) == ("full", "naive", False)
+    c = base_config()
+    c.model.source = "/models/Qwen2.5-3B"
+    assert decoder_config(c.model).scan_layers is True
+
+
 def test_unknown_model_source_and_bad_targets_are_named():
     c = base_config()
     c.model.source = "/nowhere/Mystery-9B"
