@@ -128,6 +128,12 @@ def test_plan_exits_zero(tiny_config):
     assert "update" in result.stdout, result.stdout[-2000:]
 
 
+def test_plan_sizes_the_default_job_from_its_gguf_without_loading_weights():
+    result = run_main("--mode=plan", f"--config={REPO / 'configs' / 'cpu_smoke.py'}", "--config.plan.devices=1")
+    assert_exit(result, 0)
+    assert "smollm2 (30 layers, d=576), 0.135 B parameters" in result.stdout, result.stdout[-2000:]
+
+
 def test_sweep_exits_zero_and_a_bad_grid_exits_2(tiny_config, tmp_path):
     sweep = tmp_path / "sweep.py"
     sweep.write_text(SWEEP_CONFIG.format(base=str(tiny_config), root=str(tmp_path / "runs")))

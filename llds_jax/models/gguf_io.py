@@ -80,10 +80,9 @@ def _open_gguf(path: str, mtime_ns: int, size: int):
         raise CheckpointError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from err
 
 
-def read_gguf(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """(HF-style config dict, HF tensor name → fp32 array) for a GGUF file."""
-    import gguf
-
+def gguf_config(path: str | Path) -> dict:
+    """The HF-style config dict of a GGUF file, from its metadata and tensor shapes alone
+    (no tensor is read): what the planner needs to size a run."""
     path = Path(path)
     reader = open_gguf(path)
     arch = _field(reader, "general.architecture")
@@ -92,7 +91,39 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise ConfigError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported for GGUF")
+    # GGUF lists a tensor's dimensions innermost first: token_embd's are (hidden, vocab).
+    shapes = {tensor.name: tuple(int(n) for n in reversed(tensor.shape.tolist())) for tensor in reader.tensors}
+    if "token_embd.weight" not in shapes:
+        raise CheckpointError(f"{path}: tensor token_embd.weight is missing")
+    vocab, hidden = shapes["token_embd.weight"]
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+    return {
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 32768)),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "hidden_act": "silu",
+    }
 
+
+def read_gguf(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(HF-style config dict, HF tensor name → fp32 array) for a GGUF file."""
+    import gguf
+
+    path = Path(path)
+    config = gguf_config(path)
+    reader = open_gguf(path)
     tensors: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
         name = tensor.name
@@ -109,29 +140,7 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
             raise CheckpointError(f"{path}: unexpected GGUF tensor {name!r}")
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         tensors[hf_name] = np.asarray(array, np.float32)
-
-    if "model.embed_tokens.weight" not in tensors:
-        raise CheckpointError(f"{path}: tensor token_embd.weight is missing")
-    vocab, hidden = tensors["model.embed_tokens.weight"].shape
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
-    config = {
-        "model_type": arch,
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 32768)),
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "hidden_act": "silu",
-    }
+    arch, num_heads, num_kv_heads = (config[k] for k in ("model_type", "num_attention_heads", "num_key_value_heads"))
     if arch == "llama":
         for i in range(config["num_hidden_layers"]):
             for proj, heads in (("q_proj", num_heads), ("k_proj", num_kv_heads)):

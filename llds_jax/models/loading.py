@@ -121,7 +121,11 @@ def decoder_config(model_cfg) -> DecoderConfig:
         from llds_jax.models.testing import tiny_config
 
         return tiny_config(source.split(":", 1)[1], **overrides)
-    path = Path(source)
+    path = resolve_model_path(source) if source == "smollm2" or source.endswith(".gguf") else Path(source)
+    if path.suffix == ".gguf":
+        from llds_jax.models.gguf_io import gguf_config
+
+        return DecoderConfig.from_hf_config(gguf_config(path), **overrides)
     if (path / "config.json").exists() or path.name == "config.json":
         return DecoderConfig.from_hf_config(path, **overrides)
     name = path.name

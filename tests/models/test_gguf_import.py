@@ -8,11 +8,13 @@ independently of our inverse, so a wrong inverse changes the logits.
 import gguf
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 
 from llds_jax.models import from_pretrained, save_pretrained
+from llds_jax.models.loading import decoder_config
 from llds_jax.models.safetensors_io import read_safetensors
 from llds_jax.models.testing import tiny_model
 
@@ -84,6 +86,20 @@ def test_gguf_written_like_llama_cpp_loads_to_the_same_logits(family, arch, tmp_
     want, got = run(nnx.state(model)), run(nnx.state(loaded))
     diff = float(jnp.max(jnp.abs(got - want)))
     assert diff <= 1e-5, f"{arch} GGUF round trip: max logit diff {diff:.3g}"
+
+
+SHAPE_FIELDS = ("family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                "intermediate_size", "tie_embeddings", "rope_theta", "rms_eps", "max_position_embeddings")
+
+
+@pytest.mark.parametrize("family,arch", [("llama", "llama"), ("qwen2_untied", "qwen2")])
+def test_the_planners_config_of_a_gguf_equals_the_loaded_models(family, arch, tmp_path):
+    """``--mode=plan`` sizes a run from the file's metadata and tensor shapes, reading no tensor."""
+    path = tmp_path / "model.gguf"
+    write_gguf(tiny_model(family, seed=4), tmp_path / "hf", path, arch)
+    planned = decoder_config(ml_collections.ConfigDict(dict(source=str(path))))
+    loaded = from_pretrained(path).config
+    assert {f: getattr(planned, f) for f in SHAPE_FIELDS} == {f: getattr(loaded, f) for f in SHAPE_FIELDS}
 
 
 def test_unpermuting_is_needed_for_llama(tmp_path, monkeypatch):

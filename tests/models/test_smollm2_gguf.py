@@ -4,6 +4,8 @@ transformers dequantises the same file (``gguf_file=``) as the reference, so bot
 see identical weights; the Llama q/k un-permutation is what this test pins down.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +42,15 @@ def test_gguf_config_is_read_from_metadata(ours):
     cfg = ours.config
     assert (cfg.family, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
             cfg.tie_embeddings, cfg.rope_theta) == ("llama", 30, 576, 9, 3, 49152, True, 100000.0)
+
+
+def test_the_planner_reads_the_same_shapes_without_loading_weights(ours):
+    import ml_collections
+
+    from llds_jax.models.loading import decoder_config
+
+    planned = decoder_config(ml_collections.ConfigDict(dict(source="smollm2")))
+    assert planned == dataclasses.replace(ours.config, remat=planned.remat, attention=planned.attention)
 
 
 def test_logits_match_transformers_on_real_weights(ours, reference):
