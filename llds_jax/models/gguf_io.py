@@ -140,10 +140,9 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
             raise CheckpointError(f"{path}: unexpected GGUF tensor {name!r}")
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         tensors[hf_name] = np.asarray(array, np.float32)
-    arch, num_heads, num_kv_heads = (config[k] for k in ("model_type", "num_attention_heads", "num_key_value_heads"))
-    if arch == "llama":
+    if config["model_type"] == "llama":
         for i in range(config["num_hidden_layers"]):
-            for proj, heads in (("q_proj", num_heads), ("k_proj", num_kv_heads)):
+            for proj, heads in (("q_proj", config["num_attention_heads"]), ("k_proj", config["num_key_value_heads"])):
                 name = f"model.layers.{i}.self_attn.{proj}.weight"
                 if name in tensors:  # absence is reported by the loader, with the name
                     tensors[name] = undo_llama_qk_permutation(tensors[name], heads)

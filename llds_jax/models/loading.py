@@ -121,7 +121,9 @@ def decoder_config(model_cfg) -> DecoderConfig:
         from llds_jax.models.testing import tiny_config
 
         return tiny_config(source.split(":", 1)[1], **overrides)
-    path = resolve_model_path(source) if source == "smollm2" else Path(source).expanduser()
+    path = Path(source).expanduser()
+    if source == "smollm2" or path.exists():  # what the loader would read: the GGUF, a run's newest export
+        path = resolve_model_path(source)
     if path.suffix == ".gguf":
         from llds_jax.models.gguf_io import gguf_config
 
