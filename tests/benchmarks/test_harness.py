@@ -114,7 +114,7 @@ def run_script(script: str, *args: str, timeout: float) -> subprocess.CompletedP
 
 
 @pytest.mark.parametrize("script", ["bench_forward.py", "bench_sampler.py", "bench_train_step.py", "bench_attention.py",
-                                    "bench_rollout.py", "bench_retrieval.py"])
+                                    "bench_rollout.py", "bench_retrieval.py", "bench_kernels.py"])
 def test_every_bench_script_refuses_a_loaded_machine_with_exit_2(script):
     extra = ["--index_dir=/nonexistent"] if script == "bench_retrieval.py" else []
     done = run_script(script, "--max-load=-1", *extra, timeout=300)
@@ -136,3 +136,29 @@ def test_bench_sampler_allow_noisy_json_prints_one_parsable_record():
         assert SIDE_KEYS | {"tokens_per_s"} <= set(side) and len(side["wall_s"]) == 2
         assert side["median_s"] > 0 and side["tokens_per_s"] == pytest.approx(2 * 4 / side["median_s"])
     assert set(case["ratios"]) == {"llds_jax_speedup_vs_transformers"}
+
+
+def test_bench_kernels_json_record_has_each_case_with_rates_and_the_decode_ceiling():
+    done = run_script("bench_kernels.py", "--matmul=32x48x64", "--decode-layers=1", "--decode-batch=2",
+                      "--stream-mb=4", "--repeats=1", "--allow-noisy", "--json", "--max-load=-1", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(done.stdout)
+    assert record["benchmark"] == "bench_kernels" and record["noisy"] is True
+    matmul, decode, stream = record["cases"]
+    assert matmul["work"] == {"GFLOP": pytest.approx(5 * 2 * 32 * 48 * 64 / 1e9)}
+    # one layer's seven projections and the tied head, fp32
+    weights = 4 * (576 * (576 + 192 + 192 + 576 + 1536 + 1536) + 1536 * 576 + 49152 * 576)
+    assert decode["work"] == {"GB": pytest.approx(5 * weights / 1e9)}
+    assert stream["work"] == {"GB": pytest.approx(5 * 4 * 2**20 / 1e9)}
+    for case in (matmul, decode, stream):
+        assert set(case["sides"]) == {"llds_jax", "torch"} and set(case["ratios"]) == {"llds_jax_speedup_vs_torch"}
+    ceiling = record["results"]["decode_tokens_per_s_ceiling"]
+    step_ms = record["results"]["decode_gemm_ms_per_step"]
+    for side in ("llds_jax", "torch"):
+        assert ceiling[side] == pytest.approx(2 / (step_ms[side] / 1000))
+        assert step_ms[side] == pytest.approx(1000 * decode["sides"][side]["median_s"] / 5)
+
+
+def test_bench_kernels_rejects_an_unknown_case_by_name():
+    done = run_script("bench_kernels.py", "--cases=matmul,gemv", "--allow-noisy", timeout=300)
+    assert done.returncode == 2 and "--cases: unknown ['gemv']" in done.stderr, done.stderr[-2000:]
