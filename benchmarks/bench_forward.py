@@ -12,8 +12,10 @@ action-target row is the trainer's π_old / π_ref pass as it runs: a rollout-sh
 actions, 31 % of the positions, as in ``bench_train_step.py``) scores only its action targets
 (``scored_positions``), while torch, like verl's ``compute_log_prob``, scores every position and
 masks afterwards. The decode row prefills half the length and
-decodes 32 tokens one at a time (ours: ``forward_cached`` + ``KVCache``; torch:
-``past_key_values``), counting prefill and decoded tokens.
+decodes 32 tokens one at a time, a Python loop of jitted calls (ours: ``forward_cached`` +
+``KVCache``, with the layers' weights sliced out of their stacks once per generation as the
+sampler does, ``Decoder.layer_weights``; torch: transformers' ``cache``), counting prefill and
+decoded tokens.
 
     .venv/bin/python benchmarks/bench_forward.py --models tiny,smollm2 --batch 4 --length 256
 """
@@ -98,22 +100,26 @@ def _decode_fns(model, torch_model, batch: int, prompt: int, steps: int):
     rng = np.random.default_rng(1)
     ids = rng.integers(0, model.config.vocab_size, (batch, prompt)).astype(np.int32)
     graphdef, state = nnx.split(model)
-    step = jax.jit(lambda s, t, c: nnx.merge(graphdef, s).forward_cached(t, c), donate_argnums=2)
+    # The layers' weights are sliced out of their stacks once per generation, as the sampler does
+    # (``Decoder.layer_weights``); a call without them slices, i.e. copies, every layer's weights.
+    hoist = jax.jit(lambda s: nnx.merge(graphdef, s).layer_weights())
+    step = jax.jit(lambda s, w, t, c: nnx.merge(graphdef, s).forward_cached(t, c, layer_weights=w), donate_argnums=3)
     token = jnp.ones((batch, 1), jnp.int32)
 
     def ours():
-        logits, cache = step(state, jnp.asarray(ids), init_cache(model.config, batch, prompt + steps))
+        weights = hoist(state)
+        logits, cache = step(state, weights, jnp.asarray(ids), init_cache(model.config, batch, prompt + steps))
         for _ in range(steps):
-            logits, cache = step(state, token, cache)
+            logits, cache = step(state, weights, token, cache)
         return jax.block_until_ready(logits)
 
     @torch.no_grad()
     def theirs():
         out = torch_model(input_ids=torch.as_tensor(ids, dtype=torch.long), use_cache=True)
-        cache, tok = out.past_key_values, torch.ones((batch, 1), dtype=torch.long)
+        cache, tok = out.cache, torch.ones((batch, 1), dtype=torch.long)
         for _ in range(steps):
-            out = torch_model(input_ids=tok, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = torch_model(input_ids=tok, cache=cache, use_cache=True)
+            cache = out.cache
         return out.logits
 
     return ours, theirs
