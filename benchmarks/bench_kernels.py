@@ -127,15 +127,18 @@ def main() -> None:
     unknown = sorted(set(cases) - {"matmul", "decode", "stream"})
     if unknown:
         parser.error(f"--cases: unknown {unknown}; expected any of matmul, decode, stream")
+    shapes = []
+    for shape in args.matmul.split(","):
+        try:
+            m, k, n = (int(d) for d in shape.lower().split("x"))
+        except ValueError:
+            parser.error(f"--matmul: {shape!r} is not MxKxN")
+        shapes.append((m, k, n))
     session = _harness.start("bench_kernels", args)
     torch.set_num_threads(args.torch_threads)
 
     if "matmul" in cases:
-        for shape in args.matmul.split(","):
-            try:
-                m, k, n = (int(d) for d in shape.lower().split("x"))
-            except ValueError:
-                parser.error(f"--matmul: {shape!r} is not MxKxN")
+        for m, k, n in shapes:
             session.log(f"matmul {m}x{k}x{n} ...")
             times = _harness.alternate(matmul_sides(m, k, n), args.repeats)
             session.add_case(f"fp32 matmul {m}x{k}x{n}", times, tokens=INNER * 2 * m * k * n / 1e9, unit="GFLOP")

@@ -159,6 +159,9 @@ def test_bench_kernels_json_record_has_each_case_with_rates_and_the_decode_ceili
         assert step_ms[side] == pytest.approx(1000 * decode["sides"][side]["median_s"] / 5)
 
 
-def test_bench_kernels_rejects_an_unknown_case_by_name():
-    done = run_script("bench_kernels.py", "--cases=matmul,gemv", "--allow-noisy", timeout=300)
-    assert done.returncode == 2 and "--cases: unknown ['gemv']" in done.stderr, done.stderr[-2000:]
+@pytest.mark.parametrize(("argument", "message"), [("--cases=matmul,gemv", "--cases: unknown ['gemv']"),
+                                                    ("--matmul=64x64x64,12x3", "--matmul: '12x3' is not MxKxN")])
+def test_bench_kernels_rejects_bad_arguments_by_name_before_measuring(argument, message):
+    done = run_script("bench_kernels.py", argument, "--allow-noisy", timeout=300)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+    assert done.stdout == "", done.stdout
