@@ -84,6 +84,7 @@ from _hlo_reading import (  # noqa: E402, F401
     while_bodies,
     while_loops,
 )
+from _tpu_hbm import hbm_lines, measure_hbm  # noqa: E402
 from _xla_charges import decode_charges, xla_cost  # noqa: E402
 
 from llds_jax.models.config import REMAT_POLICIES, DecoderConfig  # noqa: E402
@@ -336,6 +337,7 @@ class Row:
     charged_not_run: float = 0.0
     uncosted_gemms: float = 0.0  # decode on GPU: cuBLAS calls' operand + result bytes, not costed by XLA
     charged_detail: str = ""
+    hbm: dict = dataclasses.field(default_factory=dict)  # decode on TPU: HBM bytes per token (_tpu_hbm.py)
 
     @property
     def bytes_ratio(self) -> float:
@@ -367,7 +369,7 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
     flops, bytes_, how = xla_cost(compiled)
     hlo = compiled.as_text()
     real_loop = (0.0, [])  # decode only: (bytes, whole-cache copies in the body) of the real while loop
-    charges = (0.0, 0.0, "")
+    charges, hbm = (0.0, 0.0, ""), {}
     if program == "decode":  # per token: two body steps minus one (the per-call set-up cancels)
         twice, _ = compile_for(jitted, args, dict(kwargs, tokens=2), mesh, device.platform)
         flops2, bytes2, _ = xla_cost(twice)
@@ -376,6 +378,8 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
         how += f"; decode = 2 token steps - 1 (per-call set-up {_si(setup_bytes, 'B')} not charged)"
         real_loop = _real_decode_loop(args, mesh, device.platform, decoder_cfg, batch, slots)
         charges = decode_charges(hlo, twice.as_text(), device, decoder_cfg, batch, slots)
+        hbm = measure_hbm(compile_for, args, mesh, device.platform, sampling_mode, live,
+                          ideal_decode(shapes, batch, live)[1]) if device.platform == "tpu" else {}
     seconds = time.perf_counter() - start
     loops = while_loops(hlo)
     if program == "decode":
@@ -400,7 +404,7 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
                                        ", ".join(f"{k} x{n}" for k, n in kernels.items())]))
     return Row(model, target, precision, program, shape, flops, bytes_, *ideal,
                predicted_seconds(flops, bytes_, chip), predicted_seconds(*ideal, chip), loops, exact, how, seconds,
-               note, largest_ops(hlo), *real_loop, *charges)
+               note, largest_ops(hlo), *real_loop, *charges, hbm=hbm)
 
 
 def _real_decode_loop(args, mesh, platform: str, decoder_cfg: DecoderConfig, batch: int, slots: int):
@@ -482,6 +486,7 @@ def format_report(report: dict) -> str:
                   f"{_si(r['charged_not_run'], 'B')} + {_si(r['uncosted_gemms'], 'B')} ({r['charged_detail']}) = "
                   f"{_si(r['xla_bytes'] - r['charged_not_run'] + r['uncosted_gemms'], 'B')} = "
                   f"{r['bytes_ratio_run']:.2f}x ideal" for r in charged]
+    lines += hbm_lines(report["rows"])
     sources = sorted({r["cost_source"] for r in report["rows"]})
     lines += ["", "x = XLA / ideal. ms@peak = max(flops/peak, bytes/bandwidth) of XLA's numbers; ideal ms the same of "
               "the ideal.", "loops = while loops left in the optimised HLO (each counted once by XLA; see --json).",

@@ -1,0 +1,405 @@
+"""HBM bytes of one XLA:TPU decode token, read from the optimised HLO of the real decode ``while`` loop.
+
+Why not XLA's figure: XLA:TPU's ``HloCostAnalysis`` charges memory-space-assignment traffic as
+if it were extra work (a weight sliced into VMEM by ``slice-start``/``slice-done`` is charged at
+both ends, then again when the dot reads it from VMEM), does not tell memory spaces apart, and
+does not cost the Pallas decode kernel (a ``tpu_custom_call``) at all. In the optimised HLO every
+instruction's result carries a layout whose ``S(n)`` names its memory space (``S(1)`` VMEM,
+``S(2)`` sync flags, ``S(6)`` scalar memory; none = HBM), so HBM traffic can be read off it:
+
+* an op is charged the HBM operands it reads and the HBM results it writes; VMEM ones are free;
+* a fusion whose HBM operand is only read through a ``slice``/``dynamic-slice``/``gather``
+  inside it is charged what those read; a ``dynamic-update-slice`` into a buffer is charged the
+  update, not the buffer (it runs in place);
+* ``copy-start``/``slice-start`` are charged their HBM side once (the read of a prefetch, the
+  write of an eviction); the matching ``-done`` is free;
+* a ``while`` nested in the body counts its body times its trip count (XLA:TPU prints no
+  known_trip_count: read off a ``fori_loop``'s counter; once, noted, when it cannot be read);
+  a ``conditional`` is charged its costliest branch (noted);
+* the Pallas decode kernel's DMAs are computed from its block schedule (``decode_tpu.py``), for
+  the live length asked for, on the operands that live in HBM: they are not read from XLA.
+
+One token = one trip of the decode loop's body. The ENTRY computation around the loop (layer
+weight slices, layout converts of the caches) runs once per call and is reported apart.
+
+``decode_loop`` is ``sampling.decode_loop.decode`` with the sampler fixed at compile time, as
+``_decode_program.py`` fixes it for the straight-line steps: the real loop picks greedy or a
+filtered draw with run-time ``conditional``s, which would be charged their costliest branch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from _decode_program import SAMPLING_MODES
+from _hlo_reading import _DTYPE_BYTES
+
+_HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(")
+_LEAF = re.compile(r"(\w+)\[([\d,]*)\](?:\{([^}]*)\})?")
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "copy-done", "slice-done", "after-all",
+         "partition-id", "replica-id", "opt-barrier"}
+_SLICING = {"slice", "dynamic-slice", "gather"}  # ops that read part of their first operand
+FREE_CALLS = frozenset({"ConcatBitcast"})  # slices of one buffer laid side by side: no data moves
+KERNEL = "decode_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One array of an instruction's (possibly tuple) result: dtype, dims, memory space."""
+    dtype: str
+    dims: tuple[int, ...]
+    space: int
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.dims) * _DTYPE_BYTES.get(self.dtype, 4)
+
+    @property
+    def hbm(self) -> bool:
+        return self.space == 0 and self.dtype in _DTYPE_BYTES
+
+
+@dataclasses.dataclass
+class Op:
+    name: str
+    leaves: list[Leaf]
+    opcode: str
+    operands: list[str]
+    attrs: str
+    root: bool = False
+    args: str = ""
+
+    @property
+    def bytes(self) -> int:
+        return sum(leaf.bytes for leaf in self.leaves)
+
+    def hbm_bytes(self) -> int:
+        return sum(leaf.bytes for leaf in self.leaves if leaf.hbm)
+
+    def called(self, key: str) -> list[str]:
+        found = re.search(key + r"=\{?(%[\w.\-]+(?:, %[\w.\-]+)*)\}?", self.attrs)
+        return [c.lstrip("%") for c in found[1].split(", ")] if found else []
+
+
+def _leaves(shape: str) -> list[Leaf]:
+    leaves = []
+    for dtype, dims, layout in _LEAF.findall(shape):
+        space = re.search(r"S\((\d+)\)", layout or "")
+        leaves.append(Leaf(dtype, tuple(int(d) for d in dims.split(",") if d), int(space[1]) if space else 0))
+    return leaves
+
+
+def _matching(text: str, start: int) -> int:
+    """Index just past the parenthesis that closes the one at ``start``."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    raise ValueError(f"unbalanced parentheses: {text[start:start + 80]}")
+
+
+def parse_instruction(line: str) -> Op | None:
+    """``%name = SHAPE opcode(%a, %b), attrs`` (SHAPE an array or a nested tuple, with layouts)."""
+    match = re.match(r"\s*(ROOT )?%([\w.\-]+) = ", line)
+    if not match:
+        return None
+    rest = line[match.end():]
+    end = _matching(rest, 0) if rest.startswith("(") else rest.index(" ")
+    shape, rest = rest[:end], rest[end:].lstrip()
+    opcode = re.match(r"[\w\-]+", rest)[0]
+    args_end = _matching(rest, len(opcode))
+    operands = re.findall(r"%([\w.\-]+)", rest[len(opcode):args_end])
+    return Op(match[2], _leaves(shape), opcode, operands, rest[args_end:], bool(match[1]), rest[len(opcode):args_end])
+
+
+def parse_module(hlo: str) -> tuple[dict[str, dict[str, Op]], str]:
+    """(computation name -> {instruction name -> Op} in program order, ENTRY's name)."""
+    computations, entry, current = {}, "", None
+    for line in hlo.splitlines():
+        if header := _HEADER.match(line):
+            current = computations.setdefault(header[2], {})
+            entry = header[2] if header[1] else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and (op := parse_instruction(line)):
+            current[op.name] = op
+    return computations, entry
+
+
+# ------------------------------------------------------------------ the charges
+@dataclasses.dataclass
+class Charge:
+    computation: str
+    name: str
+    opcode: str
+    bytes: float
+    what: str
+
+
+@dataclasses.dataclass
+class KernelShape:
+    """One decode kernel call, from its operands: caches [B, KVH, S, Dh], q [B, KVH, G, Dh],
+    mask [B, S / block, block], and which of them live in HBM."""
+    batch: int
+    kv_heads: int
+    slots: int
+    head_dim: int
+    group: int
+    block: int
+    itemsize: int
+    cache_hbm: tuple[bool, bool]
+    q_hbm: bool
+    new_hbm: tuple[bool, bool]
+    mask_hbm: bool
+    out_hbm: bool
+
+
+def kernel_dma_bytes(k: KernelShape, live: int) -> float:
+    """HBM bytes one decode kernel call moves (``decode_tpu._kernel``), per (row, KV head):
+    ``ceil(live / block)`` key blocks and as many value blocks in; the new row's tile of
+    ``row_tile`` slots read, patched and written back, for k and for v; its G query heads and
+    the new k and v in (BlockSpec inputs); its G output heads out. The mask block depends on the
+    row only: Pallas' pipeline fetches it once per row (a block whose index does not change
+    between consecutive grid steps is not fetched again). Only operands that live in HBM count."""
+    blocks = min(-(-live // k.block), k.slots // k.block)
+    tile = 8 * max(1, 4 // k.itemsize)  # decode_tpu.row_tile
+    row = k.head_dim * k.itemsize
+    per_head = sum(blocks * k.block * row + 2 * tile * row for hbm in k.cache_hbm if hbm)
+    per_head += k.group * row * (k.q_hbm + k.out_hbm) + sum(row for hbm in k.new_hbm if hbm)
+    return k.batch * (k.kv_heads * per_head + k.mask_hbm * k.slots * 4)
+
+
+class Reader:
+    """HBM charges of the instructions of one parsed module."""
+
+    def __init__(self, hlo: str):
+        self.computations, self.entry = parse_module(hlo)
+        self.notes: list[str] = []
+        self.kernels: list[KernelShape] = []
+
+    def leaves_of(self, computation: str, name: str) -> list[Leaf]:
+        op = self.computations[computation].get(name)
+        return op.leaves if op else []
+
+    def charges(self, computation: str, skip_while: str = "", times: float = 1.0) -> list[Charge]:
+        """Every HBM charge of ``computation`` (called computations included), times ``times``;
+        a ``while`` whose body is ``skip_while`` is left out (the decode loop, seen from ENTRY)."""
+        found = []
+        for op in self.computations[computation].values():
+            found += self._charge(computation, op, skip_while, times)
+        return found
+
+    def _charge(self, comp: str, op: Op, skip_while: str, times: float) -> list[Charge]:
+        code = op.opcode
+        if code in _FREE:
+            return []
+
+        def one(nbytes: float, what: str) -> list[Charge]:
+            return [Charge(comp, op.name, code, nbytes * times, what)] if nbytes else []
+
+        operands = [self.leaves_of(comp, name) for name in op.operands]
+        read = sum(leaf.bytes for leaves in operands for leaf in leaves if leaf.hbm)
+        if code in ("copy-start", "slice-start"):
+            # copy-start: (destination, source, context); slice-start: ((source), slice, context)
+            source = operands[0]
+            moved = op.leaves[0] if code == "copy-start" else op.leaves[len(source)]
+            nbytes = moved.bytes * (any(leaf.hbm for leaf in source) + moved.hbm)
+            return one(nbytes, "prefetch into VMEM (HBM read)" if not moved.hbm else "to HBM")
+        if code == "while":
+            body = op.called("body")[0]
+            if body == skip_while:
+                return []
+            trips = self.trip_count(comp, op)
+            if trips is None:
+                self.notes.append(f"{op.name}: trip count unknown, its body counted once")
+            return self.charges(body, skip_while, times * (1 if trips is None else trips))
+        if code == "conditional":
+            branches = [self.charges(b, skip_while, times) for b in op.called("branch_computations")]
+            costliest = max(branches, key=lambda cs: sum(c.bytes for c in cs), default=[])
+            if len(branches) > 1:
+                self.notes.append(f"{op.name}: conditional, its costliest of {len(branches)} branches charged")
+            return costliest
+        if code == "call":
+            return self.charges(op.called("to_apply")[0], skip_while, times)
+        if code == "custom-call":
+            target = re.search(r'custom_call_target="([^"]+)"', op.attrs)[1]
+            if target in FREE_CALLS:
+                return []
+            if target == "tpu_custom_call" and KERNEL in op.name:
+                self.kernels.append(self._kernel_shape(operands, op))
+                return []  # its DMAs: kernel_dma_bytes
+            return one(read + op.hbm_bytes(), f"custom call {target}: operands + results")
+        if code == "dynamic-update-slice":
+            update = sum(leaf.bytes for leaf in operands[1])
+            return one(update * (any(leaf.hbm for leaf in operands[1]) + op.leaves[0].hbm), "in-place update")
+        if code in _SLICING:
+            part = op.bytes
+            return one(part * (any(leaf.hbm for leaf in operands[0]) + any(leaf.hbm for leaf in op.leaves)) +
+                       sum(leaf.bytes for leaves in operands[1:] for leaf in leaves if leaf.hbm), f"{code}: the part read")
+        if code == "fusion":
+            return one(self._fusion_bytes(op, operands), "fusion: HBM operands read + HBM results written")
+        return one(read + op.hbm_bytes(), "HBM operands + HBM results")
+
+    def _value(self, computation: str, name: str) -> int | None:
+        """The integer a scalar constant holds, past copies and bitcasts (None if not one)."""
+        op = self.computations[computation].get(name)
+        while op is not None and op.opcode in ("copy", "bitcast"):
+            op = self.computations[computation].get(op.operands[0])
+        found = re.fullmatch(r"\((-?\d+)\)", op.args) if op is not None and op.opcode == "constant" else None
+        return int(found[1]) if found else None
+
+    def trip_count(self, computation: str, op: Op) -> int | None:
+        """Trips of a ``while``: XLA's known_trip_count when it prints one (XLA:TPU does not), else
+        read off the loop: condition ``counter < N``, the counter starting at a constant and the
+        body adding a constant to it (a ``fori_loop``)."""
+        if known := re.search(r'"known_trip_count":\{"n":"(\d+)"\}', op.attrs):
+            return int(known[1])
+        cond_name, body_name = op.called("condition")[0], op.called("body")[0]
+        cond, body = self.computations[cond_name], self.computations[body_name]
+        root = next(o for o in cond.values() if o.root)
+        if root.opcode != "compare" or "direction=LT" not in root.attrs:
+            return None
+        counter, bound = (cond[name] for name in root.operands)
+        limit = self._value(cond_name, bound.name)
+        if counter.opcode != "get-tuple-element" or limit is None:
+            return None
+        index = int(re.search(r"index=(\d+)", counter.attrs)[1])
+        init = self.computations[computation].get(op.operands[0])
+        start = self._value(computation, init.operands[index]) if init is not None and init.opcode == "tuple" else None
+        body_root = next(o for o in body.values() if o.root)
+        step_op = body.get(body_root.operands[index]) if body_root.opcode == "tuple" else None
+        if start is None or step_op is None or step_op.opcode != "add":
+            return None
+        counters = [n for n in step_op.operands if body[n].opcode == "get-tuple-element"
+                    and re.search(r"index=(\d+)", body[n].attrs)[1] == str(index)]
+        steps = [self._value(body_name, n) for n in step_op.operands if n not in counters]
+        if len(counters) != 1 or len(steps) != 1 or not steps[0] or steps[0] < 0:
+            return None
+        return max(0, -(-(limit - start) // steps[0]))
+
+    def _fusion_bytes(self, op: Op, operands: list[list[Leaf]]) -> int:
+        """HBM operands a fusion reads (only the parts its slices read; not at all a buffer it
+        updates in place) and HBM results it writes (only the update of an in-place
+        dynamic-update-slice)."""
+        fused = self.computations[op.called("calls")[0]]
+        params = {int(o.args.strip("()")): o.name for o in fused.values() if o.opcode == "parameter"}
+        users: dict[str, list[tuple[int, Op]]] = {}
+        for inner in fused.values():
+            for position, name in enumerate(inner.operands):
+                users.setdefault(name, []).append((position, inner))
+
+        def uses(name: str) -> list[tuple[int, Op]]:  # past bitcasts
+            found = []
+            for position, user in users.get(name, []):
+                found += uses(user.name) if user.opcode == "bitcast" else [(position, user)]
+            return found
+
+        total = 0
+        for index, leaves in enumerate(operands):
+            if index not in params or not any(leaf.hbm for leaf in leaves):
+                continue
+            reads = uses(params[index])
+            if reads and all(p == 0 and u.opcode in _SLICING | {"dynamic-update-slice"} for p, u in reads):
+                total += sum(u.bytes for _, u in reads if u.opcode in _SLICING)  # the parts read
+            else:
+                total += sum(leaf.bytes for leaf in leaves if leaf.hbm)
+        root = next(o for o in fused.values() if o.root)
+        outputs = [fused[n] for n in root.operands] if root.opcode == "tuple" else [root]
+        for leaf, out in zip(op.leaves, outputs, strict=False):
+            while out.opcode == "bitcast":
+                out = fused[out.operands[0]]
+            if leaf.hbm:
+                in_place = out.opcode == "dynamic-update-slice"
+                total += sum(x.bytes for x in fused[out.operands[1]].leaves) if in_place else leaf.bytes
+        return total
+
+    def _kernel_shape(self, operands: list[list[Leaf]], op: Op) -> KernelShape:
+        # operands: 3 scalar-prefetch vectors, q, k_new, v_new, mask, k_cache, v_cache
+        q, k_new, v_new, mask, k_cache, v_cache = (leaves[0] for leaves in operands[3:9])
+        batch, kv_heads, slots, head_dim = k_cache.dims
+        return KernelShape(batch, kv_heads, slots, head_dim, q.dims[2], mask.dims[2], _DTYPE_BYTES[k_cache.dtype],
+                           (k_cache.hbm, v_cache.hbm), q.hbm, (k_new.hbm, v_new.hbm), mask.hbm, op.leaves[0].hbm)
+
+
+def decode_loop_body(reader: Reader) -> str:
+    """The body of the one ``while`` in ENTRY: the decode loop."""
+    loops = [op for op in reader.computations[reader.entry].values() if op.opcode == "while"]
+    if len(loops) != 1:
+        raise ValueError(f"expected one while loop in ENTRY (the decode loop), found {len(loops)}")
+    return loops[0].called("body")[0]
+
+
+def hbm_per_token(hlo: str, live: int) -> dict:
+    """One decode token's HBM bytes from the optimised XLA:TPU HLO of a decode loop: the body's
+    XLA ops, the decode kernels' DMAs at ``live`` slots (computed), the per-call set-up apart,
+    and the body's charges by opcode and largest first (the evidence)."""
+    reader = Reader(hlo)
+    body = decode_loop_body(reader)
+    charges = reader.charges(body)
+    kernels = list(reader.kernels)
+    setup = reader.charges(reader.entry, skip_while=body)
+    ops = sum(c.bytes for c in charges)
+    dma = sum(kernel_dma_bytes(k, live) for k in kernels)
+    by_opcode: dict[str, float] = {}
+    for c in charges:
+        by_opcode[c.opcode] = by_opcode.get(c.opcode, 0.0) + c.bytes
+    hbm_caches = sum(k.cache_hbm.count(True) for k in kernels)
+    return dict(bytes=ops + dma, xla_ops=ops, kernel_dma=dma, setup_per_call=sum(c.bytes for c in setup),
+                kernels=len(kernels), kernel_caches_in_hbm=hbm_caches, kernel_caches=2 * len(kernels),
+                by_opcode=dict(sorted(by_opcode.items(), key=lambda kv: -kv[1])),
+                largest=[dataclasses.asdict(c) for c in sorted(charges, key=lambda c: -c.bytes)[:12]],
+                notes=sorted(set(reader.notes)),
+                how=f"HBM-only model of the loop body's optimised HLO (_tpu_hbm.py); kernel DMAs computed from "
+                    f"decode_tpu's block schedule at live={live}, not read from XLA")
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "width", "sampling_mode"), donate_argnames=("cache",))
+def decode_loop(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, *, width: int,
+                sampling_mode: str):
+    """``sampling.decode_loop.decode`` (the same step in the same ``while_loop``) with the sampler's
+    knobs constants of the program, so XLA drops the branches the mode does not take."""
+    from llds_jax.sampling.decode_loop import decode_program
+
+    temperature, top_k, top_p = SAMPLING_MODES[sampling_mode]
+    sampling = dataclasses.replace(sampling, temperature=jnp.float32(temperature), top_k=jnp.int32(top_k),
+                                   top_p=jnp.float32(top_p))
+    state, step = decode_program(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, width=width)
+    return jax.lax.while_loop(lambda s: (s.step < width) & ~jnp.all(s.done), step, state)
+
+
+def measure_hbm(compile_for, args, mesh, platform: str, sampling_mode: str, live: int, ideal: float,
+                width: int = 64) -> dict:
+    """``roofline.py``'s hook: compile :func:`decode_loop` for the target, read one token's HBM
+    bytes off its body (:func:`hbm_per_token`), with XLA's own figure for the same program."""
+    from _xla_charges import xla_cost
+
+    compiled, _ = compile_for(decode_loop, args, dict(width=width, sampling_mode=sampling_mode), mesh, platform)
+    found = hbm_per_token(compiled.as_text(), live)
+    return dict(found, ideal=ideal, ratio=found["bytes"] / ideal, xla_loop_bytes=xla_cost(compiled)[1])
+
+
+def hbm_lines(rows: list[dict]) -> list[str]:
+    """The report's lines for rows with an HBM figure (TPU decode)."""
+    rows = [r for r in rows if r.get("hbm")]
+    lines = ["", "TPU decode as run (HBM): one trip of the real decode loop's body, HBM traffic only, read off "
+                 "the optimised HLO's memory spaces (_tpu_hbm.py); the decode kernel's DMAs are COMPUTED from its "
+                 "block schedule, not read from XLA:"] if rows else []
+    for r in rows:
+        h = r["hbm"]
+        lines.append(f"  {r['model']} {r['shape']}: XLA ops {h['xla_ops'] / 1e6:.1f} MB + kernel DMAs "
+                     f"{h['kernel_dma'] / 1e6:.1f} MB ({h['kernel_caches_in_hbm']} of {h['kernel_caches']} layer caches "
+                     f"in HBM) = {h['bytes'] / 1e6:.1f} MB per token = {h['ratio']:.2f}x ideal "
+                     f"{h['ideal'] / 1e6:.1f} MB; per call, not per token: {h['setup_per_call'] / 1e6:.1f} MB; XLA "
+                     f"charges the loop program {h['xla_loop_bytes'] / 1e6:.1f} MB"
+                     + (f" ({'; '.join(h['notes'])})" if h["notes"] else ""))
+    return lines
+
+
+__all__ = ["KernelShape", "Reader", "decode_loop", "hbm_lines", "hbm_per_token", "kernel_dma_bytes", "measure_hbm",
+           "parse_instruction", "parse_module"]
