@@ -140,6 +140,7 @@ class Charge:
     opcode: str
     bytes: float
     what: str
+    op_name: str = ""  # the JAX operation it came from (metadata), for the per-op breakdown
 
 
 @dataclasses.dataclass
@@ -201,7 +202,8 @@ class Reader:
             return []
 
         def one(nbytes: float, what: str) -> list[Charge]:
-            return [Charge(comp, op.name, code, nbytes * times, what)] if nbytes else []
+            source = re.search(r'op_name="([^"]*)"', op.attrs)
+            return [Charge(comp, op.name, code, nbytes * times, what, source[1][-80:] if source else "")] if nbytes else []
 
         operands = [self.leaves_of(comp, name) for name in op.operands]
         read = sum(leaf.bytes for leaves in operands for leaf in leaves if leaf.hbm)
@@ -327,6 +329,20 @@ class Reader:
                            (k_cache.hbm, v_cache.hbm), q.hbm, (k_new.hbm, v_new.hbm), mask.hbm, op.leaves[0].hbm)
 
 
+def cache_moves(reader: Reader, body: str, charges: list[Charge], kernels: list[KernelShape]) -> float:
+    """Bytes of the body's XLA ops on a KV cache or rows of one (``[b, KVH, S, Dh]``): memory-space
+    assignment moving caches between HBM and VMEM; ``roofline.py``'s copy probe sees only
+    synchronous ``copy`` ops, not ``copy-start``/``slice-start``."""
+    tails = {(k.kv_heads, k.slots, k.head_dim) for k in kernels}
+    ops = reader.computations[body]
+    total = 0.0
+    for charge in charges:
+        op = ops.get(charge.name)
+        arrays = (op.leaves + [leaf for name in op.operands for leaf in reader.leaves_of(body, name)]) if op else []
+        total += charge.bytes if any(leaf.dims[-3:] in tails for leaf in arrays) else 0.0
+    return total
+
+
 def decode_loop_body(reader: Reader) -> str:
     """The body of the one ``while`` in ENTRY: the decode loop."""
     loops = [op for op in reader.computations[reader.entry].values() if op.opcode == "while"]
@@ -351,6 +367,7 @@ def hbm_per_token(hlo: str, live: int) -> dict:
         by_opcode[c.opcode] = by_opcode.get(c.opcode, 0.0) + c.bytes
     hbm_caches = sum(k.cache_hbm.count(True) for k in kernels)
     return dict(bytes=ops + dma, xla_ops=ops, kernel_dma=dma, setup_per_call=sum(c.bytes for c in setup),
+                cache_moves=cache_moves(reader, body, charges, kernels),
                 kernels=len(kernels), kernel_caches_in_hbm=hbm_caches, kernel_caches=2 * len(kernels),
                 by_opcode=dict(sorted(by_opcode.items(), key=lambda kv: -kv[1])),
                 largest=[dataclasses.asdict(c) for c in sorted(charges, key=lambda c: -c.bytes)[:12]],
@@ -374,14 +391,19 @@ def decode_loop(graphdef, params, logits, cache, done, budget, keys, drawn, samp
 
 
 def measure_hbm(compile_for, args, mesh, platform: str, sampling_mode: str, live: int, ideal: float,
-                width: int = 64) -> dict:
+                real_hlo: str = "", width: int = 64) -> dict:
     """``roofline.py``'s hook: compile :func:`decode_loop` for the target, read one token's HBM
-    bytes off its body (:func:`hbm_per_token`), with XLA's own figure for the same program."""
+    bytes off its body (:func:`hbm_per_token`), with XLA's own figure for the same program. With
+    ``real_hlo`` (the real ``decode`` program, knobs traced) its figure too: each sampler
+    ``conditional`` charged its costliest branch, whatever the mode, so a bound, not the mode's."""
     from _xla_charges import xla_cost
 
     compiled, _ = compile_for(decode_loop, args, dict(width=width, sampling_mode=sampling_mode), mesh, platform)
     found = hbm_per_token(compiled.as_text(), live)
-    return dict(found, ideal=ideal, ratio=found["bytes"] / ideal, xla_loop_bytes=xla_cost(compiled)[1])
+    real = hbm_per_token(real_hlo, live) if real_hlo else {}
+    real = {key: real[key] for key in ("bytes", "xla_ops", "kernel_dma", "setup_per_call", "kernel_caches_in_hbm", "cache_moves",
+                                       "notes", "by_opcode", "largest") if key in real}
+    return dict(found, ideal=ideal, ratio=found["bytes"] / ideal, xla_loop_bytes=xla_cost(compiled)[1], real_decode=real)
 
 
 def hbm_lines(rows: list[dict]) -> list[str]:
@@ -395,9 +417,14 @@ def hbm_lines(rows: list[dict]) -> list[str]:
         lines.append(f"  {r['model']} {r['shape']}: XLA ops {h['xla_ops'] / 1e6:.1f} MB + kernel DMAs "
                      f"{h['kernel_dma'] / 1e6:.1f} MB ({h['kernel_caches_in_hbm']} of {h['kernel_caches']} layer caches "
                      f"in HBM) = {h['bytes'] / 1e6:.1f} MB per token = {h['ratio']:.2f}x ideal "
-                     f"{h['ideal'] / 1e6:.1f} MB; per call, not per token: {h['setup_per_call'] / 1e6:.1f} MB; XLA "
+                     f"{h['ideal'] / 1e6:.1f} MB (of it on whole caches or their rows: {h['cache_moves'] / 1e6:.1f} MB); "
+                     f"per call, not per token: {h['setup_per_call'] / 1e6:.1f} MB; XLA "
                      f"charges the loop program {h['xla_loop_bytes'] / 1e6:.1f} MB"
                      + (f" ({'; '.join(h['notes'])})" if h["notes"] else ""))
+        if real := h.get("real_decode"):
+            lines.append(f"    the real decode program (sampler picked at run time; {len(real['notes'])} notes, each "
+                         f"conditional its costliest branch): {real['bytes'] / 1e6:.1f} MB per token = "
+                         f"{real['bytes'] / h['ideal']:.2f}x ideal; per call {real['setup_per_call'] / 1e6:.1f} MB")
     return lines
 
 

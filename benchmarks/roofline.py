@@ -368,7 +368,7 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
     compiled, note = compile_for(jitted, args, kwargs, mesh, device.platform)
     flops, bytes_, how = xla_cost(compiled)
     hlo = compiled.as_text()
-    real_loop = (0.0, [])  # decode only: (bytes, whole-cache copies in the body) of the real while loop
+    real_loop = (0.0, [], "")  # decode only: (bytes, whole-cache copies in the body, HLO) of the real while loop
     charges, hbm = (0.0, 0.0, ""), {}
     if program == "decode":  # per token: two body steps minus one (the per-call set-up cancels)
         twice, _ = compile_for(jitted, args, dict(kwargs, tokens=2), mesh, device.platform)
@@ -379,7 +379,7 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
         real_loop = _real_decode_loop(args, mesh, device.platform, decoder_cfg, batch, slots)
         charges = decode_charges(hlo, twice.as_text(), device, decoder_cfg, batch, slots)
         hbm = measure_hbm(compile_for, args, mesh, device.platform, sampling_mode, live,
-                          ideal_decode(shapes, batch, live)[1]) if device.platform == "tpu" else {}
+                          ideal_decode(shapes, batch, live)[1], real_loop[2]) if device.platform == "tpu" else {}
     seconds = time.perf_counter() - start
     loops = while_loops(hlo)
     if program == "decode":
@@ -404,11 +404,11 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
                                        ", ".join(f"{k} x{n}" for k, n in kernels.items())]))
     return Row(model, target, precision, program, shape, flops, bytes_, *ideal,
                predicted_seconds(flops, bytes_, chip), predicted_seconds(*ideal, chip), loops, exact, how, seconds,
-               note, largest_ops(hlo), *real_loop, *charges, hbm=hbm)
+               note, largest_ops(hlo), *real_loop[:2], *charges, hbm=hbm)
 
 
 def _real_decode_loop(args, mesh, platform: str, decoder_cfg: DecoderConfig, batch: int, slots: int):
-    """(bytes, whole-cache copies in the loop body) of the real decode ``while`` program. Straight-line
+    """(bytes, whole-cache copies in the loop body, optimised HLO) of the real decode ``while`` program. Straight-line
     steps let XLA:TPU move whole caches between memory spaces around each step, which the loop
     never does; the loop's own body shows what a token really touches."""
     from llds_jax.sampling.decode_loop import decode
@@ -419,7 +419,7 @@ def _real_decode_loop(args, mesh, platform: str, decoder_cfg: DecoderConfig, bat
     bodies = while_bodies(hlo)
     ops = [f"{op['opcode']} {op['shape']}" for op in largest_ops(hlo, top=10**6)
            if op["computation"] in bodies and op["shape"].endswith(cache) and op["opcode"].startswith("copy")]
-    return xla_cost(compiled)[1], ops
+    return xla_cost(compiled)[1], ops, hlo
 
 
 def slot_dependence(rows: list[Row], shapes: Shapes, batch: int) -> dict | None:

@@ -272,3 +272,15 @@ def test_the_kernel_dmas_are_its_block_schedule_over_the_hbm_caches(loops):
     assert dma(LIVE + 1) - dma(LIVE) == in_hbm * block  # one more block per HBM cache past a block edge
     assert dma(LIVE - 127) == dma(LIVE)                 # 129..256 live slots: the same two blocks
     assert dma(LARGE) - dma(LIVE) == in_hbm * block * (LARGE - LIVE) // 128
+
+
+def test_a_cache_moved_between_memory_spaces_in_the_body_is_counted_as_cache_traffic():
+    # XLA:TPU keeps a few layer caches in VMEM across the loop and may evict one to HBM per token
+    # (seen in SmolLM2's greedy loop at 512 slots): a copy-start, which roofline's copy probe misses.
+    rotating = MODULE.replace("  ROOT %tuple.1 = ", (
+        "  %get-tuple-element.40 = bf16[8,3,512,64]{3,2,1,0:T(8,128)(2,1)S(1)} get-tuple-element(%arg_tuple.0), index=9\n"
+        "  %copy-start.9 = (bf16[8,3,512,64]{3,2,1,0:T(8,128)(2,1)}, bf16[8,3,512,64]{3,2,1,0:T(8,128)(2,1)S(1)}, "
+        "u32[]{:S(2)}) copy-start(%get-tuple-element.40)\n  ROOT %tuple.1 = "))
+    still, moved = _tpu_hbm.hbm_per_token(MODULE, live=256), _tpu_hbm.hbm_per_token(rotating, live=256)
+    assert still["cache_moves"] == 0
+    assert moved["cache_moves"] == CACHE and moved["xla_ops"] == still["xla_ops"] + CACHE
