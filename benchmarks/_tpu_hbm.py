@@ -331,8 +331,9 @@ class Reader:
 
 def cache_moves(reader: Reader, body: str, charges: list[Charge], kernels: list[KernelShape]) -> float:
     """Bytes of the body's XLA ops on a KV cache or rows of one (``[b, KVH, S, Dh]``): memory-space
-    assignment moving caches between HBM and VMEM; ``roofline.py``'s copy probe sees only
-    synchronous ``copy`` ops, not ``copy-start``/``slice-start``."""
+    assignment moving caches between HBM and VMEM. ``roofline.py``'s copy probe counts ops, and
+    only ``copy``/``copy-done`` of a whole cache: a cache brought back in ``slice-start`` pieces
+    is not among them."""
     tails = {(k.kv_heads, k.slots, k.head_dim) for k in kernels}
     ops = reader.computations[body]
     total = 0.0
