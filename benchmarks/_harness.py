@@ -7,9 +7,6 @@
   run lands on both sides instead of on whichever ran second.
 * Wall *and* CPU time per side (``time.process_time`` covers every thread of this process —
   XLA's and torch's pools — plus reaped child processes), load average at start and end.
-* One allocator policy for the whole process (both sides): ``--host-memory glibc`` (the
-  default, what a plain ``python`` process gets) or ``kept`` (what ``llds_jax.main`` sets for a
-  CPU run, ``llds_jax.utils.host_memory``: freed memory stays mapped); the record names it.
 * One record: ``--json`` prints exactly one JSON object on stdout (progress goes to stderr);
   otherwise a side-by-side table. The record names the git commit and library versions.
 """
@@ -45,9 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-load", type=float, default=LOAD_FRACTION * cores,
                         help=f"refuse when the 1-minute load average at start exceeds this "
                              f"(default {LOAD_FRACTION} x {cores} cores)")
-    parser.add_argument("--host-memory", choices=("glibc", "kept"), default="glibc",
-                        help="malloc policy of this process, both sides: glibc's defaults, or freed memory kept "
-                             "mapped as llds_jax.main sets it for a CPU run (llds_jax.utils.host_memory)")
 
 
 def cpu_seconds() -> float:
@@ -204,12 +198,6 @@ def start(name: str, args: argparse.Namespace) -> Session:
               f"Wait for a quiet machine, or pass --allow-noisy to run anyway (output marked NOISY).",
               file=sys.stderr)
         raise SystemExit(2)
-    if getattr(args, "host_memory", "glibc") == "kept":  # before either side starts a thread
-        from llds_jax.utils.host_memory import ENV, keep_freed_memory
-
-        if not keep_freed_memory({ENV: "1"}):
-            print(f"error: {name}: --host-memory=kept needs glibc's mallopt", file=sys.stderr)
-            raise SystemExit(2)
     settings = {k: v for k, v in vars(args).items() if k not in _HARNESS_ARGS}
     return Session(name, settings, bool(args.json), args.max_load, noisy, load)
 

@@ -33,9 +33,6 @@ MODES = {
 }
 
 EXIT_USER_ERROR = 2
-# Modes whose work is XLA programs: a CPU run of these keeps freed host memory mapped
-# (utils.host_memory); the retrieval server's request threads keep glibc's per-thread arenas.
-COMPUTE_MODES = frozenset(MODES) - {"serve"}
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu_smoke.py", "ml_collections config file.")
 _MODE = flags.DEFINE_enum("mode", "train", sorted(MODES), "What to run.")
@@ -50,10 +47,6 @@ def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
     try:
-        if _MODE.value in COMPUTE_MODES:  # before XLA starts a thread (each keeps the malloc arena it got)
-            from llds_jax.utils.host_memory import keep_freed_memory
-
-            keep_freed_memory()
         config = _CONFIG.value
         if "lab" in config:  # the death-spiral lab builds its world, tokenizer and policy first
             from llds_jax.lab.prepare import prepare
