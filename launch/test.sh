@@ -28,7 +28,7 @@ step "tests (slow)" .venv/bin/python -m pytest -n 2 -m slow "$@"
 step "numeric tests (AVX2, 128-bit vectors, 1 Eigen thread)" env \
   XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX2 --xla_cpu_prefer_vector_width=128 --xla_cpu_multi_thread_eigen=false" \
   .venv/bin/python -m pytest -n 2 -m "not slow" tests/rl tests/models tests/parallel tests/train/test_update_step.py \
-  tests/train/test_scored_positions.py \
+  tests/train/test_scored_positions.py tests/train/test_apply_update.py \
   tests/sampling "$@"
 
 if [ "${#failed[@]}" -ne 0 ]; then
