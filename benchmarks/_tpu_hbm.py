@@ -40,6 +40,7 @@ from _decode_program import SAMPLING_MODES
 from _hlo_reading import _DTYPE_BYTES
 
 _HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(")
+_INSTRUCTION = re.compile(r"\s*(ROOT )?%[\w.\-]+ = ")
 _LEAF = re.compile(r"(\w+)\[([\d,]*)\](?:\{([^}]*)\})?")
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "copy-done", "slice-done", "after-all",
          "partition-id", "replica-id", "opt-barrier"}
@@ -119,16 +120,35 @@ def parse_instruction(line: str) -> Op | None:
 
 
 def parse_module(hlo: str) -> tuple[dict[str, dict[str, Op]], str]:
-    """(computation name -> {instruction name -> Op} in program order, ENTRY's name)."""
+    """(computation name -> {instruction name -> Op} in program order, ENTRY's name).
+
+    An instruction may run over several lines: a Pallas kernel's ``kernel_metadata`` holds a
+    JSON string with newlines, so a continuation line can start with ``}}``. A computation ends
+    at a line that is ``}`` alone; any other line not opening an instruction continues the last.
+    """
     computations, entry, current = {}, "", None
+    pending: list[str] = []
+
+    def flush():
+        if current is not None and pending and (op := parse_instruction(" ".join(pending))):
+            current[op.name] = op
+        pending.clear()
+
     for line in hlo.splitlines():
         if header := _HEADER.match(line):
+            flush()
             current = computations.setdefault(header[2], {})
             entry = header[2] if header[1] else entry
-        elif line.startswith("}"):
+        elif line.rstrip() == "}":
+            flush()
             current = None
-        elif current is not None and (op := parse_instruction(line)):
-            current[op.name] = op
+        elif current is not None:
+            if _INSTRUCTION.match(line):
+                flush()
+                pending.append(line)
+            elif pending:
+                pending.append(line)
+    flush()
     return computations, entry
 
 
