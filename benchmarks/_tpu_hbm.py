@@ -306,31 +306,17 @@ class Reader:
         return max(0, -(-(limit - start) // steps[0]))
 
     def _fusion_bytes(self, op: Op, operands: list[list[Leaf]]) -> int:
-        """HBM operands a fusion reads (only the parts its slices read; not at all a buffer it
-        updates in place) and HBM results it writes (only the update of an in-place
-        dynamic-update-slice)."""
-        fused = self.computations[op.called("calls")[0]]
-        params = {int(o.args.strip("()")): o.name for o in fused.values() if o.opcode == "parameter"}
-        users: dict[str, list[tuple[int, Op]]] = {}
-        for inner in fused.values():
-            for position, name in enumerate(inner.operands):
-                users.setdefault(name, []).append((position, inner))
-
-        def uses(name: str) -> list[tuple[int, Op]]:  # past bitcasts
-            found = []
-            for position, user in users.get(name, []):
-                found += uses(user.name) if user.opcode == "bitcast" else [(position, user)]
-            return found
-
+        """HBM operands a fusion reads (only the parts its slices read, nested fusions included;
+        not at all a buffer it updates in place) and HBM results it writes (only the update of an
+        in-place dynamic-update-slice)."""
+        fused_name = op.called("calls")[0]
+        fused = self.computations[fused_name]
         total = 0
         for index, leaves in enumerate(operands):
-            if index not in params or not any(leaf.hbm for leaf in leaves):
+            if not any(leaf.hbm for leaf in leaves):
                 continue
-            reads = uses(params[index])
-            if reads and all(p == 0 and u.opcode in _SLICING | {"dynamic-update-slice"} for p, u in reads):
-                total += sum(u.bytes for _, u in reads if u.opcode in _SLICING)  # the parts read
-            else:
-                total += sum(leaf.bytes for leaf in leaves if leaf.hbm)
+            part = self._sliced_read(fused_name, index)
+            total += part if part is not None else sum(leaf.bytes for leaf in leaves if leaf.hbm)
         root = next(o for o in fused.values() if o.root)
         outputs = [fused[n] for n in root.operands] if root.opcode == "tuple" else [root]
         for leaf, out in zip(op.leaves, outputs, strict=False):
@@ -339,6 +325,36 @@ class Reader:
             if leaf.hbm:
                 in_place = out.opcode == "dynamic-update-slice"
                 total += sum(x.bytes for x in fused[out.operands[1]].leaves) if in_place else leaf.bytes
+        return total
+
+    def _uses(self, computation: str, name: str) -> list[tuple[int, Op]]:
+        """(operand position, user) of ``name`` in ``computation``, looking past bitcasts."""
+        found = []
+        for user in self.computations[computation].values():
+            for position, operand in enumerate(user.operands):
+                if operand == name:
+                    found += self._uses(computation, user.name) if user.opcode == "bitcast" else [(position, user)]
+        return found
+
+    def _sliced_read(self, fused: str, index: int) -> int | None:
+        """Bytes a fused computation reads of its parameter ``index`` when every use only slices
+        it or updates it in place (through nested fusions too: XLA:TPU puts a layer's slice of a
+        stacked weight in a fusion inside the matmul's); None when some use reads all of it."""
+        params = [o for o in self.computations[fused].values()
+                  if o.opcode == "parameter" and o.args.strip("()") == str(index)]
+        uses = self._uses(fused, params[0].name) if params else []
+        if not uses:
+            return None
+        total = 0
+        for position, user in uses:
+            if position == 0 and user.opcode in _SLICING:
+                total += user.bytes
+            elif position == 0 and user.opcode == "dynamic-update-slice":
+                continue
+            elif user.opcode == "fusion" and (inner := self._sliced_read(user.called("calls")[0], position)) is not None:
+                total += inner
+            else:
+                return None
         return total
 
     def _kernel_shape(self, operands: list[list[Leaf]], op: Op) -> KernelShape:
@@ -397,6 +413,33 @@ def hbm_per_token(hlo: str, live: int) -> dict:
                     f"decode_tpu's block schedule at live={live}, not read from XLA")
 
 
+def hbm_of_program(hlo: str, ideal: float, kernel_flops: float = 0.0) -> dict:
+    """One run's HBM bytes of a whole XLA:TPU program, the log-prob pass or the update: ENTRY and
+    what it calls, a ``while`` times its trips, a ``conditional`` its costliest branch (noted).
+
+    Why: XLA's figure for these programs charges VMEM traffic as if it were HBM traffic (a
+    SmolLM2 log-prob pass: 4.84 GB, of which 0.85 GB touch HBM). A Pallas kernel (splash
+    attention) is charged its HBM operands and results, which is what it moves when one block
+    spans the sequence; past that it re-reads keys and values per query block, so the count is
+    a lower bound there. ``kernel_flops``: the kernels' work, which XLA does not cost either,
+    for the "as run" prediction (``roofline.py`` passes the ideal's causal attention term).
+    """
+    reader = Reader(hlo)
+    charges = reader.charges(reader.entry)
+    total = sum(c.bytes for c in charges)
+    by_opcode: dict[str, float] = {}
+    for c in charges:
+        by_opcode[c.opcode] = by_opcode.get(c.opcode, 0.0) + c.bytes
+    kernels = [c for c in charges if c.opcode == "custom-call" and "pallas_call" in c.op_name]
+    return dict(bytes=total, ideal=ideal, ratio=total / ideal, kernel_bytes=sum(c.bytes for c in kernels),
+                kernel_calls=len(kernels), kernel_flops=kernel_flops,
+                by_opcode=dict(sorted(by_opcode.items(), key=lambda kv: -kv[1])),
+                largest=[dataclasses.asdict(c) for c in sorted(charges, key=lambda c: -c.bytes)[:12]],
+                notes=sorted(set(reader.notes)),
+                how="HBM-only model of the whole program's optimised HLO (_tpu_hbm.py); Pallas kernels charged "
+                    "their HBM operands and results")
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "width", "sampling_mode"), donate_argnames=("cache",))
 def decode_loop(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, *, width: int,
                 sampling_mode: str):
@@ -427,12 +470,31 @@ def measure_hbm(compile_for, args, mesh, platform: str, sampling_mode: str, live
     return dict(found, ideal=ideal, ratio=found["bytes"] / ideal, xla_loop_bytes=xla_cost(compiled)[1], real_decode=real)
 
 
+def program_hbm_lines(rows: list[dict]) -> list[str]:
+    """The report's lines for TPU log-prob and update rows: HBM bytes as run and the time they predict."""
+    lines = ["", "TPU log-probs / update as run (HBM): one run's HBM traffic read off the optimised HLO's memory "
+                 "spaces (_tpu_hbm.py; VMEM traffic, which XLA's bytes include, is free); splash kernels charged "
+                 "their HBM operands and results, their FLOPs taken from the ideal's attention term:"] if rows else []
+    for r in rows:
+        h = r["hbm"]
+        top = ", ".join(f"{op} {nbytes / 1e9:.2f}" for op, nbytes in list(h["by_opcode"].items())[:4])
+        lines.append(f"  {r['model']} {r['program']} {r['shape']}: {h['bytes'] / 1e9:.2f} GB = {h['ratio']:.2f}x ideal "
+                     f"{h['ideal'] / 1e9:.2f} GB (XLA: {r['xla_bytes'] / 1e9:.2f} GB; GB by opcode: {top}); "
+                     f"{h['seconds'] * 1e3:.3g} ms at peak vs ideal {r['seconds_ideal'] * 1e3:.3g} ms: "
+                     f"{'compute' if h['compute_share'] >= 1.0 else 'memory'}-bound, the matmul units busy "
+                     f"{100 * h['compute_share']:.0f}% of it"
+                     + (f" ({'; '.join(h['notes'])})" if h["notes"] else ""))
+    return lines
+
+
 def hbm_lines(rows: list[dict]) -> list[str]:
-    """The report's lines for rows with an HBM figure (TPU decode)."""
-    rows = [r for r in rows if r.get("hbm")]
-    lines = ["", "TPU decode as run (HBM): one trip of the real decode loop's body, HBM traffic only, read off "
-                 "the optimised HLO's memory spaces (_tpu_hbm.py); the decode kernel's DMAs are COMPUTED from its "
-                 "block schedule, not read from XLA:"] if rows else []
+    """The report's lines for rows with an HBM figure (TPU decode, log-prob pass, update)."""
+    programs = [r for r in rows if r.get("hbm") and r["program"] != "decode"]
+    rows = [r for r in rows if r.get("hbm") and r["program"] == "decode"]
+    lines = program_hbm_lines(programs)
+    lines += ["", "TPU decode as run (HBM): one trip of the real decode loop's body, HBM traffic only, read off "
+                  "the optimised HLO's memory spaces (_tpu_hbm.py); the decode kernel's DMAs are COMPUTED from its "
+                  "block schedule, not read from XLA:"] if rows else []
     for r in rows:
         h = r["hbm"]
         lines.append(f"  {r['model']} {r['shape']}: XLA ops {h['xla_ops'] / 1e6:.1f} MB + kernel DMAs "
@@ -449,5 +511,6 @@ def hbm_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-__all__ = ["KernelShape", "Reader", "decode_loop", "hbm_lines", "hbm_per_token", "kernel_dma_bytes", "measure_hbm",
+__all__ = ["KernelShape", "Reader", "decode_loop", "hbm_lines", "hbm_of_program", "hbm_per_token", "kernel_dma_bytes",
+           "measure_hbm", "program_hbm_lines",
            "parse_instruction", "parse_module"]

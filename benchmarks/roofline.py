@@ -85,7 +85,7 @@ from _hlo_reading import (  # noqa: E402, F401
     while_loops,
 )
 from _roofline_report import _si, format_report  # noqa: E402, F401  (format_report: roofline.format_report)
-from _tpu_hbm import measure_hbm  # noqa: E402
+from _tpu_hbm import hbm_of_program, measure_hbm  # noqa: E402
 from _xla_charges import decode_charges, xla_cost  # noqa: E402
 
 from llds_jax.models.config import REMAT_POLICIES, DecoderConfig  # noqa: E402
@@ -338,7 +338,8 @@ class Row:
     charged_not_run: float = 0.0
     uncosted_gemms: float = 0.0  # decode on GPU: cuBLAS calls' operand + result bytes, not costed by XLA
     charged_detail: str = ""
-    hbm: dict = dataclasses.field(default_factory=dict)  # decode on TPU: HBM bytes per token (_tpu_hbm.py)
+    # TPU: HBM bytes as run (_tpu_hbm.py): decode per token; log-prob pass and update per run, with the time they predict
+    hbm: dict = dataclasses.field(default_factory=dict)
 
     @property
     def bytes_ratio(self) -> float:
@@ -399,6 +400,13 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
         counted_once = known_many + ([f"attention key blocks (run {sorted(trips)} times)"] if trips - {1} else [])
         note = "; ".join(filter(None, [note, "loop bodies counted once: " + ", ".join(counted_once)]))
     kernels = custom_calls(hlo)
+    if device.platform == "tpu" and program != "decode":
+        # The attention runs in splash kernels, which XLA costs neither in FLOPs nor in bytes.
+        kernel_flops = (1 if program == "logprobs" else 3) * _causal_attention_flops(shapes, batch, length) \
+            if "tpu_custom_call" in kernels else 0.0
+        hbm = hbm_of_program(hlo, ideal[1], kernel_flops)
+        hbm["seconds"] = predicted_seconds(flops + kernel_flops, hbm["bytes"], chip)
+        hbm["compute_share"] = (flops + kernel_flops) / chip.flops / hbm["seconds"]
     if kernels:
         exact = False
         note = "; ".join(filter(None, [note, "custom calls not costed: " +

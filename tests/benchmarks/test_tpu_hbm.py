@@ -161,6 +161,48 @@ ENTRY %main.2 (a.1: bf16[16,9,256,64], b.1: f32[1024,576]) -> f32[1024,576] {
     assert charged == {"splash.1": 2 * kernel, "copy.1": 2 * matrix, "copy.2": 2 * matrix}, charged
 
 
+def test_a_layer_slice_of_a_stacked_weight_in_a_nested_fusion_is_charged_the_slice():
+    # XLA:TPU fuses layer i's slice of a [30, 576, 1536] weight stack into a fusion inside the
+    # matmul's fusion (a log-prob pass's MLP, as libtpu prints it): the matmul reads one layer,
+    # 1.77 MB, not the 53 MB stack. A second operand read whole by the same nested fusion is
+    # charged whole.
+    module = """HloModule jit_logprobs, is_scheduled=true
+
+%slice_of_layer (param_0.1: bf16[30,576,1536]) -> bf16[576,1536,1] {
+  %param_0.1 = bf16[30,576,1536]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %slice.1 = bf16[1,576,1536]{2,1,0:T(8,128)(2,1)} slice(%param_0.1), slice={[7:8], [0:576], [0:1536]}
+  ROOT %bitcast.1 = bf16[576,1536,1]{1,0,2:T(8,128)(2,1)} bitcast(%slice.1)
+}
+
+%scaled (param_0.2: bf16[1024,576], param_1.2: bf16[576]) -> bf16[1024,576] {
+  %param_0.2 = bf16[1024,576]{1,0:T(8,128)(2,1)} parameter(0)
+  %param_1.2 = bf16[576]{0:T(1024)(128)(2,1)} parameter(1)
+  %broadcast.1 = bf16[1024,576]{1,0:T(8,128)(2,1)} broadcast(%param_1.2), dimensions={1}
+  ROOT %multiply.1 = bf16[1024,576]{1,0:T(8,128)(2,1)} multiply(%param_0.2, %broadcast.1)
+}
+
+%matmul (param_0.3: bf16[30,576,1536], param_1.3: bf16[1024,576], param_2.3: bf16[576]) -> bf16[1024,1536] {
+  %param_1.3 = bf16[1024,576]{1,0:T(8,128)(2,1)} parameter(1)
+  %param_2.3 = bf16[576]{0:T(1024)(128)(2,1)} parameter(2)
+  %fusion.2 = bf16[1024,576]{1,0:T(8,128)(2,1)} fusion(%param_1.3, %param_2.3), kind=kLoop, calls=%scaled
+  %param_0.3 = bf16[30,576,1536]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %fusion.3 = bf16[576,1536,1]{1,0,2:T(8,128)(2,1)} fusion(%param_0.3), kind=kLoop, calls=%slice_of_layer
+  ROOT %convolution.1 = bf16[1024,1536]{1,0:T(8,128)(2,1)} convolution(%fusion.2, %fusion.3), dim_labels=bf_io0->bf
+}
+
+ENTRY %main.3 (w.1: bf16[30,576,1536], x.1: bf16[1024,576], g.1: bf16[576]) -> bf16[1024,1536] {
+  %w.1 = bf16[30,576,1536]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %x.1 = bf16[1024,576]{1,0:T(8,128)(2,1)} parameter(1)
+  %g.1 = bf16[576]{0:T(1024)(128)(2,1)} parameter(2)
+  ROOT %fusion.1 = bf16[1024,1536]{1,0:T(8,128)(2,1)} fusion(%w.1, %x.1, %g.1), kind=kOutput, calls=%matmul
+}
+"""
+    layer, rows, gains, out = 576 * 1536 * 2, 1024 * 576 * 2, 576 * 2, 1024 * 1536 * 2
+    found = _tpu_hbm.hbm_of_program(module, ideal=layer + rows + out)
+    assert found["bytes"] == layer + rows + gains + out, found
+    assert found["by_opcode"] == {"fusion": layer + rows + gains + out} and found["kernel_calls"] == 0
+
+
 def test_each_rule_charges_the_hbm_side_once_on_a_hand_written_body():
     reader = _tpu_hbm.Reader(MODULE)
     charges = {}
