@@ -351,3 +351,42 @@ def test_a_cache_moved_between_memory_spaces_in_the_body_is_counted_as_cache_tra
     still, moved = _tpu_hbm.hbm_per_token(MODULE, live=256), _tpu_hbm.hbm_per_token(rotating, live=256)
     assert still["cache_moves"] == 0
     assert moved["cache_moves"] == CACHE and moved["xla_ops"] == still["xla_ops"] + CACHE
+
+
+# ------------------------------------------------------------------ a real log-prob pass, compile-only v5e
+@needs_tpu
+def test_a_log_prob_pass_is_charged_each_layers_weights_not_its_stack_and_its_splash_kernels():
+    """The 8-layer SmolLM2-shaped log-prob pass (bf16 compute, fp32 masters): every layer's matmuls
+    read their layer of the [8, …] weight stacks (a slice in a nested fusion), never the stack; the
+    splash kernels are counted, one per layer; the prediction is bounded by the chip's peak."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from llds_jax.models.testing import tiny_config
+
+    roofline = _roofline()
+    config = tiny_config("llama", dtype="bfloat16", param_dtype="float32", scan_layers=False, hidden_size=576,
+                         intermediate_size=1536, num_layers=LAYERS, num_heads=9, num_kv_heads=3, head_dim=64,
+                         vocab_size=49152, max_position_embeddings=8192, remat="dots_saveable")
+    device, _ = roofline.target_device("tpu")
+    mesh, jitted, args, kwargs = roofline.build_program("logprobs", config, device, batch=4, length=256,
+                                                        remat="dots_saveable", scored=80)
+    compiled, _ = roofline.compile_for(jitted, args, kwargs, mesh, device.platform)
+    hlo = compiled.as_text()
+    found = _tpu_hbm.hbm_of_program(hlo, ideal=1.0)
+    assert found["kernel_calls"] == LAYERS and found["kernel_bytes"] > 0, found["kernel_calls"]
+
+    reader = _tpu_hbm.Reader(hlo)
+    entry = reader.computations[reader.entry]
+    stack_reads = []  # (charge, whole stack bytes) of each fusion reading a [LAYERS, …] bf16 weight stack
+    for charge in reader.charges(reader.entry):
+        op = entry.get(charge.name)
+        if op is None or op.opcode != "fusion":
+            continue
+        stacks = [leaf for name in op.operands for leaf in reader.leaves_of(reader.entry, name)
+                  if leaf.hbm and leaf.dtype == "bf16" and len(leaf.dims) >= 3 and leaf.dims[0] == LAYERS]
+        if stacks and "dot_general" in charge.op_name:
+            stack_reads.append((charge.bytes, sum(leaf.bytes for leaf in stacks)))
+    assert len(stack_reads) >= 2 * LAYERS, len(stack_reads)  # the MLP's gate and up matmuls, at least
+    assert all(charged < stack for charged, stack in stack_reads), stack_reads[:4]
+
+    layer_params = LAYERS * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576) + 576 + 49152 * 576
+    assert found["bytes"] >= 4 * layer_params, (found["bytes"], 4 * layer_params)  # the cast reads every fp32 master once
