@@ -53,6 +53,12 @@ are given. Predicted time = max(flops / peak FLOP/s, bytes / bandwidth).
 Compile-only GPU executables report no cost analysis, so on GPU the numbers are XLA's
 ``HloCostAnalysis`` run (by the CPU client) over the module XLA:GPU optimised — the same
 analysis over the same HLO the GPU would run, said so in the table.
+
+On TPU, XLA's bytes include VMEM traffic and leave out the Pallas kernels, so every TPU row also
+gets its HBM traffic as run (``_tpu_hbm.py``: decode per token, the log-prob pass and the update
+per run) and, for those two, the time it predicts with the splash kernels' FLOPs taken from the
+ideal. ``--layers N`` compiles each model with its first N blocks only (Qwen2.5-3B's update does
+not fit one 16 GB v5e): per-layer costs and ratios carry over, and the ideal follows the depth.
 """
 
 from __future__ import annotations
@@ -102,6 +108,14 @@ MODELS = {"smollm2-135m": lambda **kw: DecoderConfig.from_hf_config(SMOLLM2_135M
           "qwen2.5-3b": lambda **kw: DecoderConfig.from_hf_config(KNOWN_MODELS["Qwen2.5-3B"], **kw),
           "tiny": lambda **kw: tiny_config("qwen2", **kw)}
 PROGRAMS = ("decode", "logprobs", "update")
+
+
+def model_config(model: str, layers: int = 0, **kw) -> DecoderConfig:
+    """A named model's decoder config; ``layers`` > 0 keeps only that many blocks (every other shape
+    as published), so a model whose update does not fit one chip (Qwen2.5-3B's on a 16 GB v5e) can
+    still be compiled for it: per-layer costs and ratios carry over, the ideal follows the depth."""
+    config = MODELS[model](**kw)
+    return dataclasses.replace(config, num_layers=layers) if layers else config
 TARGETS = ("cpu", "tpu", "gpu")
 # (compute dtype, stored parameter dtype)
 PRECISIONS = {"fp32": ("float32", "float32"), "paper": ("bfloat16", "float32"), "bf16": ("bfloat16", "bfloat16")}
@@ -360,9 +374,9 @@ def predicted_seconds(flops: float, bytes_: float, chip: Chip) -> float:
 
 def measure_program(model: str, target: str, precision: str, program: str, device, chip: Chip, *,
                     batch: int, length: int = 0, slots: int = 0, live: int = 0, remat: str = "none",
-                    sampling_mode: str = "greedy", scored: int = 0) -> Row:
+                    sampling_mode: str = "greedy", scored: int = 0, layers: int = 0) -> Row:
     compute, params = PRECISIONS[precision]
-    decoder_cfg = MODELS[model](dtype=compute, param_dtype=params, scan_layers=False, remat=remat)
+    decoder_cfg = model_config(model, layers, dtype=compute, param_dtype=params, scan_layers=False, remat=remat)
     shapes = Shapes(decoder_cfg)
     start = time.perf_counter()
     mesh, jitted, args, kwargs = build_program(program, decoder_cfg, device, batch=batch, length=length,
@@ -390,6 +404,7 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
     else:
         ideal = (ideal_logprobs if program == "logprobs" else ideal_update)(shapes, batch, length, scored)
         shape = f"{batch}x{length}" + (f" scoring {scored}" if _head_rows(batch, length, scored) < batch * length else "")
+    shape += f" {layers} layers" if layers else ""
     # Loops whose trip count XLA knows to be > 1 are undercounted; unknown ones are the attention
     # key-block loops, whose trips at this length attention_loop_trips gives.
     known_many = [loop for loop in loops if "(trips=?)" not in loop and "(trips=1)" not in loop]
@@ -461,7 +476,8 @@ def run(args) -> dict:
         else:
             chips[target] = TPU_V5E if target == "tpu" else H100_SXM
         for model in args.model:
-            decoder_cfg = MODELS[model](dtype=PRECISIONS[precision][0], param_dtype=PRECISIONS[precision][1])
+            decoder_cfg = model_config(model, args.layers, dtype=PRECISIONS[precision][0],
+                                       param_dtype=PRECISIONS[precision][1])
             shapes = Shapes(decoder_cfg)
             model_info[model] = dict(parameters=shapes.total_params, n_layers=shapes.n_layers, n_head=shapes.n_head,
                                      tied=decoder_cfg.tie_embeddings)
@@ -471,13 +487,13 @@ def run(args) -> dict:
                     for slots in args.slots:
                         mine.append(measure_program(model, target, precision, program, device, chips[target],
                                                     batch=args.batch, slots=slots, live=args.live, remat=args.remat,
-                                                    sampling_mode=args.sampling))
+                                                    sampling_mode=args.sampling, layers=args.layers))
                 else:
                     batch, length = args.logprob_shape if program == "logprobs" else args.update_shape
                     try:
                         mine.append(measure_program(model, target, precision, program, device, chips[target],
                                                     batch=batch, length=length, remat=args.remat,
-                                                    scored=args.scored))
+                                                    scored=args.scored, layers=args.layers))
                     except jax.errors.JaxRuntimeError as err:  # e.g. XLA:TPU's "Invalid TPU program" past OOM
                         reason = str(err).strip().splitlines()[0][:300]
                         refused.append(f"{model} {program} {batch}x{length} remat={args.remat} on {target}: {reason}")
@@ -528,11 +544,16 @@ def parse_args(argv=None):
     parser.add_argument("--scored", type=int, default=0,
                         help="action targets per row the log-prob pass and the update project through the LM head "
                              "(the trainer's train.max_action_tokens_per_row); 0: every position")
+    parser.add_argument("--layers", type=int, default=0,
+                        help="compile each model with only its first N blocks (0: all), e.g. so Qwen2.5-3B's update "
+                             "fits one v5e chip; the ideal follows the depth")
     parser.add_argument("--cpu-flops", type=float, default=0.0, help="this CPU's FLOP/s (skip measuring)")
     parser.add_argument("--cpu-bandwidth", type=float, default=0.0, help="this CPU's bytes/s (skip measuring)")
     parser.add_argument("--show-ops", action="store_true", help="list each program's largest HLO ops")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
+    if args.layers < 0:
+        parser.error(f"--layers={args.layers}: must be >= 0")
     if args.scored < 0:
         parser.error(f"--scored {args.scored}: must be ≥ 0 (0 scores every position)")
     if min(args.slots) < 1 or args.live < 1 or args.batch < 1:

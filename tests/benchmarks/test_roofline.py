@@ -242,6 +242,23 @@ def test_bad_flags_are_refused_with_the_values():
         roofline.parse_args(["--update-shape", "16by256"])
     with pytest.raises(SystemExit):
         roofline.parse_args(["--scored", "-1"])
+    with pytest.raises(SystemExit):
+        roofline.parse_args(["--layers", "-2"])
+
+
+def test_layers_keeps_the_first_blocks_and_the_ideal_follows_the_depth():
+    full, four = roofline.model_config("qwen2.5-3b"), roofline.model_config("qwen2.5-3b", 4)
+    assert (full.num_layers, four.num_layers) == (36, 4)
+    assert {k: v for k, v in vars(four).items() if k != "num_layers"} == {
+        k: v for k, v in vars(full).items() if k != "num_layers"}
+    dropped = roofline.Shapes(full).n_layers - roofline.Shapes(four).n_layers  # the final norm is in both
+    assert dropped == roofline.Shapes(full).layer_params // 36 * 32
+    assert roofline.Shapes(four).n_head == roofline.Shapes(full).n_head  # the tied table stays whole
+    flops_full = roofline.ideal_update(roofline.Shapes(full), 16, 256, 80)[0]
+    flops_four = roofline.ideal_update(roofline.Shapes(four), 16, 256, 80)[0]
+    attention_per_layer = 3 * 2.0 * 16 * 16 * 128 * 256 * 256  # 3 x 2·B·H·Dh·T² a layer
+    assert flops_full - flops_four == pytest.approx(6 * 16 * 256 * dropped + 32 * attention_per_layer, rel=1e-12)
+    assert roofline.parse_args(["--layers", "4"]).layers == 4
 
 
 def test_kernel_custom_calls_are_reported_and_xla_tpu_bookkeeping_calls_are_not():
