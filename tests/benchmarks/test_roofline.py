@@ -225,6 +225,15 @@ def test_report_runs_for_a_tiny_model_on_xla_tpu_v5e():
     report = _report(["--model", "tiny", "--target", "tpu"])
     _check_report(report, "tpu")
     assert report["chips"]["tpu"]["flops"] == 197e12 and "XLA:TPU" in report["compilers"]["tpu"]
+    for row in (r for r in report["rows"] if r["program"] != "decode"):  # HBM as run, and what it predicts
+        hbm, chip = row["hbm"], report["chips"]["tpu"]
+        # every fp32 master is read at least once (the cast to bf16); the prediction is the roofline of
+        # XLA's FLOPs + the splash kernels' and these bytes, never faster than the FLOPs alone
+        assert hbm["bytes"] >= 4 * report["models"]["tiny"]["parameters"], (row["program"], hbm)
+        assert hbm["seconds"] == pytest.approx(max((row["xla_flops"] + hbm["kernel_flops"]) / chip["flops"],
+                                                   hbm["bytes"] / chip["bandwidth"]), rel=1e-12)
+        assert 0 < hbm["compute_share"] <= 1.0 and hbm["kernel_calls"] > 0, hbm
+    assert "TPU log-probs / update as run (HBM)" in roofline.format_report(report)
 
 
 @pytest.mark.slow
