@@ -388,6 +388,17 @@ def decode_loop_body(reader: Reader) -> str:
     return loops[0].called("body")[0]
 
 
+def _evidence(charges: list[Charge], reader: Reader) -> dict:
+    """What a count rests on: its bytes by opcode and its largest charges, both largest first, and
+    the reader's notes (conditionals charged their costliest branch, unknown trip counts)."""
+    by_opcode: dict[str, float] = {}
+    for c in charges:
+        by_opcode[c.opcode] = by_opcode.get(c.opcode, 0.0) + c.bytes
+    return dict(by_opcode=dict(sorted(by_opcode.items(), key=lambda kv: -kv[1])),
+                largest=[dataclasses.asdict(c) for c in sorted(charges, key=lambda c: -c.bytes)[:12]],
+                notes=sorted(set(reader.notes)))
+
+
 def hbm_per_token(hlo: str, live: int) -> dict:
     """One decode token's HBM bytes from the optimised XLA:TPU HLO of a decode loop: the body's
     XLA ops, the decode kernels' DMAs at ``live`` slots (computed), the per-call set-up apart,
@@ -399,16 +410,11 @@ def hbm_per_token(hlo: str, live: int) -> dict:
     setup = reader.charges(reader.entry, skip_while=body)
     ops = sum(c.bytes for c in charges)
     dma = sum(kernel_dma_bytes(k, live) for k in kernels)
-    by_opcode: dict[str, float] = {}
-    for c in charges:
-        by_opcode[c.opcode] = by_opcode.get(c.opcode, 0.0) + c.bytes
     hbm_caches = sum(k.cache_hbm.count(True) for k in kernels)
     return dict(bytes=ops + dma, xla_ops=ops, kernel_dma=dma, setup_per_call=sum(c.bytes for c in setup),
                 cache_moves=cache_moves(reader, body, charges, kernels),
                 kernels=len(kernels), kernel_caches_in_hbm=hbm_caches, kernel_caches=2 * len(kernels),
-                by_opcode=dict(sorted(by_opcode.items(), key=lambda kv: -kv[1])),
-                largest=[dataclasses.asdict(c) for c in sorted(charges, key=lambda c: -c.bytes)[:12]],
-                notes=sorted(set(reader.notes)),
+                **_evidence(charges, reader),
                 how=f"HBM-only model of the loop body's optimised HLO (_tpu_hbm.py); kernel DMAs computed from "
                     f"decode_tpu's block schedule at live={live}, not read from XLA")
 
@@ -418,7 +424,7 @@ def hbm_of_program(hlo: str, ideal: float, kernel_flops: float = 0.0) -> dict:
     what it calls, a ``while`` times its trips, a ``conditional`` its costliest branch (noted).
 
     Why: XLA's figure for these programs charges VMEM traffic as if it were HBM traffic (a
-    SmolLM2 log-prob pass: 4.84 GB, of which 0.85 GB touch HBM). A Pallas kernel (splash
+    SmolLM2 log-prob pass: 4.84 GB, of which 2.08 GB touch HBM). A Pallas kernel (splash
     attention) is charged its HBM operands and results, which is what it moves when one block
     spans the sequence; past that it re-reads keys and values per query block, so the count is
     a lower bound there. ``kernel_flops``: the kernels' work, which XLA does not cost either,
@@ -427,15 +433,10 @@ def hbm_of_program(hlo: str, ideal: float, kernel_flops: float = 0.0) -> dict:
     reader = Reader(hlo)
     charges = reader.charges(reader.entry)
     total = sum(c.bytes for c in charges)
-    by_opcode: dict[str, float] = {}
-    for c in charges:
-        by_opcode[c.opcode] = by_opcode.get(c.opcode, 0.0) + c.bytes
     kernels = [c for c in charges if c.opcode == "custom-call" and "pallas_call" in c.op_name]
     return dict(bytes=total, ideal=ideal, ratio=total / ideal, kernel_bytes=sum(c.bytes for c in kernels),
                 kernel_calls=len(kernels), kernel_flops=kernel_flops,
-                by_opcode=dict(sorted(by_opcode.items(), key=lambda kv: -kv[1])),
-                largest=[dataclasses.asdict(c) for c in sorted(charges, key=lambda c: -c.bytes)[:12]],
-                notes=sorted(set(reader.notes)),
+                **_evidence(charges, reader),
                 how="HBM-only model of the whole program's optimised HLO (_tpu_hbm.py); Pallas kernels charged "
                     "their HBM operands and results")
 

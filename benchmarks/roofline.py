@@ -108,6 +108,10 @@ MODELS = {"smollm2-135m": lambda **kw: DecoderConfig.from_hf_config(SMOLLM2_135M
           "qwen2.5-3b": lambda **kw: DecoderConfig.from_hf_config(KNOWN_MODELS["Qwen2.5-3B"], **kw),
           "tiny": lambda **kw: tiny_config("qwen2", **kw)}
 PROGRAMS = ("decode", "logprobs", "update")
+TARGETS = ("cpu", "tpu", "gpu")
+# (compute dtype, stored parameter dtype)
+PRECISIONS = {"fp32": ("float32", "float32"), "paper": ("bfloat16", "float32"), "bf16": ("bfloat16", "bfloat16")}
+DEFAULT_PRECISION = {"cpu": "fp32", "tpu": "paper", "gpu": "paper"}
 
 
 def model_config(model: str, layers: int = 0, **kw) -> DecoderConfig:
@@ -116,10 +120,6 @@ def model_config(model: str, layers: int = 0, **kw) -> DecoderConfig:
     still be compiled for it: per-layer costs and ratios carry over, the ideal follows the depth."""
     config = MODELS[model](**kw)
     return dataclasses.replace(config, num_layers=layers) if layers else config
-TARGETS = ("cpu", "tpu", "gpu")
-# (compute dtype, stored parameter dtype)
-PRECISIONS = {"fp32": ("float32", "float32"), "paper": ("bfloat16", "float32"), "bf16": ("bfloat16", "bfloat16")}
-DEFAULT_PRECISION = {"cpu": "fp32", "tpu": "paper", "gpu": "paper"}
 
 
 @dataclasses.dataclass(frozen=True)
