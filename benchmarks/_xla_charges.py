@@ -6,7 +6,8 @@ the decode step's exact shapes (not assumed):
 * an embedding lookup (``jnp.take`` of B rows, as ``Decoder.embed_tokens`` does) is charged the
   whole table, though a gather reads only the B rows;
 * a cache write (``attend_cached``'s scatter of one token per row into a donated
-  ``[B, KVH, S, Dh]`` cache) is charged the whole cache read and written, though it runs in place
+  ``[B, KVH, S, Dh]`` cache, or into each of its key-block buffers on XLA:CPU) is charged the
+  whole buffer read and written, though it runs in place
   (``roofline.py`` checks that the real loop body holds no cache-sized copy).
 
 And one omission: XLA:GPU's cuBLAS GEMM custom calls are not costed at all; their operands and
@@ -55,17 +56,19 @@ def _array_bytes(dtype: str, dims: str) -> int:
     return math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
 
 
-def _inventory(hlo: str, cache_dims: tuple[int, ...], table_dims: tuple[int, ...]) -> tuple[int, int, int]:
-    """(scatters into a ``cache_dims`` buffer, gathers from a ``table_dims`` table, bytes the cuBLAS
-    GEMM calls move) in one program, fused computations included, from one pass over its text."""
+def _inventory(hlo: str, buffer_dims: tuple[tuple[int, ...], ...], table_dims: tuple[int, ...]
+               ) -> tuple[tuple[int, ...], int, int]:
+    """(scatters into a cache buffer of each of ``buffer_dims``, gathers from a ``table_dims`` table,
+    bytes the cuBLAS GEMM calls move) in one program, fused computations included."""
     arrays = {name: (dtype, dims) for name, dtype, dims in _ARRAY.findall(hlo)}
+    definitions = _DEFINITION.findall(hlo)
 
     def count(opcode: str, dims: tuple[int, ...]) -> int:
         wanted = ",".join(map(str, dims))
-        return sum(1 for _, _, op, first in _DEFINITION.findall(hlo)
-                   if op == opcode and arrays.get(first, ("", ""))[1] == wanted)
+        return sum(1 for _, _, op, first in definitions if op == opcode and arrays.get(first, ("", ""))[1] == wanted)
 
-    return count("scatter", cache_dims), count("gather", table_dims), gemm_call_bytes(hlo, arrays)
+    return (tuple(count("scatter", dims) for dims in buffer_dims), count("gather", table_dims),
+            gemm_call_bytes(hlo, arrays))
 
 
 def _bytes_accessed(fn, *args, donate=()) -> float:
@@ -113,21 +116,29 @@ def gemm_call_bytes(hlo: str, arrays: dict | None = None) -> int:
     return total
 
 
-def decode_charges(hlo_one: str, hlo_two: str, device, decoder_cfg, batch: int, slots: int
-                   ) -> tuple[float, float, str]:
+def decode_charges(hlo_one: str, hlo_two: str, device, decoder_cfg, batch: int,
+                   buffer_dims: tuple[tuple[int, ...], ...]) -> tuple[float, float, str]:
     """(bytes charged to one more decode token for gathers and scatters that do not run as
     charged — one-token-per-row lookups and in-place cache writes —, bytes of its cuBLAS GEMMs
-    that are not charged at all, what they are)."""
+    that are not charged at all, what they are). ``buffer_dims``: the shapes of the cache's
+    buffers (one per layer, or one per key block on XLA:CPU: ``attention.cache_block``)."""
     dtype = jnp.dtype(decoder_cfg.dtype)
-    cache_dims = (batch, decoder_cfg.num_kv_heads, slots, decoder_cfg.head_dim)
     table_dims = (decoder_cfg.vocab_size, decoder_cfg.hidden_size)
-    one, two = _inventory(hlo_one, cache_dims, table_dims), _inventory(hlo_two, cache_dims, table_dims)
-    scatters, gathers, gemms = (b - a for a, b in zip(one, two, strict=True))
-    per_scatter = scatter_excess(device, cache_dims, dtype) if scatters > 0 else 0.0
+    (scatters_one, gathers_one, gemms_one) = _inventory(hlo_one, buffer_dims, table_dims)
+    (scatters_two, gathers_two, gemms_two) = _inventory(hlo_two, buffer_dims, table_dims)
+    gathers, gemms = gathers_two - gathers_one, gemms_two - gemms_one
+    total, parts = 0.0, []
+    for dims, one, two in zip(buffer_dims, scatters_one, scatters_two, strict=True):
+        if two - one > 0:
+            per_scatter = scatter_excess(device, dims, dtype)
+            total += (two - one) * per_scatter
+            parts.append(f"{two - one} in-place cache scatters x {per_scatter / 1e6:.3g} MB")
+    if not parts:
+        parts.append("0 in-place cache scatters")
     per_gather = gather_excess(device, decoder_cfg.vocab_size, decoder_cfg.hidden_size, dtype, batch) if gathers > 0 else 0.0
-    total = max(scatters, 0) * per_scatter + max(gathers, 0) * per_gather
-    what = (f"{scatters} in-place cache scatters x {per_scatter / 1e6:.3g} MB + {gathers} embedding lookups x "
-            f"{per_gather / 1e6:.3g} MB charged, not run" + (f"; cuBLAS GEMMs not charged {gemms / 1e6:.3g} MB" if gemms else ""))
+    total += max(gathers, 0) * per_gather
+    parts.append(f"{gathers} embedding lookups x {per_gather / 1e6:.3g} MB")
+    what = " + ".join(parts) + " charged, not run" + (f"; cuBLAS GEMMs not charged {gemms / 1e6:.3g} MB" if gemms else "")
     return total, float(gemms), what
 
 

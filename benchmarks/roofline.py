@@ -392,8 +392,9 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
         setup_bytes = 2 * bytes_ - bytes2
         flops, bytes_ = flops2 - flops, bytes2 - bytes_
         how += f"; decode = 2 token steps - 1 (per-call set-up {_si(setup_bytes, 'B')} not charged)"
-        real_loop = _real_decode_loop(args, mesh, device.platform, decoder_cfg, batch, slots)
-        charges = decode_charges(hlo, twice.as_text(), device, decoder_cfg, batch, slots)
+        buffers = cache_buffer_dims(args[3])
+        real_loop = _real_decode_loop(args, mesh, device.platform, buffers)
+        charges = decode_charges(hlo, twice.as_text(), device, decoder_cfg, batch, buffers)
         hbm = measure_hbm(compile_for, args, mesh, device.platform, sampling_mode, live,
                           ideal_decode(shapes, batch, live)[1], real_loop[2]) if device.platform == "tpu" else {}
     seconds = time.perf_counter() - start
@@ -431,7 +432,13 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
                note, largest_ops(hlo), *real_loop[:2], *charges, hbm=hbm)
 
 
-def _real_decode_loop(args, mesh, platform: str, decoder_cfg: DecoderConfig, batch: int, slots: int):
+def cache_buffer_dims(cache) -> tuple[tuple[int, ...], ...]:
+    """The distinct shapes of a (abstract) KV cache's k/v buffers: [B, KVH, S, Dh] per layer, or
+    its key blocks' [B, KVH, n, Dh] where the cache is held per key block (XLA:CPU)."""
+    return tuple(sorted({tuple(leaf.shape) for leaf in jax.tree.leaves((cache.k, cache.v))}))
+
+
+def _real_decode_loop(args, mesh, platform: str, buffers: tuple[tuple[int, ...], ...]):
     """(bytes, whole-cache copies in the loop body, optimised HLO) of the real decode ``while`` program. Straight-line
     steps let XLA:TPU move whole caches between memory spaces around each step, which the loop
     never does; the loop's own body shows what a token really touches."""
@@ -439,10 +446,10 @@ def _real_decode_loop(args, mesh, platform: str, decoder_cfg: DecoderConfig, bat
 
     compiled, _ = compile_for(decode, args, dict(width=64), mesh, platform)
     hlo = compiled.as_text()
-    cache = f"[{batch},{decoder_cfg.num_kv_heads},{slots},{decoder_cfg.head_dim}]"
+    shapes = tuple("[" + ",".join(map(str, dims)) + "]" for dims in buffers)
     bodies = while_bodies(hlo)
     ops = [f"{op['opcode']} {op['shape']}" for op in largest_ops(hlo, top=10**6)
-           if op["computation"] in bodies and op["shape"].endswith(cache) and op["opcode"].startswith("copy")]
+           if op["computation"] in bodies and op["shape"].endswith(shapes) and op["opcode"].startswith("copy")]
     return xla_cost(compiled)[1], ops, hlo
 
 

@@ -39,6 +39,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llds_jax.models import KVCache, init_cache
+from llds_jax.models.attention import CACHED_BLOCK
+from llds_jax.models.decoder import join_slots, split_slots
 from llds_jax.sampling import stop_strings
 from llds_jax.sampling.filtering import sample_tokens
 
@@ -127,8 +129,10 @@ def grow_cache(cache: KVCache, max_len: int) -> KVCache:
     def pad(x, axis):
         return jnp.pad(x, [(0, extra) if i == axis else (0, 0) for i in range(x.ndim)])
 
-    return KVCache(k=tuple(pad(k, 2) for k in cache.k), v=tuple(pad(v, 2) for v in cache.v),
-                   valid=pad(cache.valid, 1), end=cache.end)
+    def grown(layer):  # held as before: one buffer, or key blocks of CACHED_BLOCK slots (as init_cache makes them)
+        return split_slots(pad(join_slots(layer), 2), CACHED_BLOCK if isinstance(layer, tuple) else 0)
+
+    return KVCache(k=tuple(map(grown, cache.k)), v=tuple(map(grown, cache.v)), valid=pad(cache.valid, 1), end=cache.end)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))

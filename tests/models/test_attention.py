@@ -15,6 +15,7 @@ import pytest
 from llds_jax.models.attention import (
     AttentionMask,
     attend,
+    block_cache_attention,
     blockwise_attention,
     naive_attention,
     resolve_backend,
@@ -156,6 +157,28 @@ def test_decode_never_reads_key_blocks_past_the_furthest_query():
     assert np.isnan(np.asarray(naive_attention(q, poisoned_k, poisoned_v, mask))).any()
     diff = float(jnp.max(jnp.abs(clean - naive_attention(q, k, v, mask))))
     assert diff <= TOL, f"decode output differs from naive by {diff}"
+
+
+def _key_blocks(x, block):
+    """[B, S, KVH, Dh] keys or values as the heads-major buffers of a key-block cache."""
+    x = x.transpose(0, 2, 1, 3)
+    return tuple(x[:, :, start:start + block] for start in range(0, x.shape[2], block))
+
+
+@pytest.mark.parametrize("length", [1, 5])
+def test_a_key_block_cache_skips_blocks_past_the_furthest_query_and_equals_naive(length):
+    """Decode (and a 5-token append) at slots ≤ 13 of 64 slots held as 8-slot buffers read
+    buffers 0..1 only: NaN in buffers 2.. cannot reach the output."""
+    q, k, v = _qkv(2, length, 64, 4, 2)
+    last = jnp.array([[13], [7]])
+    slots = last - length + 1 + jnp.arange(length)[None, :]
+    mask = AttentionMask.cached(slots, jnp.arange(64)[None, :] <= last)
+    clean = block_cache_attention(q, _key_blocks(k, 8), _key_blocks(v, 8), mask)
+    poisoned = block_cache_attention(q, _key_blocks(k.at[:, 16:].set(jnp.nan), 8),
+                                     _key_blocks(v.at[:, 16:].set(jnp.nan), 8), mask)
+    np.testing.assert_array_equal(np.asarray(poisoned), np.asarray(clean))
+    diff = float(jnp.max(jnp.abs(clean - naive_attention(q, k, v, mask))))
+    assert diff <= TOL, f"key-block cache attention differs from naive by {diff}"
 
 
 def test_causal_by_index_and_segment_ids_equal_our_mask_on_real_tokens():

@@ -103,3 +103,54 @@ def test_finished_row_is_frozen_when_its_token_is_masked():
     _, after = cached(np.array([[7], [8]], np.int32), cache, np.array([[True], [False]]))
     assert np.asarray(after.end).tolist() == [4, 3]
     np.testing.assert_array_equal(np.asarray(after.valid[1]), np.asarray(cache.valid[1]))
+
+
+def _cached_run(model, cache, rows, chunks, steps):
+    """Prefill ``rows`` (left-padded), append ``chunks`` (right-padded), decode ``steps`` greedy
+    tokens; every call's logits, and the final cache's k and v as one array per layer."""
+    cached, _ = _jitted(model)
+    ids, mask = _left_pad(rows, max(map(len, rows)))
+    logits, cache = cached(ids, cache, mask)
+    out = [logits]
+    for chunk in chunks:
+        width = max(map(len, chunk))
+        ids = np.zeros((len(chunk), width), np.int32)
+        mask = np.zeros((len(chunk), width), bool)
+        for i, row in enumerate(chunk):
+            ids[i, :len(row)], mask[i, :len(row)] = row, True
+        logits, cache = cached(ids, cache, mask)
+        out.append(logits)
+    for _ in range(steps):
+        token = np.asarray(jnp.argmax(logits, axis=-1))[:, None]
+        logits, cache = cached(token, cache, np.ones_like(token, bool))
+        out.append(logits)
+    return np.stack([np.asarray(x) for x in out]), cache
+
+
+def test_a_cache_held_in_key_blocks_gives_the_one_buffer_caches_results_bit_for_bit():
+    """XLA:CPU holds each layer's cache as 128-slot buffers (``attention.cache_block``) whose
+    dots read them in place. The rows here cross two block boundaries, one of them inside an
+    appended chunk; logits and every valid cached key and value match the one-buffer layout exactly."""
+    model = tiny_model("qwen2")
+    rng = np.random.default_rng(3)
+    rows = [list(rng.integers(1, 256, n)) for n in (150, 40, 110)]
+    chunks = [[list(rng.integers(1, 256, n)) for n in (60, 120, 5)]]
+    one, one_cache = _cached_run(model, init_cache(model.config, 3, 384, block=0), rows, chunks, steps=20)
+    blocks, block_cache = _cached_run(model, init_cache(model.config, 3, 384, block=128), rows, chunks, steps=20)
+    assert all(isinstance(layer, tuple) and len(layer) == 3 for layer in block_cache.k)
+    np.testing.assert_array_equal(blocks, one)
+    valid = np.asarray(one_cache.valid)[:, None, :, None]
+    for a, b in zip(sum(one_cache.layer_arrays(), ()), sum(block_cache.layer_arrays(), ()), strict=True):
+        np.testing.assert_array_equal(np.where(valid, np.asarray(b), 0), np.where(valid, np.asarray(a), 0))
+
+
+def test_a_short_last_key_block_attends_like_the_rest():
+    """320 slots: blocks of 128, 128 and 64. Against the one-buffer cache (whose last block is
+    shifted back over keys it masks) the sums differ in order only: fp32 rounding."""
+    model = tiny_model("llama")
+    rng = np.random.default_rng(4)
+    rows = [list(rng.integers(1, 256, n)) for n in (200, 30)]
+    one, _ = _cached_run(model, init_cache(model.config, 2, 320, block=0), rows, [], steps=60)
+    blocks, cache = _cached_run(model, init_cache(model.config, 2, 320, block=128), rows, [], steps=60)
+    assert [b.shape[2] for b in cache.k[0]] == [128, 128, 64]
+    np.testing.assert_allclose(blocks, one, rtol=0, atol=TOL)

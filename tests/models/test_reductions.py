@@ -1,4 +1,5 @@
-"""The batch-invariant row sums the sampler and the norms rely on (``models.reductions``)."""
+"""The batch-invariant row sums and maxima the sampler, the norms and the attention rely on
+(``models.reductions``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llds_jax.models.reductions import log_softmax, log_softmax_at, row_sum
+from llds_jax.models.reductions import log_softmax, log_softmax_at, row_max, row_sum
 
 F32_EPS = float(np.finfo(np.float32).eps)
 
@@ -38,3 +39,12 @@ def test_log_softmax_at_is_log_softmax_then_take_bit_for_bit():
     full = jax.jit(log_softmax)(x)
     np.testing.assert_array_equal(np.asarray(jax.jit(log_softmax_at)(x, index)),
                                   np.asarray(jnp.take_along_axis(full, index[:, None], axis=-1)[:, 0]))
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 7, 128, 320, 1187])
+def test_row_max_is_the_max_wherever_it_sits(width):
+    """Exact, odd widths included: the maximum is planted at every position of some row."""
+    x = np.random.default_rng(width).normal(size=(width, width)).astype(np.float32)
+    x[np.arange(width), np.arange(width)] = 10.0 + np.arange(width)
+    np.testing.assert_array_equal(np.asarray(jax.jit(row_max)(jnp.asarray(x))), x.max(axis=-1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(row_max)(jnp.asarray(x[:, None, :])))[:, 0], x.max(axis=-1))

@@ -1,8 +1,11 @@
-"""XLA:TPU must not copy the KV cache inside the decode loop (issue 15: decode cost follows the
-live bytes, not the cache's size). Compiled for a v5e from this CPU host, through the same
-program builder as ``benchmarks/roofline.py``: with the Pallas decode kernel (attention
-"auto" on TPU) the loop body holds no cache-sized op, and with the plain-XLA blockwise
-kernel it holds copies (so the probe is shown to find what it looks for)."""
+"""The decode loop must not copy the KV cache (issue 15: decode cost follows the live bytes, not
+the cache's size), through the same program builder as ``benchmarks/roofline.py``.
+
+XLA:TPU, compiled for a v5e from this CPU host: with the Pallas decode kernel (attention "auto"
+on TPU) the loop body holds no cache-sized op, and with the plain-XLA blockwise kernel it holds
+copies (so the probe is shown to find what it looks for). XLA:CPU: the cache is held per key
+block (``attention.cache_block``) and the body's only block-sized ops are the in-place writes;
+held as one buffer per layer, every visited block is sliced out (copied) for its dots."""
 
 from __future__ import annotations
 
@@ -29,19 +32,22 @@ def _roofline():
     return sys.modules["roofline"]
 
 
-def _cache_ops_in_loop_body(attention: str) -> tuple[list[str], str]:
+def _cache_ops_in_loop_body(attention: str, target: str = "tpu", slots_per_op: int = SLOTS,
+                            dtype: str = "bfloat16") -> tuple[list[str], str]:
+    """The ops in the decode loop's bodies whose result is a ``slots_per_op``-slot cache buffer."""
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: claim no chip
     from llds_jax.sampling.decode_loop import decode
 
     roofline = _roofline()
-    config = roofline.MODELS["tiny"](dtype="bfloat16", param_dtype="float32", scan_layers=False, attention=attention)
-    device, _ = roofline.target_device("tpu")
+    config = roofline.MODELS["tiny"](dtype=dtype, param_dtype="float32", scan_layers=False, attention=attention)
+    device, _ = roofline.target_device(target)
     mesh, _, args, _ = roofline.build_program("decode", config, device, batch=BATCH, slots=SLOTS)
     compiled, _ = roofline.compile_for(decode, args, dict(width=16), mesh, device.platform)
     hlo = compiled.as_text()
-    cache_shape = f"[{BATCH},{config.num_kv_heads},{SLOTS},{config.head_dim}]"
+    cache_shape = f"[{BATCH},{config.num_kv_heads},{slots_per_op},{config.head_dim}]"
     bodies = roofline.while_bodies(hlo)
-    found = [f"{op['opcode']} {op['shape']} ({op['op_name']})" for op in roofline.largest_ops(hlo, top=10**6)
+    found = [f"{op['opcode']} {op['name']} {op['shape']} ({op['op_name']})"
+             for op in roofline.largest_ops(hlo, top=10**6)
              if op["computation"] in bodies and op["shape"].endswith(cache_shape) and op["opcode"] != "custom-call"]
     return found, hlo
 
@@ -54,3 +60,16 @@ def test_tpu_decode_loop_body_touches_no_whole_cache():
     blockwise_ops, _ = _cache_ops_in_loop_body("xla_blockwise")
     assert any(op.startswith("copy") for op in blockwise_ops), \
         f"the probe no longer finds the blockwise loop's cache copies ({blockwise_ops}): it may be blind"
+
+
+def test_cpu_decode_loop_reads_its_key_blocks_in_place(monkeypatch):
+    from llds_jax.models import decoder
+    from llds_jax.models.attention import CACHED_BLOCK
+
+    block_ops, _ = _cache_ops_in_loop_body("auto", "cpu", CACHED_BLOCK, "float32")
+    writes = [op for op in block_ops if "scatter" in op]
+    assert writes and len(writes) == len(block_ops), f"block-sized ops other than the writes: {block_ops}"
+    monkeypatch.setattr(decoder, "cache_block", lambda backend, platform: 0)  # one buffer per layer
+    one_buffer_ops, _ = _cache_ops_in_loop_body("auto", "cpu", CACHED_BLOCK, "float32")
+    assert any("slice" in op for op in one_buffer_ops), \
+        f"the probe no longer finds the one-buffer loop's key-block copies ({one_buffer_ops}): it may be blind"
