@@ -36,16 +36,7 @@ def row_sum(x: jax.Array, *, keepdims: bool = False) -> jax.Array:
     """
     if target_platform() != "cpu":
         return jnp.sum(x, axis=-1, keepdims=keepdims)
-    set_aside = None
-    while x.shape[-1] > 1:
-        width = x.shape[-1]
-        half = width // 2
-        if width % 2:
-            odd = x[..., width - 1:]
-            set_aside = odd if set_aside is None else set_aside + odd
-        x = x[..., :half] + x[..., half:2 * half]
-    if set_aside is not None:
-        x = x + set_aside
+    x = _pairwise(x, jnp.add)
     return x if keepdims else x[..., 0]
 
 
@@ -59,17 +50,21 @@ def row_max(x: jax.Array) -> jax.Array:
     """
     if target_platform() != "cpu":
         return jnp.max(x, axis=-1)
+    return _pairwise(x, jnp.maximum)[..., 0]
+
+
+def _pairwise(x: jax.Array, combine) -> jax.Array:
+    """The last axis folded to width 1 by ``combine`` of its halves, an odd width's last column
+    set aside and combined at the end: the same order whatever the leading dimensions."""
     set_aside = None
     while x.shape[-1] > 1:
         width = x.shape[-1]
         half = width // 2
         if width % 2:
             odd = x[..., width - 1:]
-            set_aside = odd if set_aside is None else jnp.maximum(set_aside, odd)
-        x = jnp.maximum(x[..., :half], x[..., half:2 * half])
-    if set_aside is not None:
-        x = jnp.maximum(x, set_aside)
-    return x[..., 0]
+            set_aside = odd if set_aside is None else combine(set_aside, odd)
+        x = combine(x[..., :half], x[..., half:2 * half])
+    return x if set_aside is None else combine(x, set_aside)
 
 
 def _shift_and_log_normaliser(x: jax.Array) -> tuple[jax.Array, jax.Array]:
