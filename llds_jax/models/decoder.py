@@ -90,7 +90,8 @@ def join_slots(layer: LayerCache) -> jax.Array:
 
 def cache_layout(config: DecoderConfig) -> int:
     """Slots per cache buffer for the program being traced (``attention.cache_block``)."""
-    return cache_block(resolve_backend(config.attention, target_platform()), target_platform())
+    platform = target_platform()
+    return cache_block(resolve_backend(config.attention, platform), platform)
 
 
 def cache_logical_axes(cache: KVCache) -> KVCache:
