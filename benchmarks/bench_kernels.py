@@ -14,6 +14,15 @@ against the kernels it is built from:
   ``[vocab, hidden]`` table), torch ``nn.Linear``'s ``[out, in]``. At M = 8 a GEMM is bound by
   streaming its weight, so the rate is GB/s of weights, and batch / (the step's GEMM time) is
   the most tokens per second a decode built on these kernels can reach.
+* ``update``: every matrix product of one ``bench_train_step`` update of SmolLM2-135M (16 x 256
+  in 4 micro-batches of 4 x 256, ``remat="minimal"``, 80 scored targets a row), each on its own
+  operands: per layer and micro-batch the 7 projections forward, their input gradients and
+  their weight gradients, and the causal attention's 128 x 128 block products (3 blocks below
+  the diagonal: 2 forward, 5 backward each, as ``attention.blockwise``); per micro-batch the
+  tied head forward and backward at the 320 scored positions. Nothing else: the time is the
+  floor an update built on these kernels cannot go below, on each side's kernels, and
+  ``update_products_floor_s`` says how fast the whole update could at best be against a
+  PyTorch step (``bench_train_step.py``) measured in the same hour.
 * ``stream``: a sum over a large fp32 array (default 1 GiB): the memory bandwidth a kernel
   can reach on this machine.
 
@@ -21,6 +30,7 @@ Sides alternate; load gate, ``--allow-noisy`` and ``--json`` from ``benchmarks/_
 
     python benchmarks/bench_kernels.py
     python benchmarks/bench_kernels.py --cases decode --decode-layers 30 --repeats 7
+    python benchmarks/bench_kernels.py --cases update --repeats 3
 """
 
 from __future__ import annotations
@@ -105,6 +115,92 @@ def decode_sides(layers: int, batch: int):
     return sides, sum(w.nbytes for layer in weights for w in layer) + head.nbytes
 
 
+# One update of bench_train_step.py: 4 micro-batches of 4 x 256 tokens through 30 layers, 80 scored targets a row.
+UPDATE_MICRO_BATCHES, UPDATE_ROWS, UPDATE_LENGTH, UPDATE_SCORED = 4, 4, 256, 80
+HEADS, KV_HEADS, HEAD_DIM, KEY_BLOCK = 9, 3, 64, 128
+# (lhs shape, rhs shape, einsum) of one attention block pair: q [B, KVH, G, 128, Dh] against a 128-key block
+# [B, KVH, 128, Dh]. Forward: scores, probabilities x values. Backward (the scores recomputed): d_v, d_probs,
+# d_q, d_k, with the operand layouts of ``blockwise._flash_bwd``.
+_Q = (UPDATE_ROWS, KV_HEADS, HEADS // KV_HEADS, KEY_BLOCK, HEAD_DIM)
+_K = (UPDATE_ROWS, KV_HEADS, KEY_BLOCK, HEAD_DIM)
+_P = (UPDATE_ROWS, KV_HEADS, HEADS // KV_HEADS, KEY_BLOCK, KEY_BLOCK)
+ATTENTION_PRODUCTS = ((_Q, _K, "bkgtd,bksd->bkgts"), (_P, _K, "bkgts,bksd->bkgtd"),  # forward
+                      (_Q, _K, "bkgtd,bksd->bkgts"), (_P, _Q, "bkgts,bkgtd->bksd"),  # scores again, d_v
+                      (_Q, _K, "bkgtd,bksd->bkgts"), (_P, _K, "bkgts,bksd->bkgtd"),  # d_probs, d_q
+                      (_P, _Q, "bkgts,bkgtd->bksd"))  # d_k
+CAUSAL_BLOCK_PAIRS = 3  # 256 queries in pieces of 128: the first sees key block 0, the second blocks 0 and 1
+
+
+def layer_products(tokens: int) -> list[tuple[tuple[int, ...], tuple[int, ...], str]]:
+    """(lhs, rhs, einsum) of every product of one layer in one micro-batch, in the decoder's layouts."""
+    products = []
+    for d_in, d_out in LAYER_SHAPES:
+        products += [((tokens, d_in), (d_in, d_out), "ti,io->to"),  # forward
+                     ((tokens, d_out), (d_in, d_out), "to,io->ti"),  # input gradient
+                     ((tokens, d_in), (tokens, d_out), "ti,to->io")]  # weight gradient
+    return products + list(ATTENTION_PRODUCTS) * CAUSAL_BLOCK_PAIRS
+
+
+def head_products(scored: int) -> list[tuple[tuple[int, ...], tuple[int, ...], str]]:
+    """The tied head's forward, input gradient and weight gradient on the scored positions."""
+    return [((scored, HIDDEN), (VOCAB, HIDDEN), "td,vd->tv"), ((scored, VOCAB), (VOCAB, HIDDEN), "tv,vd->td"),
+            ((scored, VOCAB), (scored, HIDDEN), "tv,td->vd")]
+
+
+def _flops(lhs, rhs, spec: str) -> int:
+    sizes = {}
+    for names, shape in zip(spec.split("->")[0].split(","), (lhs, rhs), strict=True):
+        sizes.update(zip(names, shape, strict=True))
+    return 2 * int(np.prod(list(sizes.values())))
+
+
+# Distinct operands for this many layers, cycled through the 30: ~0.9 GB a side, far beyond the caches, so no call
+# finds its operands cached by the previous one, without holding 30 layers' worth (5 GB) twice.
+LAYER_GROUP = 5
+
+
+def update_sides(layers: int = 30):
+    """Both sides run the same products on their own copies of the same operands; every output is fresh, as in a step."""
+    layer = layer_products(UPDATE_ROWS * UPDATE_LENGTH)
+    head = head_products(UPDATE_ROWS * UPDATE_SCORED)
+    rng = np.random.default_rng(0)
+
+    def operands(products):
+        return [(rng.standard_normal(lhs, np.float32), rng.standard_normal(rhs, np.float32)) for lhs, rhs, _ in products]
+
+    layer_ops = [operands(layer) for _ in range(min(LAYER_GROUP, layers))]
+    head_ops = operands(head)
+
+    def program(products):
+        specs = [spec for _, _, spec in products]
+        return jax.jit(lambda ops: [jnp.einsum(spec, a, b) for spec, (a, b) in zip(specs, ops, strict=True)])
+
+    ours_layer, ours_head = program(layer), program(head)
+    ours_layer_ops, ours_head_ops = jax.device_put(layer_ops), jax.device_put(head_ops)
+    to_torch = lambda ops: [(torch.from_numpy(a), torch.from_numpy(b)) for a, b in ops]  # noqa: E731
+    theirs_layer_ops, theirs_head_ops = [to_torch(ops) for ops in layer_ops], to_torch(head_ops)
+    del layer_ops, head_ops
+
+    def ours_update():
+        for _ in range(UPDATE_MICRO_BATCHES):
+            for i in range(layers):
+                jax.block_until_ready(ours_layer(ours_layer_ops[i % LAYER_GROUP]))
+            jax.block_until_ready(ours_head(ours_head_ops))
+
+    def run_torch(products, ops):
+        return [torch.einsum(spec, a, b) for (_, _, spec), (a, b) in zip(products, ops, strict=True)]
+
+    @torch.no_grad()
+    def theirs_update():
+        for _ in range(UPDATE_MICRO_BATCHES):
+            for i in range(layers):
+                run_torch(layer, theirs_layer_ops[i % LAYER_GROUP])
+            run_torch(head, theirs_head_ops)
+
+    flops = UPDATE_MICRO_BATCHES * (layers * sum(_flops(*p) for p in layer) + sum(_flops(*p) for p in head))
+    return {_harness.OURS: ours_update, "torch": theirs_update}, flops
+
+
 def stream_sides(megabytes: int):
     values = np.random.default_rng(0).standard_normal(megabytes * 2**20 // 4, np.float32)
     ours = jax.jit(jnp.sum)
@@ -114,19 +210,20 @@ def stream_sides(megabytes: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", default="matmul,decode,stream", help="any of matmul, decode, stream")
+    parser.add_argument("--cases", default="matmul,decode,stream", help="any of matmul, decode, update, stream")
     parser.add_argument("--matmul", default=MATMULS, help="comma-separated MxKxN shapes")
     parser.add_argument("--decode-layers", type=int, default=30, help="SmolLM2-135M has 30")
     parser.add_argument("--decode-batch", type=int, default=8)
+    parser.add_argument("--update-layers", type=int, default=30, help="layers of the update's products (SmolLM2: 30)")
     parser.add_argument("--stream-mb", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1)
     _harness.add_arguments(parser)
     args = parser.parse_args()
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = sorted(set(cases) - {"matmul", "decode", "stream"})
+    unknown = sorted(set(cases) - {"matmul", "decode", "update", "stream"})
     if unknown:
-        parser.error(f"--cases: unknown {unknown}; expected any of matmul, decode, stream")
+        parser.error(f"--cases: unknown {unknown}; expected any of matmul, decode, update, stream")
     shapes = []
     for shape in args.matmul.split(","):
         try:
@@ -134,6 +231,8 @@ def main() -> None:
         except ValueError:
             parser.error(f"--matmul: {shape!r} is not MxKxN")
         shapes.append((m, k, n))
+    if args.update_layers < 1:
+        parser.error(f"--update-layers={args.update_layers}: must be >= 1")
     session = _harness.start("bench_kernels", args)
     torch.set_num_threads(args.torch_threads)
 
@@ -154,6 +253,18 @@ def main() -> None:
         session.results["decode_tokens_per_s_ceiling"] = {side: args.decode_batch / t for side, t in step_s.items()}
         session.log("decode ceiling (batch / GEMM time of one step): " + ", ".join(
             f"{side} {args.decode_batch / t:.0f} tok/s" for side, t in step_s.items()))
+    if "update" in cases:
+        session.log(f"update products: {UPDATE_MICRO_BATCHES} micro-batches x ({args.update_layers} layers x "
+                    "(21 GEMMs + 21 attention block products) + the head) ...")
+        sides, flops = update_sides(args.update_layers)
+        times = _harness.alternate(sides, args.repeats)
+        row = session.add_case(f"every matrix product of one SmolLM2-135M GRPO+LLDS update 16x256 (bench_train_step), "
+                               f"{args.update_layers} layers",
+                               times, tokens=flops / 1e9, unit="GFLOP")
+        floor = {side: s["median_s"] for side, s in row["sides"].items()}
+        session.results["update_products_floor_s"] = floor
+        session.log("update floor (its products alone): " + ", ".join(f"{side} {t:.2f} s" for side, t in floor.items())
+                    + f"; a PyTorch step must take >= {1.5 * floor[_harness.OURS]:.1f} s for ours to reach 1.5x")
     if "stream" in cases:
         session.log(f"stream: sum over {args.stream_mb} MiB ...")
         sides, nbytes = stream_sides(args.stream_mb)

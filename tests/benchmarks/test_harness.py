@@ -159,7 +159,26 @@ def test_bench_kernels_json_record_has_each_case_with_rates_and_the_decode_ceili
         assert step_ms[side] == pytest.approx(1000 * decode["sides"][side]["median_s"] / 5)
 
 
+def test_bench_kernels_update_case_counts_every_product_of_the_update_and_reports_its_floor():
+    done = run_script("bench_kernels.py", "--cases=update", "--update-layers=1", "--repeats=1", "--allow-noisy", "--json",
+                      "--max-load=-1", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(done.stdout)
+    (case,) = record["cases"]
+    tokens, scored = 4 * 256, 4 * 80  # a micro-batch of bench_train_step: 4 rows of 256, 80 scored targets a row
+    projections = 576 * (576 + 192 + 192 + 576) + 3 * 576 * 1536  # q, k, v, o, gate, up, down of one layer
+    attention_block = 2 * 4 * 9 * 128 * 128 * 64  # one product of a 128-query x 128-key block, 9 heads
+    per_micro_batch = (6 * tokens * projections  # forward, input and weight gradients
+                       + 3 * 7 * attention_block  # 3 causal block pairs x (2 forward + 5 backward products)
+                       + 6 * scored * 576 * 49152)  # the tied head on the scored positions
+    assert case["work"] == {"GFLOP": pytest.approx(4 * per_micro_batch / 1e9)}
+    assert set(case["sides"]) == {"llds_jax", "torch"}
+    floor = record["results"]["update_products_floor_s"]
+    assert floor == {side: case["sides"][side]["median_s"] for side in ("llds_jax", "torch")}
+
+
 @pytest.mark.parametrize(("argument", "message"), [("--cases=matmul,gemv", "--cases: unknown ['gemv']"),
+                                                    ("--update-layers=0", "--update-layers=0: must be >= 1"),
                                                     ("--matmul=64x64x64,12x3", "--matmul: '12x3' is not MxKxN")])
 def test_bench_kernels_rejects_bad_arguments_by_name_before_measuring(argument, message):
     done = run_script("bench_kernels.py", argument, "--allow-noisy", timeout=300)
