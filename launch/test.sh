@@ -20,14 +20,17 @@ step() {  # step NAME CMD...: run it, remember a failure (pytest's 5 = "nothing 
 }
 
 step lint .venv/bin/ruff check llds_jax tests benchmarks configs
-step "tests (default)" .venv/bin/python -m pytest -n 2 -m "not slow" "$@"
-step "tests (slow)" .venv/bin/python -m pytest -n 2 -m slow "$@"
+# --dist loadscope: a module's tests go to one worker, so a module-scoped fixture (a tiny training run,
+# a rollout in three wave sizes, a real-weights load) is built once, not once per worker that gets one
+# of its tests (the default step: 18:26 -> 14:32 in the same hour).
+step "tests (default)" .venv/bin/python -m pytest -n 2 --dist loadscope -m "not slow" "$@"
+step "tests (slow)" .venv/bin/python -m pytest -n 2 --dist loadscope -m slow "$@"
 # The numeric tests again under a second XLA:CPU code generator: another ISA and vector width
 # (reduction order differs between hosts), single-threaded Eigen. Tolerances must come from the
 # quantities, not from one CPU's rounding.
 step "numeric tests (AVX2, 128-bit vectors, 1 Eigen thread)" env \
   XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX2 --xla_cpu_prefer_vector_width=128 --xla_cpu_multi_thread_eigen=false" \
-  .venv/bin/python -m pytest -n 2 -m "not slow" tests/rl tests/models tests/parallel tests/train/test_update_step.py \
+  .venv/bin/python -m pytest -n 2 --dist loadscope -m "not slow" tests/rl tests/models tests/parallel tests/train/test_update_step.py \
   tests/train/test_scored_positions.py tests/train/test_apply_update.py \
   tests/sampling "$@"
 
