@@ -46,9 +46,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from llds_jax.models.attention.blockwise import QUERY_BLOCK  # noqa: E402
+
 MATMULS = "1024x1024x1024,1024x576x1536,1024x1536x576,1024x576x576,1024x576x49152"
 # SmolLM2-135M: hidden 576, MLP 1536, 9 query heads and 3 KV heads of 64, tied 49 152 x 576 head.
-HIDDEN, MLP, KV_WIDTH, VOCAB = 576, 1536, 192, 49152
+HIDDEN, MLP, VOCAB = 576, 1536, 49152
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+KV_WIDTH = KV_HEADS * HEAD_DIM
 LAYER_SHAPES = ((HIDDEN, HIDDEN), (HIDDEN, KV_WIDTH), (HIDDEN, KV_WIDTH), (HIDDEN, HIDDEN),
                 (HIDDEN, MLP), (HIDDEN, MLP), (MLP, HIDDEN))  # (in, out): q, k, v, o, gate, up, down
 INNER = 5  # calls per timed sample, so a sample is well above the timer's and dispatch's resolution
@@ -117,7 +121,7 @@ def decode_sides(layers: int, batch: int):
 
 # One update of bench_train_step.py: 4 micro-batches of 4 x 256 tokens through 30 layers, 80 scored targets a row.
 UPDATE_MICRO_BATCHES, UPDATE_ROWS, UPDATE_LENGTH, UPDATE_SCORED = 4, 4, 256, 80
-HEADS, KV_HEADS, HEAD_DIM, KEY_BLOCK = 9, 3, 64, 128
+KEY_BLOCK = QUERY_BLOCK  # a full-sequence forward's query pieces, each walking keys this many at a time
 # (lhs shape, rhs shape, einsum) of one attention block pair: q [B, KVH, G, 128, Dh] against a 128-key block
 # [B, KVH, 128, Dh]. Forward: scores, probabilities x values. Backward (the scores recomputed): d_v, d_probs,
 # d_q, d_k, with the operand layouts of ``blockwise._flash_bwd``.
@@ -128,7 +132,8 @@ ATTENTION_PRODUCTS = ((_Q, _K, "bkgtd,bksd->bkgts"), (_P, _K, "bkgts,bksd->bkgtd
                       (_Q, _K, "bkgtd,bksd->bkgts"), (_P, _Q, "bkgts,bkgtd->bksd"),  # scores again, d_v
                       (_Q, _K, "bkgtd,bksd->bkgts"), (_P, _K, "bkgts,bksd->bkgtd"),  # d_probs, d_q
                       (_P, _Q, "bkgts,bkgtd->bksd"))  # d_k
-CAUSAL_BLOCK_PAIRS = 3  # 256 queries in pieces of 128: the first sees key block 0, the second blocks 0 and 1
+_PIECES = UPDATE_LENGTH // KEY_BLOCK
+CAUSAL_BLOCK_PAIRS = _PIECES * (_PIECES + 1) // 2  # query piece i reads key blocks 0 .. i
 
 
 def layer_products(tokens: int) -> list[tuple[tuple[int, ...], tuple[int, ...], str]]:
@@ -179,7 +184,6 @@ def update_sides(layers: int = 30):
     ours_layer_ops, ours_head_ops = jax.device_put(layer_ops), jax.device_put(head_ops)
     to_torch = lambda ops: [(torch.from_numpy(a), torch.from_numpy(b)) for a, b in ops]  # noqa: E731
     theirs_layer_ops, theirs_head_ops = [to_torch(ops) for ops in layer_ops], to_torch(head_ops)
-    del layer_ops, head_ops
 
     def ours_update():
         for _ in range(UPDATE_MICRO_BATCHES):
