@@ -27,12 +27,14 @@ step "tests (default)" .venv/bin/python -m pytest -n 2 --dist loadscope -m "not 
 step "tests (slow)" .venv/bin/python -m pytest -n 2 --dist loadscope -m slow "$@"
 # The numeric tests again under a second XLA:CPU code generator: another ISA and vector width
 # (reduction order differs between hosts), single-threaded Eigen. Tolerances must come from the
-# quantities, not from one CPU's rounding.
+# quantities, not from one CPU's rounding. The ignored modules compute nothing on XLA (a tokenizer,
+# error messages, config validation).
 step "numeric tests (AVX2, 128-bit vectors, 1 Eigen thread)" env \
   XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX2 --xla_cpu_prefer_vector_width=128 --xla_cpu_multi_thread_eigen=false" \
   .venv/bin/python -m pytest -n 2 --dist loadscope -m "not slow" tests/rl tests/models tests/parallel tests/train/test_update_step.py \
-  tests/train/test_scored_positions.py tests/train/test_apply_update.py \
-  tests/sampling "$@"
+  tests/train/test_scored_positions.py tests/train/test_apply_update.py tests/sampling \
+  --ignore=tests/models/test_gguf_tokenizer.py --ignore=tests/models/test_checkpoint_errors.py \
+  --ignore=tests/rl/test_rl_config.py "$@"
 
 if [ "${#failed[@]}" -ne 0 ]; then
   printf 'FAILED step: %s\n' "${failed[@]}"

@@ -5,7 +5,7 @@ the objective and the update step (``rl/objective.py``, ``rl/metrics.py``, ``tra
 emit their per-mini-batch values under the names logged here, the rollout batch its
 ``RolloutBatch.stats()`` names, ``diagnostics.step_metrics`` its ``diag/*`` names. The
 learner, the loop, the console line, the monitor and the report look keys up here; a test
-(``tests/train/test_metric_keys.py``) runs a real tiny training job and checks that every
+(``tests/train/test_train_loop.py``) runs a real tiny training job and checks that every
 logged key is in :data:`TABLE` and every entry of :data:`TABLE` is logged.
 
 Columns of a :class:`Metric`:

@@ -1,7 +1,13 @@
 """The whole ``--mode=train`` path on a tiny random model with the real tokenizer and the bundled BM25 corpus.
 
-Warm-up → RL (rollouts, EM, π_old/π_ref, sequential updates, diagnostics) → checkpoint → HF export →
-eval, then a second invocation that resumes from the checkpoint instead of warming up again.
+Warm-up → RL (rollouts, EM, π_old/π_ref, sequential updates, Δ diagnostics, an entropy term, the
+monitor) → checkpoint → HF export → eval, then a second invocation that resumes from the checkpoint
+instead of warming up again.
+
+The same job checks the metrics vocabulary (``llds_jax.diagnostics.keys.TABLE``): every key it writes
+to ``metrics.jsonl`` must be a table entry of that phase, every table entry must be written, and every
+per-mini-batch array the update returns must be either reduced into a logged key or declared
+update-only. One module, one job: a second tiny job costs a minute of CI.
 """
 
 from __future__ import annotations
@@ -12,7 +18,11 @@ import pytest
 from train_helpers import tiny_loop_config
 
 from llds_jax.app.run import train
+from llds_jax.diagnostics import keys
+from llds_jax.train.learner import Learner
 from llds_jax.train.metrics import read_metrics
+
+ROW_FIELDS = {"step", "phase", "wall_time"}
 
 
 @pytest.fixture(scope="module")
@@ -22,11 +32,24 @@ def loop_config(tmp_path_factory, shared_dir):
 
 @pytest.fixture(scope="module")
 def first_run(loop_config):
-    return train(loop_config)
+    """The first job's summary, its metrics.jsonl rows, and the per-mini-batch array names its updates returned."""
+    assert loop_config.rl.entropy_coef > 0 and loop_config.train.delta_diagnostics and loop_config.monitor.enabled
+    update_names = set()
+    real_update = Learner.update
+
+    def recording_update(self, *args, **kwargs):
+        metrics, extra = real_update(self, *args, **kwargs)
+        update_names.update(extra["per_mini_batch"])
+        return metrics, extra
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Learner, "update", recording_update)
+        summary = train(loop_config)
+    return dict(summary=summary, rows=read_metrics(loop_config.workdir), update_names=update_names)
 
 
 def test_metrics_jsonl_has_warmup_rl_and_eval_rows_with_contract_keys(first_run, loop_config):
-    rows = read_metrics(loop_config.workdir)
+    rows = first_run["rows"]
     phases = [r["phase"] for r in rows]
     assert phases == ["sft", "sft", "rl", "rl", "eval"], phases
     rl = [r for r in rows if r["phase"] == "rl"]
@@ -35,12 +58,12 @@ def test_metrics_jsonl_has_warmup_rl_and_eval_rows_with_contract_keys(first_run,
                 "throughput/update_tokens_per_s", "grad/norm_preclip", "kl/mean", "ratio/max",
                 "logprob_gap/abs_mean", "diag/ll_correct/all", "policy/entropy", "monitor/phase"):
         assert key in rl[0], f"metrics.jsonl row lacks {key!r}; has {sorted(rl[0])}"
-    assert (loop_config.workdir and (first_run["compile_counts"] == {
-        "policy_logprobs": 1, "update": 1, "reference_logprobs": 1})), first_run["compile_counts"]
+    assert first_run["summary"]["compile_counts"] == {
+        "policy_logprobs": 1, "update": 1, "reference_logprobs": 1}, first_run["summary"]["compile_counts"]
 
 
-def test_sampler_and_trainer_agree_on_old_logprobs(first_run, loop_config):
-    rl = [r for r in read_metrics(loop_config.workdir) if r["phase"] == "rl"]
+def test_sampler_and_trainer_agree_on_old_logprobs(first_run):
+    rl = [r for r in first_run["rows"] if r["phase"] == "rl"]
     # Same params, fp32, no top-p truncation (the sampler reports log-probs of the truncated,
     # renormalised distribution: with top_p=0.95 a near-uniform tiny model is off by log(1/0.95)).
     assert rl[0]["logprob_gap/abs_mean"] < 1e-3, rl[0]["logprob_gap/abs_mean"]
@@ -56,6 +79,34 @@ def test_run_leaves_checkpoint_export_eval_and_tensorboard(first_run, loop_confi
     assert list((workdir / "tensorboard").glob("events.*"))
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["rl_steps"] == 2 and len(summary["reward_per_step"]) == 2
+
+
+def test_every_logged_key_is_a_table_entry_of_its_phase(first_run):
+    rows = first_run["rows"]
+    assert {row["phase"] for row in rows} == {"sft", "rl", "eval"}
+    unknown = sorted({(row["phase"], key) for row in rows for key in set(row) - ROW_FIELDS
+                      if (entry := keys.lookup(key)) is None or row["phase"] not in entry.phases})
+    assert not unknown, f"(phase, key) logged but not in keys.TABLE for that phase: {unknown}"
+
+
+def test_every_table_entry_is_logged(first_run):
+    logged_pairs = {(row["phase"], key) for row in first_run["rows"] for key in row}
+    orphans = sorted((phase, metric.name) for metric in keys.TABLE for phase in metric.phases
+                     if not any(p == phase and metric.matches(k) for p, k in logged_pairs))
+    assert not orphans, f"keys.TABLE entries no row of their phase carries: {orphans}"
+
+
+def test_every_update_array_is_logged_or_declared_update_only(first_run):
+    update_names = first_run["update_names"]
+    reduced = {metric.from_update or metric.name for metric in keys.UPDATE_METRICS}
+    assert not update_names - reduced - keys.UPDATE_ONLY, "per-mini-batch arrays neither logged nor in UPDATE_ONLY"
+    assert not (reduced | keys.UPDATE_ONLY) - update_names, "table names arrays the update does not return"
+
+
+def test_old_names_are_not_current_names():
+    current = {metric.name for metric in keys.TABLE}
+    assert not (set(keys.RENAMED) | keys.REMOVED) & current
+    assert set(keys.RENAMED.values()) <= current
 
 
 def test_second_invocation_resumes_without_warmup(first_run, loop_config):
