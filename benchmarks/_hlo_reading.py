@@ -81,3 +81,54 @@ def attention_loop_trips(program: str, length: int) -> set[int]:
     else:
         blocks = [-(-length // min(DEFAULT_BLOCK, length))]
     return {b - 1 for b in blocks} | ({*blocks} if program == "update" else set())
+
+
+_CALLEE = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def computation_blocks(hlo: str) -> dict[str, str]:
+    """Name → text of every computation of an HLO module printed without metadata (``ENTRY``
+    dropped from the entry's header)."""
+    blocks, name, lines = {}, None, []
+    for line in hlo.splitlines():
+        if name is None:
+            if header := _COMPUTATION.match(line):
+                name, lines = header[1], [line.removeprefix("ENTRY ")]
+        else:
+            lines.append(line)
+            if line.strip() == "}":
+                blocks[name], name = "\n".join(lines), None
+    return blocks
+
+
+def callees(block: str) -> set[str]:
+    """Computations one computation's instructions call (fusions, reductions, loops, branches)."""
+    names = set(_CALLEE.findall(block))
+    for branches in _BRANCHES.findall(block):
+        names.update(re.findall(r"%([\w.\-]+)", branches))
+    return names
+
+
+def as_entry(blocks: dict[str, str], entry: str) -> str:
+    """A module whose entry is ``entry`` with every computation it reaches: a loop body as a
+    program of its own, for HloCostAnalysis to cost one trip."""
+    reached, todo = set(), [entry]
+    while todo:
+        if (name := todo.pop()) not in reached:
+            reached.add(name)
+            todo.extend(callees(blocks[name]))
+    # in the module's own order, where every computation comes after the ones it calls
+    others = [block for name, block in blocks.items() if name in reached and name != entry]
+    return "\n\n".join([f"HloModule {entry}_as_entry", *others, "ENTRY " + blocks[entry]]) + "\n"
+
+
+def known_trip_loops(hlo: str) -> list[tuple[str, str, int]]:
+    """(computation holding it, body, trips) of every while loop whose trip count XLA knows."""
+    loops = []
+    for name, block in computation_blocks(hlo).items():
+        for line in block.splitlines():
+            if (body := re.search(r" while\(.*?body=%([\w.\-]+)", line)) and (
+                    trips := re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)):
+                loops.append((name, body[1], int(trips[1])))
+    return loops

@@ -56,11 +56,15 @@ def format_report(report: dict) -> str:
                   f"{_si(r['charged_not_run'], 'B')} + {_si(r['uncosted_gemms'], 'B')} ({r['charged_detail']}) = "
                   f"{_si(r['xla_bytes'] - r['charged_not_run'] + r['uncosted_gemms'], 'B')} = "
                   f"{r['bytes_ratio_run']:.2f}x ideal" for r in charged]
+    if added := [r for r in report["rows"] if r.get("loop_trips_added")]:
+        lines += ["", "loops whose other trips are added to XLA's figures (its analysis costs a body once; decode: per token):"]
+        lines += [f"  {r['model']} {r['target']} {r['program']} {r['shape']}: " + "; ".join(r["loop_trips_added"])
+                  for r in added]
     lines += hbm_lines(report["rows"])
     sources = sorted({r["cost_source"] for r in report["rows"]})
     lines += ["", "x = XLA / ideal. ms@peak = max(flops/peak, bytes/bandwidth) of XLA's numbers; ideal ms the same of "
-              "the ideal.", "loops = while loops left in the optimised HLO (each counted once by XLA; see --json).",
-              "NOT EXACT = a loop body runs other than once (XLA counts it once) or custom-call kernels are not costed: see the note.",
+              "the ideal.", "loops = while loops left in the optimised HLO (see --json); CPU/GPU: known trip counts are added, above.",
+              "NOT EXACT = a loop body XLA counts once runs other than once, or custom-call kernels are not costed: see the note.",
               *(f"costs: {s}" for s in sources)]
     if report.get("show_ops"):
         for r in report["rows"]:

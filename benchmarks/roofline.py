@@ -15,12 +15,16 @@ target, and each program is the project's own jitted function, lowered and compi
   layout copies of the weights) cancels. The weights are in the compute dtype, as the learner
   hands them to the sampler (``models.params_in_compute_dtype``, once per policy). The sampler
   is fixed at compile time (``--sampling``, ``_decode_program.py``): greedy by default, or the
-  rollout's top-p draw, whose cut-off search is a loop (32 trips on CPU, 8 on TPU/GPU: NOT EXACT);
+  rollout's top-p draw, whose cut-off search is a loop (32 trips on CPU, 8 on TPU/GPU);
 * logprobs — ``train.step.build_update_fns(...).policy_logprobs`` (π_old / π_ref pass);
 * update   — ``train.step.build_update_fns(...).update``: GRPO + LLDS loss, gradient, AdamW.
 
 Loops, honestly: XLA's ``HloCostAnalysis`` counts a while-loop body ONCE, whatever its trip
-count (checked on CPU and TPU: a ``fori_loop`` of 10 matmuls reports one matmul). So the
+count (checked on CPU and TPU: a ``fori_loop`` of 10 matmuls reports one matmul). On CPU and GPU a
+loop whose trip count XLA knows (the top-p search, the Gumbel draw's threefry rounds) gets its other
+trips added: its body, with everything it calls, is costed as a module of its own by the same
+analysis (``_xla_charges.uncounted_loop_trips``), times the loops around it. XLA:TPU's cost analysis
+is its own, so TPU rows keep such loops counted once (and say so). For the rest the
 programs are compiled with every loop at one trip: layers unrolled (``scan_layers=False``), one
 mini-batch, one micro-batch, one log-prob chunk covering the sequence, one log-prob batch, and
 for decode a live length whose key-block loop runs once after the peeled first block
@@ -92,7 +96,7 @@ from _hlo_reading import (  # noqa: E402, F401
 )
 from _roofline_report import _si, format_report  # noqa: E402, F401  (format_report: roofline.format_report)
 from _tpu_hbm import hbm_of_program, measure_hbm  # noqa: E402
-from _xla_charges import decode_charges, xla_cost  # noqa: E402
+from _xla_charges import decode_charges, optimised_hlo, uncounted_loop_trips, xla_cost  # noqa: E402
 
 from llds_jax.models.config import REMAT_POLICIES, DecoderConfig  # noqa: E402
 from llds_jax.models.loading import KNOWN_MODELS  # noqa: E402
@@ -354,6 +358,8 @@ class Row:
     charged_detail: str = ""
     # TPU: HBM bytes as run (_tpu_hbm.py): decode per token; log-prob pass and update per run, with the time they predict
     hbm: dict = dataclasses.field(default_factory=dict)
+    # CPU/GPU: the known-trip loops whose other trips were added to xla_flops / xla_bytes (body, trips, bytes a trip)
+    loop_trips_added: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def bytes_ratio(self) -> float:
@@ -397,8 +403,18 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
         charges = decode_charges(hlo, twice.as_text(), device, decoder_cfg, batch, buffers)
         hbm = measure_hbm(compile_for, args, mesh, device.platform, sampling_mode, live,
                           ideal_decode(shapes, batch, live)[1], real_loop[2]) if device.platform == "tpu" else {}
-    seconds = time.perf_counter() - start
     loops = while_loops(hlo)
+    # Loops XLA knows the trips of (the top-p search, the Gumbel draw's threefry rounds) get their other
+    # trips added, each body costed by the same analysis (per token for decode: two steps minus one).
+    # XLA:TPU's own cost analysis is not HloCostAnalysis, so TPU rows keep such loops counted once.
+    loop_extra = (0.0, 0.0, [])
+    if device.platform != "tpu":
+        loop_extra = uncounted_loop_trips(optimised_hlo(compiled))
+        if program == "decode":
+            two = uncounted_loop_trips(optimised_hlo(twice))
+            loop_extra = (two[0] - loop_extra[0], two[1] - loop_extra[1], loop_extra[2])  # lines: one step's loops
+        flops, bytes_ = flops + loop_extra[0], bytes_ + loop_extra[1]
+    seconds = time.perf_counter() - start
     if program == "decode":
         ideal = ideal_decode(shapes, batch, live)
         shape = f"B={batch} slots={slots} live={live} {sampling_mode}"
@@ -408,7 +424,8 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
     shape += f" {layers} layers" if layers else ""
     # Loops whose trip count XLA knows to be > 1 are undercounted; unknown ones are the attention
     # key-block loops, whose trips at this length attention_loop_trips gives.
-    known_many = [loop for loop in loops if "(trips=?)" not in loop and "(trips=1)" not in loop]
+    known_many = [loop for loop in loops if "(trips=?)" not in loop and "(trips=1)" not in loop
+                  and device.platform == "tpu"]
     trips = attention_loop_trips(program, live if program == "decode" else length) if any(
         "(trips=?)" in loop for loop in loops) else set()
     exact = not known_many and trips <= {1}
@@ -429,7 +446,7 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
                                        ", ".join(f"{k} x{n}" for k, n in kernels.items())]))
     return Row(model, target, precision, program, shape, flops, bytes_, *ideal,
                predicted_seconds(flops, bytes_, chip), predicted_seconds(*ideal, chip), loops, exact, how, seconds,
-               note, largest_ops(hlo), *real_loop[:2], *charges, hbm=hbm)
+               note, largest_ops(hlo), *real_loop[:2], *charges, hbm=hbm, loop_trips_added=loop_extra[2])
 
 
 def cache_buffer_dims(cache) -> tuple[tuple[int, ...], ...]:

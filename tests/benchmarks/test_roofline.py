@@ -121,6 +121,28 @@ def test_hlo_readers_find_loops_their_trip_counts_and_the_largest_buffers():
     assert biggest["shape"] in ("f32[64,128]", "f32[128,128]"), biggest
 
 
+@pytest.mark.parametrize("inner", [1, 3])
+def test_known_trip_loops_get_their_other_trips_added_times_the_loops_around_them(inner):
+    """XLA costs a 10-trip loop's body once; ``uncounted_loop_trips`` adds the other 9 (and, for a
+    3-trip loop inside it, 29 more bodies), so a program of 10 or 30 matmuls is charged 10 or 30."""
+    def matmuls(x, w):
+        body = (lambda i, y: jnp.tanh(y @ w)) if inner == 1 else (
+            lambda i, y: jax.lax.fori_loop(0, inner, lambda j, z: jnp.tanh(z @ w), y))
+        return jax.lax.fori_loop(0, 10, body, x)
+
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    w = jax.ShapeDtypeStruct((128, 128), jnp.float32)
+    compiled = jax.jit(matmuls).lower(x, w).compile()
+    one_matmul = 2 * 64 * 128 * 128
+    flops, bytes_, _ = roofline.xla_cost(compiled)
+    extra_flops, extra_bytes, lines = roofline.uncounted_loop_trips(roofline.optimised_hlo(compiled))
+    assert len(lines) == (1 if inner == 1 else 2), lines
+    # besides the matmuls only the loop counters' adds are flops (tanh is a transcendental)
+    assert (flops + extra_flops) / one_matmul == pytest.approx(10 * inner, rel=1e-4)
+    # every trip reads at least the carried activations and the weight
+    assert extra_bytes >= (10 * inner - 1) * 4 * (64 * 128 + 128 * 128), (bytes_, extra_bytes)
+
+
 def test_xla_charges_a_lookup_the_whole_table_and_an_in_place_cache_write_the_whole_cache():
     """The two cost-model rules ``_xla_charges`` subtracts, measured on XLA:CPU. If XLA stops
     charging either, the roofline's "without what XLA charges" line changes: this fails first."""
