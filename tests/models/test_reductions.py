@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llds_jax.models.reductions import log_softmax, log_softmax_at, row_max, row_sum
+from llds_jax.models.reductions import log_softmax, log_softmax_at, row_max, row_sum, row_sum_of
 
 F32_EPS = float(np.finfo(np.float32).eps)
 
@@ -31,6 +31,26 @@ def test_a_rows_sum_does_not_depend_on_how_many_rows_there_are(width):
     for count in (4, 16, 64):
         together = np.asarray(jax.jit(row_sum)(jnp.asarray(rows[:count])))
         np.testing.assert_array_equal(together[:4], alone)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 7, 1187, 49152, 151936])
+def test_row_sum_of_an_elementwise_function_is_row_sum_of_its_output_bit_for_bit(width):
+    """The top-p search's masked sums, with a broadcast operand (the candidates) and a mask that
+    keeps about half of each row, through the fused first level and through ``row_sum``."""
+    rng = np.random.default_rng(width)
+    keys = jnp.asarray(rng.integers(0, 2 ** 32, size=(4, 1, width), dtype=np.uint32))
+    weights = jnp.asarray(rng.random(size=(4, 1, width)).astype(np.float32))
+    cuts = jnp.asarray(rng.integers(2 ** 30, 3 * 2 ** 30, size=(4, 3, 1), dtype=np.uint32))
+
+    def masked(k, c, w):
+        return jnp.where(k > c, w, 0.0)
+
+    fused = jax.jit(lambda *xs: row_sum_of(masked, *xs, keepdims=True))(keys, cuts, weights)
+    plain = jax.jit(lambda *xs: row_sum(masked(*xs), keepdims=True))(keys, cuts, weights)
+    assert fused.shape == plain.shape == (4, 3, 1)
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(plain))
+    if width > 7:  # the masks differ per candidate: a sum that ignored the cut would not
+        assert len(np.unique(np.asarray(plain))) > 4
 
 
 def test_log_softmax_at_is_log_softmax_then_take_bit_for_bit():
