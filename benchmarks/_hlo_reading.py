@@ -11,6 +11,8 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8}
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* ([\w\-]+)\(")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$")
+_WHILE_BODY = re.compile(r" while\(.*?body=%([\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _SKIPPED_OPS = {"parameter", "get-tuple-element", "bitcast", "constant", "tuple", "while", "call", "conditional"}
 
 
@@ -19,7 +21,7 @@ def while_loops(hlo: str) -> list[str]:
     loops = []
     for line in hlo.splitlines():
         if match := re.search(r"%([\w.\-]+) = .* while\(", line):
-            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+            trips = _TRIPS.search(line)
             op_name = re.search(r'op_name="([^"]*)"', line)
             loops.append(f"{match[1]}(trips={trips[1] if trips else '?'}) {op_name[1][-60:] if op_name else ''}".strip())
     return loops
@@ -27,7 +29,7 @@ def while_loops(hlo: str) -> list[str]:
 
 def while_bodies(hlo: str) -> set[str]:
     """Names of the computations that are while-loop bodies (``largest_ops``' ``computation`` field)."""
-    return set(re.findall(r" while\(.*?body=%([\w.\-]+)", hlo))
+    return set(_WHILE_BODY.findall(hlo))
 
 
 # XLA:TPU's own bookkeeping custom calls (index packing, bitcasts): no kernel behind them.
@@ -123,12 +125,12 @@ def as_entry(blocks: dict[str, str], entry: str) -> str:
     return "\n\n".join([f"HloModule {entry}_as_entry", *others, "ENTRY " + blocks[entry]]) + "\n"
 
 
-def known_trip_loops(hlo: str) -> list[tuple[str, str, int]]:
-    """(computation holding it, body, trips) of every while loop whose trip count XLA knows."""
+def known_trip_loops(blocks: dict[str, str]) -> list[tuple[str, str, int]]:
+    """(computation holding it, body, trips) of every while loop whose trip count XLA knows;
+    ``blocks`` from :func:`computation_blocks`."""
     loops = []
-    for name, block in computation_blocks(hlo).items():
+    for name, block in blocks.items():
         for line in block.splitlines():
-            if (body := re.search(r" while\(.*?body=%([\w.\-]+)", line)) and (
-                    trips := re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)):
+            if (body := _WHILE_BODY.search(line)) and (trips := _TRIPS.search(line)):
                 loops.append((name, body[1], int(trips[1])))
     return loops

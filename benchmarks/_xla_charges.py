@@ -68,7 +68,7 @@ def uncounted_loop_trips(hlo: str) -> tuple[float, float, list[str]]:
 
     blocks = computation_blocks(hlo)
     enclosing: dict[str, tuple[str, int]] = {}  # computation -> (its caller, trips of the loop it is the body of)
-    loop_trips = {(holder, body): trips for holder, body, trips in known_trip_loops(hlo)}
+    loop_trips = {(holder, body): trips for holder, body, trips in known_trip_loops(blocks)}
     for name, block in blocks.items():
         for callee in callees(block):
             enclosing.setdefault(callee, (name, loop_trips.get((name, callee), 1)))

@@ -71,8 +71,7 @@ def row_sum_of(fn, *operands: jax.Array, keepdims: bool = False) -> jax.Array:
         return fn(*(x[..., start:stop] if x.shape[-1] == width else x for x in operands))
 
     if width < 2:
-        x = columns(0, width)
-        return x if keepdims else x[..., 0]
+        return row_sum(fn(*operands), keepdims=keepdims)
     half = width // 2
     set_aside = columns(width - 1, width) if width % 2 else None
     x = _pairwise(columns(0, half) + columns(half, 2 * half), jnp.add, set_aside)

@@ -47,7 +47,8 @@ def search_ways() -> int:
     XLA:CPU writes the ``[B, 15, V]`` levels of the batch-invariant ``row_sum`` tree out (a pass at
     8 × 49k: 9.4 MB for 16 candidates; 281 MB at a 152k vocabulary), so it bisects: one candidate,
     its masked sum fused into the tree (``row_sum_of``), reads the 3.1 MB of keys and weights
-    in 3.4 MB. Four ways draw no faster at 49 152 (9.6 ms for 8 rows, both) and slower at 151 936.
+    in 3.4 MB. Four ways draw no faster at 49 152 (8.3 ms for 8 rows, both) and slower at 151 936
+    (44 against 41 ms).
     """
     return 2 if target_platform() == "cpu" else 16
 
