@@ -78,6 +78,9 @@ class DecoderConfig:
             raise ConfigError(f"remat={self.remat!r}: expected one of {REMAT_POLICIES}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention={self.attention!r}: expected one of {ATTENTION_BACKENDS}")
+        if self.attention == "cudnn" and self.dtype not in ("bfloat16", "float16"):
+            raise ConfigError(f"attention='cudnn' with dtype={self.dtype!r}: cuDNN's fused attention takes "
+                              f"bfloat16/float16 only (use 'auto', which runs float32 blockwise)")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")

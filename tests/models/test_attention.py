@@ -257,3 +257,19 @@ def test_attend_refuses_an_unresolved_backend():
     q, k, v = _qkv(1, 4, 4, 2, 2)
     with pytest.raises(ValueError, match="backend='auto' is not resolved"):
         attend(q, k, v, AttentionMask.causal(jnp.ones((1, 4), bool)), "auto")
+
+
+def test_float32_queries_under_cudnn_run_the_blockwise_kernel():
+    """cuDNN's fused kernel takes half precision only (it raised on the first H100 run of an fp32
+    job under "auto"): a float32 program resolved to "cudnn" computes with the blockwise kernel,
+    bit for bit, and never reaches cuDNN (this host has none, so reaching it would raise)."""
+    q, k, v = _qkv(2, 64, 64, 4, 2)
+    mask = AttentionMask.causal(jnp.asarray(np.arange(64)[None, :] >= np.array([[0], [5]])))
+    np.testing.assert_array_equal(np.asarray(attend(q, k, v, mask, "cudnn")),
+                                  np.asarray(attend(q, k, v, mask, "xla_blockwise")))
+
+
+def test_config_refuses_cudnn_for_a_float32_model():
+    with pytest.raises(ConfigError, match=r"attention='cudnn' with dtype='float32'"):
+        tiny_config("qwen2", attention="cudnn")
+    assert tiny_config("qwen2", attention="cudnn", dtype="bfloat16").attention == "cudnn"

@@ -41,7 +41,7 @@ from llds_jax.models.attention.blockwise import (
     blockwise_attention,
     query_piece,
 )
-from llds_jax.models.attention.cudnn import cudnn_attention, cudnn_available
+from llds_jax.models.attention.cudnn import CUDNN_DTYPES, cudnn_attention, cudnn_available
 from llds_jax.models.attention.mask import AttentionMask
 from llds_jax.models.attention.naive import MASKED_SCORE, naive_attention
 from llds_jax.models.attention.splash import splash_attention
@@ -82,6 +82,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, backen
     (``kv_heads_major``: [B, KVH, S, Dh], a KV cache's layout, which the blockwise kernel reads as is)."""
     if backend not in ("xla_blockwise", "splash", "cudnn", "naive"):
         raise ValueError(f"attend: backend={backend!r} is not resolved (see resolve_backend)")
+    if backend == "cudnn" and q.dtype not in CUDNN_DTYPES:  # cuDNN's fused kernel takes half precision only
+        backend = "xla_blockwise"
     if backend == "xla_blockwise" or (not mask.self_attention and backend != "naive"):
         return blockwise_attention(q, k, v, mask, block_size, kv_heads_major=kv_heads_major)
     if kv_heads_major:

@@ -20,6 +20,10 @@ import jax.numpy as jnp
 from llds_jax.models.attention.blockwise import DEFAULT_BLOCK, blockwise_attention
 from llds_jax.models.attention.mask import AttentionMask
 
+# What the fused kernel accepts (``jax.nn.dot_product_attention`` raises on float32 queries):
+# a float32 program under ``model.attention="auto"`` on GPU runs the blockwise kernel instead.
+CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
 
 @functools.cache
 def cudnn_available() -> bool:
