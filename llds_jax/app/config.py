@@ -94,6 +94,10 @@ def base_config() -> ml_collections.ConfigDict:
         samples_per_step=4,        # trajectories' text/answer/reward appended to <workdir>/samples.jsonl
         export_hf=True,            # write <workdir>/hf/step_<N> (transformers-loadable) at the end
         max_nonfinite_updates=5,   # stop (with a checkpoint) after this many skipped non-finite updates in a row; 0 = never
+        # Per-device peaks the throughput/*_mfu and *_mbu metrics divide by; 0 = the datasheet row of
+        # the device (llds_jax.utils.flops.PEAKS: H100, H200, v5e, v5p), measured once on a CPU.
+        peak_flops=0.0,
+        peak_bytes_per_s=0.0,
     ))
     # Every MonitorConfig field, so --config.monitor.on_phase_two=raise_lambda etc. work from the command line
     c.monitor = ml_collections.ConfigDict(dict(enabled=True, **dataclasses.asdict(MonitorConfig())))
@@ -256,6 +260,10 @@ def _check_train(config) -> None:
     for path in ("train.save_every", "train.samples_per_step", "train.max_action_tokens_per_row"):
         _non_negative(config, path)
     _positive(config, "train.delta_every")
+    for path in ("train.peak_flops", "train.peak_bytes_per_s"):
+        value = t.get(path.split(".")[1], 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise TrainConfigError(f"{path}={value!r} must be a number ≥ 0 (0 = the device's datasheet peak)")
 
 
 def _check_sft(config) -> None:

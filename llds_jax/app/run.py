@@ -45,7 +45,7 @@ def _setup(config):
     from absl import logging as absl_logging
 
     from llds_jax.parallel.mesh import make_mesh
-    from llds_jax.plan.run import check_fits_before_training
+    from llds_jax.plan.run import check_fits_before_training, plan_as_json
     from llds_jax.train.metrics import MetricsWriter
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save step at INFO
@@ -56,8 +56,11 @@ def _setup(config):
     if distributed.is_main_process():
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=1) + "\n")
     mesh = make_mesh(tuple(config.mesh.shape))
-    if check_fits_before_training(config, mesh.devices.flat) is not None:
+    plan = check_fits_before_training(config, mesh.devices.flat)
+    if plan is not None:
         print("plan: every phase fits the devices' memory", flush=True)
+        if distributed.is_main_process():  # what the run was checked against, beside its metrics
+            (workdir / "plan.json").write_text(json.dumps(plan_as_json(plan), indent=1) + "\n")
     clock = time.perf_counter()
     model, tokenizer, retriever = load_policy_and_retriever(config, mesh)
     print(f"model {config.model.source} ({model.config.num_layers} layers, vocab {model.config.vocab_size}) and "
@@ -153,7 +156,9 @@ def train(config) -> dict:
             extra = {"data": prompts.state_dict(), "config": config.to_dict()}
             if stopped:
                 extra["stopped"] = stopped[0]
+            clock = time.perf_counter()
             ckpt.save(step, learner.state, extra)
+            timings["checkpoint_s"] = timings.get("checkpoint_s", 0.0) + time.perf_counter() - clock
         return "stop" if stop else None
 
     clock = time.perf_counter()
@@ -164,7 +169,9 @@ def train(config) -> dict:
     finally:
         guard.uninstall()
     timings["rl_s"] = time.perf_counter() - clock
-    ckpt.wait()
+    clock = time.perf_counter()
+    ckpt.wait()  # the last save's asynchronous writes: checkpoint_s is what the run waited for saves
+    timings["checkpoint_s"] = timings.get("checkpoint_s", 0.0) + time.perf_counter() - clock
     compile_counts = learner.compile_counts()
     if stopped:
         ckpt.close()

@@ -11,6 +11,8 @@ its expected greedy EM is ≈6%, see STACK.md). So we ship:
   FlashRAG rows whose gold answer occurs (normalised, on word boundaries) in the **bundled**
   corpus's BM25 top-3 for the question itself — checked with the project's own
   ``BM25Retriever`` over the final bundled corpus, the exact retriever the job runs.
+* ``bundled/searchr1_3b_lengths.jsonl`` — per-trajectory token lengths of Search-R1's 3B policy
+  (``data.lengths``: the step-time plan's default length distribution).
 * ``bundled/MANIFEST.json`` — counts, sources and the command, so the cut is reproducible.
 
 Run: ``python -m llds_jax.data.make_bundle --shared=../shared`` (takes ≈1 minute).
@@ -25,6 +27,7 @@ import time
 from pathlib import Path
 
 from llds_jax.data.benchmarks import QARecord, load_qa_file
+from llds_jax.data.lengths import bundle_reference
 from llds_jax.retrieval.bm25 import BM25Retriever
 from llds_jax.retrieval.corpus import Corpus
 from llds_jax.rollout.reward import normalize_answer
@@ -112,6 +115,7 @@ def main(argv=None) -> None:
         "corpus": {"source": CORPUS, "passages": len(rows), "bytes": size,
                    "answer_passages_per_question": KEEP_PER_QUESTION, "seed": args.seed},
         "questions": counts,
+        "lengths": bundle_reference(Path(args.shared), out),
         "check": f"gold answer (normalised, word boundary) in BM25 top-{TOPK} over the bundled corpus",
     }
     (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")

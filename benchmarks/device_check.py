@@ -1,0 +1,299 @@
+"""The one-GPU check: parity, a paper-shaped training job, and the plan's prediction, in one table.
+
+    bash launch/device_check.sh --out OUT --tokenizer DIR [--plan-json FILE]   # on the GPU, ≤ 8 min
+    bash launch/device_check.sh --dry-run                                      # CPU, tiny: the test suite
+
+Three parts, each in its own process so one failing leaves the others' numbers (and so the GPU is
+held by one process at a time); this orchestrating process never starts a JAX backend:
+
+1. ``parity`` — a random Qwen2.5-0.5B-shaped transformers model (fp32, TF32 off) against our
+   decoder loaded from its safetensors, float32 and bfloat16, every attention kernel that resolves
+   on the platform (blockwise, cuDNN for bf16 on GPU): max |Δ| of the logits and of the targets'
+   log-probs on a left- and right-padded batch.
+2. ``train`` — ``python -m llds_jax.main --config=configs/device_check.py`` (Qwen2.5-0.5B shapes,
+   random weights, 64 prompts × 5, the paper's caps): per-phase seconds, MFU/MBU and the devices'
+   peak memory from its ``metrics.jsonl``.
+3. ``predict`` — ``plan.step_time.predict_step_time`` for the same job on the same chip, from the
+   lengths the run itself sampled (its ``samples.jsonl``), and the planned memory per phase (the
+   run's own ``plan.json``, or ``--plan-json``: ``--mode=plan --config.plan.gpu=h100`` compiled
+   ahead of time, which saves the GPU minutes of compiling it there).
+
+Writes ``OUT/device_check.json`` and ``OUT/device_check.md`` (the table) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PHASES = (  # (row, metrics.jsonl key, step-time key)
+    ("rollout (all)", "time/rollout_s", "rollout"),
+    ("  decode", "time/decode_s", "rollout_decode"),
+    ("  prefill + appends", "time/prefill_s", "rollout_prefill"),
+    ("  retrieval", "time/retrieval_s", "rollout_retrieval"),
+    ("logprobs (π_old, π_ref)", "time/logprobs_s", "logprobs"),
+    ("update", "time/update_s", "update"),
+    ("Δ forward", "time/delta_logprobs_s", "delta"),
+    ("whole step", "time/step_s", "total"),
+)
+
+
+# ------------------------------------------------------------------------------- 1. parity
+def _padded_batch(batch: int, length: int, vocab: int, seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (batch, length)).astype(np.int32)
+    mask = np.ones((batch, length), bool)
+    for row in range(batch):  # even rows left-padded, odd rows right-padded, by different amounts
+        pad = (row + 1) * length // (2 * batch + 2)
+        if row % 2:
+            mask[row, length - pad:] = False
+        else:
+            mask[row, :pad] = False
+    return ids, mask
+
+
+def run_parity(out: Path, dry_run: bool) -> dict:
+    """Our decoder against transformers' on one random checkpoint; returns (and writes) the diffs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    import transformers
+    from flax import nnx
+
+    from llds_jax.models import from_pretrained
+    from llds_jax.models.attention import resolve_backend
+    from llds_jax.models.loading import KNOWN_MODELS
+
+    fields = dict(KNOWN_MODELS["Qwen2.5-0.5B"])
+    if dry_run:
+        fields.update(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128)
+    batch, length = (2, 32) if dry_run else (4, 256)
+    torch.manual_seed(0)
+    hf_config = transformers.Qwen2Config(**{k: v for k, v in fields.items() if k != "model_type"},
+                                         torch_dtype="float32")
+    hf_model = transformers.Qwen2ForCausalLM(hf_config).eval()
+    checkpoint = out / "parity_checkpoint"
+    hf_model.save_pretrained(checkpoint)
+    ids, mask = _padded_batch(batch, length, fields["vocab_size"])
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf_model = hf_model.to(device)
+    with torch.no_grad():
+        logits = hf_model(input_ids=torch.as_tensor(ids, dtype=torch.long, device=device),
+                          attention_mask=torch.as_tensor(mask, dtype=torch.long, device=device),
+                          position_ids=torch.as_tensor(np.maximum(np.cumsum(mask, 1) - 1, 0), device=device)).logits
+        reference = logits.float().cpu().numpy()
+    del hf_model, logits
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    real = mask[:, :-1] & mask[:, 1:]  # next-token targets that are real tokens after real tokens
+
+    def target_logprobs(x):
+        x = x - x.max(-1, keepdims=True)
+        logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+        return np.take_along_axis(logp[:, :-1], ids[:, 1:, None], -1)[..., 0]
+
+    ref_logp = target_logprobs(reference.astype(np.float64))
+    platform = jax.default_backend()
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        kernels = ["xla_blockwise"] + (["cudnn"] if platform == "gpu" and resolve_backend("auto", platform) == "cudnn"
+                                       and dtype == "bfloat16" else [])
+        for kernel in kernels:
+            model = from_pretrained(checkpoint, dtype=dtype, attention=kernel)
+            graphdef, state = nnx.split(model)
+            forward = jax.jit(lambda s, i, m, g=graphdef: nnx.merge(g, s)(i, m).astype(jnp.float32))
+            with jax.default_matmul_precision("highest" if dtype == "float32" else "default"):
+                ours = np.asarray(forward(state, jnp.asarray(ids), jnp.asarray(mask)))
+            logit_diff = float(np.max(np.abs(np.where(mask[..., None], ours - reference, 0.0))))
+            logp_diff = float(np.max(np.abs(np.where(real, target_logprobs(ours.astype(np.float64)) - ref_logp, 0.0))))
+            rows.append({"dtype": dtype, "kernel": kernel, "max_abs_logit_diff": logit_diff,
+                         "max_abs_logprob_diff": logp_diff, "logit_scale": float(np.abs(reference).max())})
+            del model, state
+    result = {"platform": platform, "device": str(jax.devices()[0].device_kind), "batch": [batch, length],
+              "model": "Qwen2.5-0.5B shapes, random" if not dry_run else "tiny Qwen2, random", "rows": rows}
+    (out / "parity.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+# -------------------------------------------------------------------------------- 2. train
+def run_train(out: Path, tokenizer: str, dry_run: bool, timeout: float, extra: list[str]) -> dict:
+    """The training job as a real process; returns its exit code, seconds and log tail."""
+    workdir = out / "run"
+    config = "configs/device_check.py" + (":dry_run" if dry_run else "")
+    command = [sys.executable, "-m", "llds_jax.main", "--mode=train", f"--config={config}",
+               f"--config.workdir={workdir}", f"--config.model.tokenizer={tokenizer}",
+               "--config.plan.check_before_train=never", *extra]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("JAX_PLATFORMS", None) if not dry_run else env.update(JAX_PLATFORMS="cpu")
+    started = time.perf_counter()
+    with open(out / "train.log", "w") as log:
+        try:
+            code = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    tail = (out / "train.log").read_text(errors="replace")[-3000:]
+    return {"command": " ".join(command), "exit": code, "seconds": time.perf_counter() - started, "log_tail": tail}
+
+
+def measured_phases(workdir: Path) -> dict:
+    """Per-phase seconds of the run: the median over its steps after the first (which compiles), and step 0."""
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl") if '"phase": "rl"' in line]
+    if not rows:
+        raise RuntimeError(f"{workdir}/metrics.jsonl has no RL step")
+    later = rows[1:] or rows
+    keys = {key for row in rows for key in row}
+    median = {key: statistics.median(float(r[key]) for r in later if r.get(key) is not None)
+              for key in keys if key.startswith(("time/", "throughput/", "memory/", "logprob_gap/"))
+              and any(r.get(key) is not None for r in later)}
+    return {"steps": len(rows), "median_after_first": median,
+            "first_step": {k: v for k, v in rows[0].items() if k.startswith("time/")}}
+
+
+# ------------------------------------------------------------------------------ 3. predict
+def predict(workdir: Path, dry_run: bool, hardware: str, plan_json: str) -> dict:
+    """The step-time model for the run's own config, chip and sampled lengths; the planned memory."""
+    import ml_collections  # noqa: F401  (the config file's type)
+
+    from llds_jax.data.lengths import run_lengths
+    from llds_jax.models.loading import decoder_config
+    from llds_jax.plan.step_time import predict_step_time
+    from llds_jax.train.batch import padded_length
+    from llds_jax.train.step import StepSizes
+    from llds_jax.utils import flops
+
+    config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+    model_cfg = decoder_config(config.model)
+    if hardware in flops.PEAKS:
+        label, peak_flops, bandwidth = flops.PEAKS[hardware]
+        peak = flops.Peak(peak_flops, bandwidth, label)
+    else:
+        peak = flops.cpu_peak()
+    trajectories = int(config.train.prompts_per_step) * int(config.rollout.n_samples)
+    step = predict_step_time(
+        config, model_cfg, platform="gpu" if hardware in ("H100", "H200") else "cpu", peak=peak, devices=1, hosts=1,
+        rows_per_wave=trajectories, train_rows=trajectories, train_length=padded_length(config),
+        scored_per_row=StepSizes.from_config(config).scored_positions,
+        state_bytes=16 * flops.parameters(model_cfg), lengths=run_lengths(workdir),
+        length_label=f"the run's own samples ({workdir}/samples.jsonl)")
+    planned = None
+    source = Path(plan_json) if plan_json else workdir / "plan.json"
+    if source.exists():
+        plan = json.loads(source.read_text())
+        planned = {"source": str(source), "compiler": plan.get("compiler"), "peak_bytes": plan.get("peak_bytes"),
+                   "phases": {k: v["peak_bytes"] for k, v in plan.get("phases", {}).items()}}
+    return {"step_time": step.as_json(), "planned_memory": planned}
+
+
+# -------------------------------------------------------------------------------- the table
+def _fmt(value, digits=2) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def table(result: dict) -> str:
+    lines = [f"# Device check — {result.get('device', '?')}", "",
+             f"commit {result.get('commit', '?')}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", ""]
+    parity = result.get("parity") or {}
+    if parity.get("rows"):
+        lines += [f"## Parity vs transformers ({parity['model']}, batch {parity['batch']})", "",
+                  "| dtype | kernel | max Δ logit | max Δ target log-prob | max logit |", "|---|---|---|---|---|"]
+        lines += [f"| {r['dtype']} | {r['kernel']} | {r['max_abs_logit_diff']:.2e} | {r['max_abs_logprob_diff']:.2e} "
+                  f"| {r['logit_scale']:.2f} |" for r in parity["rows"]]
+        lines.append("")
+    elif "parity_error" in result:
+        lines += ["## Parity: FAILED", "", "```", result["parity_error"][-1500:], "```", ""]
+    measured = (result.get("measured") or {}).get("median_after_first", {})
+    predicted = ((result.get("predicted") or {}).get("step_time") or {}).get("step_time_s", {})
+    if measured or predicted:
+        lines += ["## One RL step: measured (median of the steps after the first) vs predicted", "",
+                  "| phase | measured s | predicted s | measured / predicted |", "|---|---|---|---|"]
+        for row, key, step_key in PHASES:
+            m, p = measured.get(key), predicted.get(step_key)
+            ratio = m / p if m is not None and p else None
+            lines.append(f"| {row} | {_fmt(m)} | {_fmt(p)} | {_fmt(ratio)} |")
+        lines += ["", "| utilisation | measured |", "|---|---|"]
+        for key in ("throughput/update_mfu", "throughput/logprobs_mfu", "throughput/decode_mbu",
+                    "throughput/decode_tokens_per_s", "logprob_gap/abs_mean", "logprob_gap/abs_max"):
+            lines.append(f"| {key} | {_fmt(measured.get(key), 4)} |")
+        planned = (result.get("predicted") or {}).get("planned_memory")
+        peak = measured.get("memory/device_peak_bytes")
+        lines += ["", f"memory: measured peak {_fmt(peak and peak / 1e9)} GB per device; planned peak "
+                      f"{_fmt(planned and planned['peak_bytes'] and planned['peak_bytes'] / 1e9)} GB "
+                      f"({(planned or {}).get('compiler', 'no plan')})", ""]
+        assumptions = ((result.get("predicted") or {}).get("step_time") or {}).get("assumptions", {})
+        lines += [f"- {k}: {v}" for k, v in assumptions.items()]
+    train = result.get("train") or {}
+    lines += ["", f"train: exit {train.get('exit')}, {_fmt(train.get('seconds'), 0)} s; `{train.get('command', '')}`"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="runs/device_check_out")
+    parser.add_argument("--tokenizer", required=True, help="a Qwen2 tokenizer directory")
+    parser.add_argument("--dry-run", action="store_true", help="tiny model on CPU (the test suite)")
+    parser.add_argument("--part", choices=("all", "parity"), default="all")
+    parser.add_argument("--plan-json", default="", help="a --mode=plan JSON of the same job (planned memory)")
+    parser.add_argument("--hardware", default="", help="PEAKS row of the chip (default: from nvidia-smi)")
+    parser.add_argument("--train-timeout", type=float, default=420.0)
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: parity,train")
+    args, extra = parser.parse_known_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.part == "parity":
+        run_parity(out, args.dry_run)
+        return 0
+    os.environ["JAX_PLATFORMS"] = "cpu"  # this process only orchestrates and does arithmetic
+    hardware = args.hardware or _gpu_hardware()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    result = {"device": hardware or "CPU (dry run)", "commit": commit.strip() or "?"}
+    skip = set(filter(None, args.skip.split(",")))
+    if "parity" not in skip:
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # torch shares the GPU in that process
+        env.pop("JAX_PLATFORMS") if not args.dry_run else None
+        proc = subprocess.run([sys.executable, __file__, "--part=parity", f"--out={out}", f"--tokenizer={args.tokenizer}",
+                               *(["--dry-run"] if args.dry_run else [])], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=args.train_timeout)
+        if proc.returncode == 0:
+            result["parity"] = json.loads((out / "parity.json").read_text())
+        else:
+            result["parity_error"] = proc.stdout[-2000:] + proc.stderr[-4000:]
+        print("parity:", json.dumps(result.get("parity", {}).get("rows", "FAILED")), flush=True)
+    if "train" not in skip:
+        result["train"] = run_train(out, args.tokenizer, args.dry_run, args.train_timeout, extra)
+        print(f"train: exit {result['train']['exit']} in {result['train']['seconds']:.0f}s", flush=True)
+        if (out / "run" / "metrics.jsonl").exists():
+            result["measured"] = measured_phases(out / "run")
+            result["predicted"] = predict(out / "run", args.dry_run, hardware, args.plan_json)
+    (out / "device_check.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    text = table(result)
+    (out / "device_check.md").write_text(text)
+    print(text, flush=True)
+    failed = "parity_error" in result or (result.get("train") or {}).get("exit") not in (0, None)
+    return 1 if failed else 0
+
+
+def _gpu_hardware() -> str:
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return "H200" if "H200" in name else "H100" if "H100" in name else ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

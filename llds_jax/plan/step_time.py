@@ -1,0 +1,235 @@
+"""How long one training step takes on the target, phase by phase, before the hardware is booked.
+
+Each phase's work is counted in closed form (``llds_jax.utils.flops``, the same counts the
+trainer's ``throughput/*`` metrics divide) for the step the config describes, with trajectory
+lengths drawn from a length distribution (``data.lengths``: Search-R1 3B's own by default, or a
+run's ``samples.jsonl``), and turned into seconds at a stated fraction of the chip's peak:
+
+* **rollout / decode** — decode steps of the rollout's schedule (today's waves: every turn of a
+  wave lasts as long as its longest action), each reading the weights once and every row's live
+  KV entries, at ``hbm`` × HBM bandwidth (or the matmul bound, if larger);
+* **rollout / prefill** — prompts and appended feedback through the forward, at ``matmul`` × peak;
+* **rollout / retrieval** — one batched retriever call per turn of a wave, ``plan.retrieval_s`` each;
+* **logprobs** (π_old, π_ref), **update** (forward + backward + remat), **delta** (the Δ forward,
+  every ``train.delta_every`` steps) — over the batch as the trainer computes it, at ``matmul`` × peak;
+* **checkpoint** — the state's bytes at ``plan.checkpoint_bytes_per_s`` per host, every
+  ``train.save_every`` steps (amortised per step).
+
+XLA's ``HloCostAnalysis`` costs a while loop's body once, and the update and decode are loops
+(layers, micro-batches, tokens), so compiled costs under-count by the trip counts; the closed form
+is what is used. Efficiencies are assumptions, named in the output with where they come from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+from llds_jax.data.lengths import TrajectoryLengths, load_lengths
+from llds_jax.utils import flops
+
+# Fractions of peak the phases reach, per platform, and why (plan.efficiency_* override them).
+EFFICIENCY = {
+    "gpu": {"matmul": (0.40, "assumed: dense bf16 training on H100 in JAX/XLA typically reaches 35-50 % MFU"),
+            "hbm": (0.60, "assumed: batched decode reaches ~60 % of HBM bandwidth in XLA programs")},
+    "tpu": {"matmul": (0.50, "assumed: MaxText's published dense-model MFU on v5e/v5p is ~50-60 %"),
+            "hbm": (0.70, "assumed: the Pallas decode kernel reads live KV blocks only")},
+    "cpu": {"matmul": (0.50, "assumed: half the measured fp32 matmul peak"),
+            "hbm": (0.50, "assumed: half the measured copy bandwidth")},
+}
+# Fixed seconds per decode step beyond its bytes (launches, the sampler's control flow), per platform.
+DECODE_STEP_OVERHEAD = {"gpu": (0.0, "assumed: none"), "tpu": (0.0, "assumed: none"), "cpu": (0.0, "assumed: none")}
+# Published step times of the paper's job elsewhere (seconds per step), for the table.
+ANCHORS = (
+    ("Search-R1 Qwen2.5-3B, 8xH100 (maintainers: 200 steps in 2-3 h)", "36-54 s"),
+    ("Search-R1 Qwen2.5-3B, 8xH100 (users, Search-R1 issue #1)", "108-126 s"),
+    ("verl Search-R1-like Qwen2.5-3B recipe, 8xH20", "165-185 s"),
+    ("any Search-R1 job on TPU", "none published"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A rollout schedule's work: decode steps and what they read, prefill tokens, retriever calls."""
+
+    name: str
+    decode_steps: int
+    lower_bound_steps: int       # max(longest trajectory's decode tokens, all decode tokens / slots)
+    decode_tokens: int
+    key_reads: float             # Σ over sampled tokens of the live KV entries they attend to
+    prefill_tokens: int
+    prefill_pairs: float         # attention (query, key) pairs of the prefill and appends
+    retrieval_calls: int
+    slots: int
+
+    @property
+    def efficiency(self) -> float:
+        return self.lower_bound_steps / max(self.decode_steps, 1)
+
+
+def step_lengths(config, lengths: list[TrajectoryLengths], count: int, seed: int = 0) -> list[TrajectoryLengths]:
+    """``count`` trajectories drawn from ``lengths`` (seeded, without replacement while it lasts), cut by
+    the config's caps: ``max_turns + 1`` actions, ``max_action_tokens``, ``max_obs_tokens``, ``max_context``."""
+    rollout = config.rollout
+    pool, rng, drawn = list(lengths), random.Random(seed), []
+    while len(drawn) < count:
+        rng.shuffle(pool)
+        drawn.extend(pool[: count - len(drawn)])
+    out = []
+    for trajectory in drawn:
+        t = trajectory.capped(int(rollout.max_turns) + 1, int(rollout.max_action_tokens), int(rollout.max_obs_tokens))
+        room, actions, feedback = int(rollout.max_context) - min(t.prompt, int(rollout.max_prompt_tokens)), [], []
+        searched = []
+        for k, a in enumerate(t.actions):
+            actions.append(min(a, room))
+            room -= actions[-1]
+            if k < len(t.feedback) and room > 0:
+                feedback.append(min(t.feedback[k], room))
+                searched.append(t.is_search(k))
+                room -= feedback[-1]
+            if room <= 0:
+                break
+        out.append(TrajectoryLengths(min(t.prompt, int(rollout.max_prompt_tokens)), tuple(actions), tuple(feedback),
+                                     tuple(searched)))
+    return out
+
+
+def waves_schedule(trajectories: list[TrajectoryLengths], rows_per_wave: int, max_turns: int) -> Schedule:
+    """Today's rollout (``rollout.multi_turn``): rows in waves of ``rows_per_wave``; each turn of a wave
+    decodes until its longest action ends, then one retriever call serves the wave's searches."""
+    steps = calls = 0
+    key_reads = prefill_pairs = 0.0
+    for first in range(0, len(trajectories), rows_per_wave):
+        wave = trajectories[first: first + rows_per_wave]
+        context = [t.prompt for t in wave]
+        for turn in range(max_turns + 1):
+            acting = [i for i, t in enumerate(wave) if turn < len(t.actions)]
+            if not acting:
+                break
+            steps += max(wave[i].actions[turn] for i in acting)
+            for i in acting:
+                n = wave[i].actions[turn]
+                key_reads += n * context[i] + n * (n - 1) / 2
+                context[i] += n
+            appending = [i for i in acting if turn < len(wave[i].feedback)]
+            calls += int(any(wave[i].is_search(turn) for i in appending))
+            for i in appending:
+                f = wave[i].feedback[turn]
+                prefill_pairs += f * context[i] + f * (f + 1) / 2
+                context[i] += f
+    decode_tokens = sum(sum(t.actions) for t in trajectories)
+    prefill_tokens = sum(t.prompt + sum(t.feedback) for t in trajectories)
+    prefill_pairs += sum(flops.causal_pairs(t.prompt) for t in trajectories)
+    slots = min(rows_per_wave, len(trajectories))
+    bound = max(max(sum(t.actions) for t in trajectories), math.ceil(decode_tokens / slots))
+    return Schedule("waves", steps, bound, decode_tokens, key_reads, prefill_tokens, prefill_pairs, calls, slots)
+
+
+@dataclasses.dataclass
+class StepTime:
+    """Predicted seconds per phase (``seconds``; ``total`` included), the assumptions, the inputs."""
+
+    seconds: dict[str, float]
+    assumptions: dict[str, str]
+    schedule: Schedule
+    details: dict[str, float]
+
+    def as_json(self) -> dict:
+        return {"step_time_s": dict(self.seconds), "assumptions": dict(self.assumptions),
+                "schedule": dataclasses.asdict(self.schedule) | {"efficiency": self.schedule.efficiency},
+                "details": dict(self.details), "anchors": {name: value for name, value in ANCHORS}}
+
+
+def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, devices: int, hosts: int,
+                      rows_per_wave: int, train_rows: int, train_length: int, scored_per_row: int,
+                      state_bytes: float, lengths: list[TrajectoryLengths] | None = None,
+                      length_label: str = "") -> StepTime:
+    """Seconds of one step of ``config`` on ``devices`` chips of ``peak`` over ``hosts`` hosts.
+
+    ``rows_per_wave``: the rollout's wave size per host (all of a host's trajectories decode on
+    its sampling devices: all the mesh's devices on one host, one per host on several, as
+    ``Learner.sampler_policy`` does today); ``train_rows`` × ``train_length``: the batch the
+    trainer's programs compute; ``state_bytes``: the train state a checkpoint writes; ``lengths``
+    (named ``length_label``) replace ``plan.length_source``.
+    """
+    section = config.plan
+    efficiency = {kind: EFFICIENCY.get(platform, EFFICIENCY["cpu"])[kind] for kind in ("matmul", "hbm")}
+    matmul = float(section.get("efficiency_matmul", 0.0)) or efficiency["matmul"][0]
+    hbm = float(section.get("efficiency_hbm", 0.0)) or efficiency["hbm"][0]
+    trajectories = int(config.train.prompts_per_step) * int(config.rollout.n_samples)
+    per_host = -(-trajectories // hosts)
+    sampler_devices = devices if hosts == 1 else 1
+    drawn = step_lengths(config, lengths if lengths is not None else load_lengths(str(section.get("length_source", ""))),
+                         per_host, seed=int(config.seed))
+    schedule = waves_schedule(drawn, max(1, min(rows_per_wave, per_host)), int(config.rollout.max_turns))
+
+    compute_bytes = 2 if model_cfg.dtype in ("bfloat16", "float16") else 4
+    decode_bytes = flops.decode_bytes(model_cfg, schedule.decode_steps, schedule.key_reads / sampler_devices,
+                                      compute_bytes, compute_bytes)
+    decode_flops = flops.decode_flops(model_cfg, schedule.decode_tokens, schedule.key_reads) / sampler_devices
+    overhead, overhead_why = DECODE_STEP_OVERHEAD.get(platform, DECODE_STEP_OVERHEAD["cpu"])
+    if float(section.get("decode_step_overhead_s", -1.0)) >= 0:
+        overhead, overhead_why = float(section.decode_step_overhead_s), "plan.decode_step_overhead_s"
+    decode_s = (max(decode_bytes / (peak.bytes_per_s * hbm), decode_flops / (peak.flops * matmul))
+                + overhead * schedule.decode_steps)
+    prefill_flops = (2.0 * model_cfg.num_layers * flops.layer_weights(model_cfg) * schedule.prefill_tokens
+                     + flops.attention_flops(model_cfg, schedule.prefill_pairs))
+    prefill_s = prefill_flops / (peak.flops * matmul * sampler_devices)
+    retrieval_s = schedule.retrieval_calls * float(section.get("retrieval_s", 0.5))
+
+    forward = flops.forward_flops(model_cfg, train_rows, train_length, scored_per_row)
+    _, update_flops = flops.training_flops(model_cfg, train_rows, train_length, scored_per_row, model_cfg.remat)
+    mesh_rate = peak.flops * matmul * devices
+    passes = 1 + int(float(config.rl.kl_coef) > 0)
+    delta_every = int(config.train.get("delta_every", 1)) if config.train.get("delta_diagnostics", True) else 0
+    save_every = int(config.train.get("save_every", 0))
+    checkpoint_rate = float(section.get("checkpoint_bytes_per_s", 1e9)) * hosts
+    seconds = {
+        "rollout_decode": decode_s, "rollout_prefill": prefill_s, "rollout_retrieval": retrieval_s,
+        "logprobs": passes * forward / mesh_rate, "update": update_flops / mesh_rate,
+        "delta": forward / mesh_rate / delta_every if delta_every else 0.0,
+        "checkpoint": state_bytes / checkpoint_rate / save_every if save_every else 0.0,
+    }
+    seconds["rollout"] = decode_s + prefill_s + retrieval_s
+    seconds["total"] = sum(v for k, v in seconds.items() if k != "rollout")
+    assumptions = {
+        "peak": peak.source,
+        "matmul_efficiency": f"{matmul:.2f} of peak FLOP/s (update, log-probs, Δ, prefill): "
+                             + ("plan.efficiency_matmul" if section.get("efficiency_matmul", 0.0) else efficiency["matmul"][1]),
+        "hbm_efficiency": f"{hbm:.2f} of HBM bandwidth (decode): "
+                          + ("plan.efficiency_hbm" if section.get("efficiency_hbm", 0.0) else efficiency["hbm"][1]),
+        "decode_step_overhead": f"{overhead * 1e3:g} ms per decode step: {overhead_why}",
+        "retrieval": f"{float(section.get('retrieval_s', 0.5)):g} s per batched retriever call (plan.retrieval_s)",
+        "checkpoint": f"{float(section.get('checkpoint_bytes_per_s', 1e9)) / 1e9:g} GB/s per host "
+                      "(plan.checkpoint_bytes_per_s), every train.save_every steps",
+        "lengths": f"{len(drawn)} trajectories per host drawn from "
+                   f"{length_label or section.get('length_source', '') or 'Search-R1 3B reference lengths (bundled)'}"
+                   ", cut by the rollout caps",
+        "sampler": f"{sampler_devices} sampling device(s) per host x {hosts} host(s); "
+                   f"waves of {schedule.slots} rows",
+        "training_batch": f"{train_rows} rows x {train_length} tokens computed per pass",
+        "overlap": "none: phases run one after another, as the trainer runs them",
+    }
+    details = {"decode_bytes": decode_bytes, "decode_flops": decode_flops, "prefill_flops": prefill_flops,
+               "update_flops": update_flops, "forward_flops": forward, "logprob_passes": passes,
+               "trajectories_per_host": per_host, "mean_trajectory_tokens": sum(t.total for t in drawn) / len(drawn)}
+    return StepTime(seconds, assumptions, schedule, details)
+
+
+PHASE_ORDER = ("rollout_decode", "rollout_prefill", "rollout_retrieval", "rollout", "logprobs", "update", "delta",
+               "checkpoint", "total")
+
+
+def format_step_time(step: StepTime) -> str:
+    """The plan's step-time section: seconds per phase, the schedule, the assumptions, the anchors."""
+    s = step.schedule
+    lines = ["", "step time, predicted (seconds per RL step)"]
+    lines += [f"  {phase:<20}{step.seconds[phase]:10.2f}" for phase in PHASE_ORDER]
+    lines += [f"  rollout schedule    : {s.name}, {s.slots} slots: {s.decode_steps} decode steps vs a lower bound "
+              f"of {s.lower_bound_steps} (efficiency {s.efficiency:.2f}); {s.retrieval_calls} retriever calls",
+              "  assumptions:"]
+    lines += [f"    {name:<18}: {text}" for name, text in step.assumptions.items()]
+    lines += ["  published step times of the paper's job elsewhere:"]
+    lines += [f"    {name:<66}: {value}" for name, value in ANCHORS]
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""Utilisation of one RL step: MFU of the update and the log-prob passes, MBU of the decode.
+
+The counts are closed-form (``llds_jax.utils.flops``) from the model's shapes and what the step
+actually processed — the device batch's rows × length (what the programs computed, padding or
+packing included), the scored positions per row, the rollout's decode steps and live KV reads —
+so the figures are comparable across runs, chips and the plan's prediction
+(``--mode=plan``'s step-time section uses the same functions). Peaks come from
+``flops.device_peak``: the datasheet row of the chip, measured once on a CPU, or
+``train.peak_flops`` / ``train.peak_bytes_per_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+
+from llds_jax.utils import flops
+
+
+def device_count(tree) -> int:
+    """Devices the arrays of ``tree`` live on (the sampler's copy may live on fewer than the mesh)."""
+    devices = set()
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            devices |= set(leaf.sharding.device_set)
+    return max(1, len(devices))
+
+
+def peak_memory_bytes() -> float:
+    """The largest ``peak_bytes_in_use`` over this process's devices; where none reports it (XLA:CPU,
+    whose devices live in host memory) the process's peak resident set."""
+    peaks = []
+    for device in jax.local_devices():
+        try:
+            stats = device.memory_stats()
+        except (RuntimeError, NotImplementedError):
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(float(stats["peak_bytes_in_use"]))
+    if peaks:
+        return max(peaks)
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return float(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def step_utilisation(model_cfg, config, *, metrics: Mapping[str, float], rollout_timings: Mapping[str, float],
+                     rows: int, length: int, scored_per_row: int, logprob_passes: int, mesh_devices: int,
+                     sampler_devices: int, weight_bytes: int) -> dict[str, float]:
+    """``throughput/*`` utilisation metrics of one step (the keys ``diagnostics.keys`` registers).
+
+    ``rows`` × ``length``: the device batch the update and log-prob programs ran over;
+    ``logprob_passes``: π_old plus π_ref when it ran; ``weight_bytes``: bytes per weight of the
+    sampler's params (its compute dtype).
+    """
+    peak = flops.device_peak(jax.devices()[0], float(config.train.get("peak_flops", 0.0)),
+                             float(config.train.get("peak_bytes_per_s", 0.0)))
+    model_flops, _ = flops.training_flops(model_cfg, rows, length, scored_per_row, model_cfg.remat)
+    forward = flops.forward_flops(model_cfg, rows, length, scored_per_row)
+    update_s, logprobs_s = metrics.get("time/update_s", 0.0), metrics.get("time/logprobs_s", 0.0)
+    steps, key_reads = int(rollout_timings.get("decode_steps", 0)), float(rollout_timings.get("decode_key_reads", 0))
+    decode_s, decoded = float(rollout_timings.get("decode_s", 0.0)), float(rollout_timings.get("decode_tokens", 0))
+    kv_bytes = 2 if model_cfg.dtype in ("bfloat16", "float16") else 4
+    out = {
+        "throughput/update_mfu": flops.utilisation(model_flops, update_s, peak.flops, mesh_devices),
+        "throughput/logprobs_mfu": flops.utilisation(logprob_passes * forward, logprobs_s, peak.flops, mesh_devices),
+        "throughput/logprobs_tokens_per_s": logprob_passes * rows * length / max(logprobs_s, 1e-9),
+        "throughput/decode_mbu": flops.utilisation(flops.decode_bytes(model_cfg, steps, key_reads, weight_bytes, kv_bytes),
+                                                   decode_s, peak.bytes_per_s, sampler_devices),
+        "throughput/decode_tokens_per_s": decoded / max(decode_s, 1e-9),
+    }
+    out["memory/device_peak_bytes"] = peak_memory_bytes()
+    return out
