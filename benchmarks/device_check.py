@@ -128,6 +128,73 @@ def run_parity(out: Path, dry_run: bool) -> dict:
     return result
 
 
+# ------------------------------------------------------------------- 1b. training passes alone
+def job_config(dry_run: bool, tokenizer: str):
+    """``configs/device_check.py`` (its ``dry_run`` variant) with the tokenizer set."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("device_check_config", REPO / "configs" / "device_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("dry_run" if dry_run else "")
+    config.model.tokenizer = tokenizer
+    return config
+
+
+def run_passes(out: Path, tokenizer: str, dry_run: bool, repeats: int = 2) -> dict:
+    """π_old + π_ref, the update and the Δ forward of the job, timed after their compile.
+
+    The batch is the shape a random policy's rollout has at the job's caps (every action runs to
+    its cap, an invalid-action message after each but the last): the step's training passes
+    without the rollout's compile and decode in front of them.
+    """
+    import jax
+    import numpy as np
+
+    from llds_jax.models.loading import load_model_and_tokenizer
+    from llds_jax.parallel.mesh import make_mesh
+    from llds_jax.train.batch import TrainBatch
+    from llds_jax.train.learner import Learner
+    from llds_jax.train.utilisation import peak_memory_bytes
+
+    config = job_config(dry_run, tokenizer)
+    mesh = make_mesh(tuple(config.mesh.shape))
+    model, _ = load_model_and_tokenizer(config.model, mesh)
+    learner = Learner.create(model, config, mesh)
+    del model
+    rows, length, rollout = int(config.train.prompts_per_step) * int(config.rollout.n_samples), learner.seq_len, config.rollout
+    prompt, action, feedback = 150 if not dry_run else 40, int(rollout.max_action_tokens), 40 if not dry_run else 8
+    rng = np.random.default_rng(0)
+    arrays = {name: np.zeros((rows, length), dtype) for name, dtype in
+              (("attention_mask", bool), ("action_mask", np.float32), ("answer_mask", np.float32))}
+    arrays["input_ids"] = rng.integers(3, 1000, (rows, length)).astype(np.int32)
+    arrays["action_index"] = np.full((rows, length), -1, np.int32)
+    position = prompt
+    arrays["attention_mask"][:, :prompt] = True
+    for k in range(int(rollout.max_turns) + 1):
+        end = min(position + action, length)
+        arrays["attention_mask"][:, position:end] = True
+        arrays["action_mask"][:, position:end] = 1
+        arrays["action_index"][:, position:end] = k
+        position = min(end + (feedback if k < int(rollout.max_turns) else 0), length)
+        arrays["attention_mask"][:, end:position] = True
+    arrays.update(num_searches=np.zeros(rows, np.float32), rewards=(rng.random(rows) < 0.3).astype(np.float32),
+                  group_ids=np.repeat(np.arange(rows // int(rollout.n_samples)), int(rollout.n_samples)))
+    batch = learner.upload(TrainBatch.from_arrays(arrays, length=length))
+    timings = []
+    for _ in range(repeats + 1):  # the first compiles (and skips π_ref: it equals π_old then)
+        metrics, extra = learner.update(batch)
+        clock = time.perf_counter()
+        jax.block_until_ready(learner.logprobs_now(extra["batch"]))
+        timings.append({"logprobs_s": metrics["time/logprobs_s"], "update_s": metrics["time/update_s"],
+                        "delta_s": time.perf_counter() - clock, "logprob_passes": extra["logprob_passes"]})
+    steady = {key: statistics.median(t[key] for t in timings[1:]) for key in ("logprobs_s", "update_s", "delta_s")}
+    result = {"rows": rows, "length": length, "tokens_per_row": position, "first": timings[0], "steady": steady,
+              "repeats": repeats, "peak_memory_bytes": peak_memory_bytes(), "device": str(jax.devices()[0].device_kind)}
+    (out / "passes.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 # -------------------------------------------------------------------------------- 2. train
 def run_train(out: Path, tokenizer: str, dry_run: bool, timeout: float, extra: list[str]) -> dict:
     """The training job as a real process; returns its exit code, seconds and log tail."""
@@ -164,19 +231,20 @@ def measured_phases(workdir: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------ 3. predict
-def predict(workdir: Path, dry_run: bool, hardware: str, plan_json: str) -> dict:
-    """The step-time model for the run's own config, chip and sampled lengths; the planned memory."""
-    import ml_collections  # noqa: F401  (the config file's type)
-
-    from llds_jax.data.lengths import run_lengths
+def predict(config, workdir: Path, hardware: str, plan_json: str) -> dict:
+    """The step-time model for the job's config on ``hardware``, from the run's own sampled lengths when
+    it ran (else Search-R1 3B's reference lengths); the planned memory."""
+    from llds_jax.data.lengths import reference_lengths, run_lengths
     from llds_jax.models.loading import decoder_config
     from llds_jax.plan.step_time import predict_step_time
     from llds_jax.train.batch import padded_length
     from llds_jax.train.step import StepSizes
     from llds_jax.utils import flops
 
-    config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
     model_cfg = decoder_config(config.model)
+    ran = (workdir / "samples.jsonl").exists()
+    lengths = run_lengths(workdir) if ran else reference_lengths()
+    label = f"the run's own samples ({workdir}/samples.jsonl)" if ran else "Search-R1 3B reference lengths (bundled)"
     if hardware in flops.PEAKS:
         label, peak_flops, bandwidth = flops.PEAKS[hardware]
         peak = flops.Peak(peak_flops, bandwidth, label)
@@ -187,8 +255,7 @@ def predict(workdir: Path, dry_run: bool, hardware: str, plan_json: str) -> dict
         config, model_cfg, platform="gpu" if hardware in ("H100", "H200") else "cpu", peak=peak, devices=1, hosts=1,
         rows_per_wave=trajectories, train_rows=trajectories, train_length=padded_length(config),
         scored_per_row=StepSizes.from_config(config).scored_positions,
-        state_bytes=16 * flops.parameters(model_cfg), lengths=run_lengths(workdir),
-        length_label=f"the run's own samples ({workdir}/samples.jsonl)")
+        state_bytes=16 * flops.parameters(model_cfg), lengths=lengths, length_label=label)
     planned = None
     source = Path(plan_json) if plan_json else workdir / "plan.json"
     if source.exists():
@@ -215,6 +282,18 @@ def table(result: dict) -> str:
         lines.append("")
     elif "parity_error" in result:
         lines += ["## Parity: FAILED", "", "```", result["parity_error"][-1500:], "```", ""]
+    passes = result.get("passes")
+    if passes:
+        lines += [f"## Training passes after their compile ({passes['rows']} rows x {passes['length']} tokens, "
+                  f"{passes['tokens_per_row']} real per row; median of {passes['repeats']})", "",
+                  "| pass | seconds | predicted s | first call (compiles) s |", "|---|---|---|---|"]
+        step = ((result.get("predicted") or {}).get("step_time") or {}).get("step_time_s", {})
+        lines += [f"| {name} | {passes['steady'][key]:.2f} | {_fmt(step.get(phase))} | {passes['first'][key]:.2f} |"
+                  for name, key, phase in (("π_old + π_ref", "logprobs_s", "logprobs"), ("update", "update_s", "update"),
+                                           ("Δ forward", "delta_s", "delta"))]
+        lines += ["", f"peak device memory of the passes: {passes['peak_memory_bytes'] / 1e9:.2f} GB", ""]
+    elif "passes_error" in result:
+        lines += ["## Training passes: FAILED", "", "```", result["passes_error"][-1500:], "```", ""]
     measured = (result.get("measured") or {}).get("median_after_first", {})
     predicted = ((result.get("predicted") or {}).get("step_time") or {}).get("step_time_s", {})
     if measured or predicted:
@@ -245,7 +324,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="runs/device_check_out")
     parser.add_argument("--tokenizer", required=True, help="a Qwen2 tokenizer directory")
     parser.add_argument("--dry-run", action="store_true", help="tiny model on CPU (the test suite)")
-    parser.add_argument("--part", choices=("all", "parity"), default="all")
+    parser.add_argument("--part", choices=("all", "parity", "passes"), default="all")
     parser.add_argument("--plan-json", default="", help="a --mode=plan JSON of the same job (planned memory)")
     parser.add_argument("--hardware", default="", help="PEAKS row of the chip (default: from nvidia-smi)")
     parser.add_argument("--train-timeout", type=float, default=420.0)
@@ -256,33 +335,42 @@ def main(argv=None) -> int:
     if args.part == "parity":
         run_parity(out, args.dry_run)
         return 0
+    if args.part == "passes":
+        run_passes(out, args.tokenizer, args.dry_run)
+        return 0
     os.environ["JAX_PLATFORMS"] = "cpu"  # this process only orchestrates and does arithmetic
     hardware = args.hardware or _gpu_hardware()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     result = {"device": hardware or "CPU (dry run)", "commit": commit.strip() or "?"}
     skip = set(filter(None, args.skip.split(",")))
-    if "parity" not in skip:
-        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # torch shares the GPU in that process
+    for part in ("parity", "passes"):
+        if part in skip:
+            continue
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # torch shares the GPU in parity
         env.pop("JAX_PLATFORMS") if not args.dry_run else None
-        proc = subprocess.run([sys.executable, __file__, "--part=parity", f"--out={out}", f"--tokenizer={args.tokenizer}",
-                               *(["--dry-run"] if args.dry_run else [])], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=args.train_timeout)
-        if proc.returncode == 0:
-            result["parity"] = json.loads((out / "parity.json").read_text())
+        try:
+            proc = subprocess.run([sys.executable, __file__, f"--part={part}", f"--out={out}",
+                                   f"--tokenizer={args.tokenizer}", *(["--dry-run"] if args.dry_run else [])],
+                                  cwd=REPO, env=env, capture_output=True, text=True, timeout=args.train_timeout)
+            code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+        except subprocess.TimeoutExpired as err:
+            code, stdout, stderr = "timeout", str(err.stdout or ""), str(err.stderr or "")
+        if code == 0:
+            result[part] = json.loads((out / f"{part}.json").read_text())
         else:
-            result["parity_error"] = proc.stdout[-2000:] + proc.stderr[-4000:]
-        print("parity:", json.dumps(result.get("parity", {}).get("rows", "FAILED")), flush=True)
+            result[f"{part}_error"] = f"exit {code}\n" + stdout[-2000:] + stderr[-4000:]
+        print(f"{part}:", json.dumps(result.get(part, "FAILED"))[:600], flush=True)
     if "train" not in skip:
         result["train"] = run_train(out, args.tokenizer, args.dry_run, args.train_timeout, extra)
         print(f"train: exit {result['train']['exit']} in {result['train']['seconds']:.0f}s", flush=True)
         if (out / "run" / "metrics.jsonl").exists():
             result["measured"] = measured_phases(out / "run")
-            result["predicted"] = predict(out / "run", args.dry_run, hardware, args.plan_json)
+    result["predicted"] = predict(job_config(args.dry_run, args.tokenizer), out / "run", hardware, args.plan_json)
     (out / "device_check.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     text = table(result)
     (out / "device_check.md").write_text(text)
     print(text, flush=True)
-    failed = "parity_error" in result or (result.get("train") or {}).get("exit") not in (0, None)
+    failed = any(k.endswith("_error") for k in result) or (result.get("train") or {}).get("exit") not in (0, None)
     return 1 if failed else 0
 
 
