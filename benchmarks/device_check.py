@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -246,8 +247,8 @@ def predict(config, workdir: Path, hardware: str, plan_json: str) -> dict:
     lengths = run_lengths(workdir) if ran else reference_lengths()
     label = f"the run's own samples ({workdir}/samples.jsonl)" if ran else "Search-R1 3B reference lengths (bundled)"
     if hardware in flops.PEAKS:
-        label, peak_flops, bandwidth = flops.PEAKS[hardware]
-        peak = flops.Peak(peak_flops, bandwidth, label)
+        name, peak_flops, bandwidth = flops.PEAKS[hardware]
+        peak = flops.Peak(peak_flops, bandwidth, name)
     else:
         peak = flops.cpu_peak()
     trajectories = int(config.train.prompts_per_step) * int(config.rollout.n_samples)
@@ -339,6 +340,9 @@ def main(argv=None) -> int:
         run_passes(out, args.tokenizer, args.dry_run)
         return 0
     os.environ["JAX_PLATFORMS"] = "cpu"  # this process only orchestrates and does arithmetic
+    if args.dry_run:  # the job as this CPU runs it: one device, whatever device count a caller forced
+        os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                                         os.environ.get("XLA_FLAGS", "")).strip()
     hardware = args.hardware or _gpu_hardware()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     result = {"device": hardware or "CPU (dry run)", "commit": commit.strip() or "?"}

@@ -475,6 +475,10 @@ def format_plan(plan: Plan, hardware=tuple(HARDWARE)) -> str:
                      f"{plan.attention_scores.get(name, 0) / GB:>11.2f}{p.compile_seconds:>11.1f}   "
                      f"{plan.attention_kernels.get(name, '?')}; {extra}"
                      + ("   LOWER BOUND: not compilable for this chip" if p.lower_bound else ""))
+    if not plan.programs:  # plan.phases=(): the step time alone, nothing compiled
+        lines += ["  (none compiled: plan.phases is empty)"]
+        lines += [f"note: {n}" for n in plan.notes]
+        return "\n".join(lines + ([format_step_time(plan.step_time)] if plan.step_time is not None else []))
     refused = {name: p.refused for name, p in plan.programs.items() if p.refused}
     lines += [f"  ! {plan.compiler.split(' ')[0]} refused {name} for this chip: {msg}" for name, msg in refused.items()]
     unknown = [name for name, p in plan.programs.items() if p.lower_bound]

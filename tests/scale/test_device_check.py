@@ -1,0 +1,40 @@
+"""launch/device_check.sh, the one-GPU check, runs its CPU dry run as a real process, so it cannot rot."""
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_part_and_prints_the_table(tmp_path, shared_dir):
+    proc = subprocess.run(["bash", "launch/device_check.sh", "--dry-run", "--out", str(tmp_path),
+                           "--tokenizer", str(shared_dir / "assets" / "qwen2_tokenizer")],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "device_check.json").read_text())
+    fp32 = [r for r in result["parity"]["rows"] if r["dtype"] == "float32"]
+    assert fp32 and all(r["max_abs_logprob_diff"] < 1e-4 for r in fp32), result["parity"]
+    assert set(result["passes"]["steady"]) == {"logprobs_s", "update_s", "delta_s"}
+    assert result["train"]["exit"] == 0 and result["measured"]["steps"] == 2
+    assert result["predicted"]["step_time"]["step_time_s"]["total"] > 0
+    table = (tmp_path / "device_check.md").read_text()
+    for heading in ("Parity vs transformers", "Training passes after their compile", "measured (median"):
+        assert heading in table
+
+
+def test_bad_arguments_are_refused_by_name():
+    proc = subprocess.run(["bash", "launch/device_check.sh", "--bogus"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "unknown option --bogus" in proc.stderr
+
+
+def test_the_wheel_list_names_versions_and_fits_a_device_call():
+    lines = [line for line in (REPO / "launch" / "device_check_wheels.txt").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    sizes = [re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9.]+\s+# ([\d,]+) bytes: .+", line) for line in lines]
+    assert lines and all(sizes), lines
+    assert sum(int(m.group(1).replace(",", "")) for m in sizes) <= 64 * 2**20

@@ -1,0 +1,101 @@
+"""The plan's step-time model: the waves schedule and each phase's seconds, checked by hand."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llds_jax.app.config import base_config
+from llds_jax.data.lengths import TrajectoryLengths, load_lengths, reference_lengths, row_lengths
+from llds_jax.models.testing import tiny_config
+from llds_jax.plan.step_time import predict_step_time, step_lengths, waves_schedule
+from llds_jax.utils import flops
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _t(prompt, actions, feedback, searched=None):
+    return TrajectoryLengths(prompt, tuple(actions), tuple(feedback), searched)
+
+
+def test_waves_wait_for_each_turns_longest_action():
+    trajectories = [_t(10, [5, 2], [4]), _t(10, [3, 6], [4]), _t(20, [7], [])]
+    s = waves_schedule(trajectories, rows_per_wave=2, max_turns=1)
+    # wave 1: turn 0 max(5, 3) = 5, turn 1 max(2, 6) = 6; wave 2: 7
+    assert s.decode_steps == 5 + 6 + 7
+    assert s.decode_tokens == 5 + 2 + 3 + 6 + 7
+    assert s.lower_bound_steps == max(9, 7, -(-23 // 2))  # the longest trajectory's own tokens vs tokens / slots
+    assert s.retrieval_calls == 1  # wave 1's first turn; wave 2 never searches
+    # live KV reads: row a 5 tokens from 10 then 2 from 19; row b 3 from 10 then 6 from 17; row c 7 from 20
+    reads = lambda n, c: n * c + n * (n - 1) / 2
+    assert s.key_reads == reads(5, 10) + reads(2, 19) + reads(3, 10) + reads(6, 17) + reads(7, 20)
+    assert s.prefill_tokens == 10 + 4 + 10 + 4 + 20
+
+
+def test_invalid_action_feedback_calls_no_retriever():
+    s = waves_schedule([_t(10, [5, 2], [4], (False,))], rows_per_wave=1, max_turns=1)
+    assert s.retrieval_calls == 0 and s.prefill_tokens == 14
+
+
+def test_step_lengths_apply_the_rollout_caps():
+    config = base_config()
+    config.rollout.max_turns, config.rollout.max_action_tokens, config.rollout.max_obs_tokens = 1, 50, 30
+    config.rollout.max_context, config.rollout.max_prompt_tokens = 130, 40
+    (t,) = step_lengths(config, [_t(60, [80, 20, 10], [100, 100])], 1)
+    # prompt 40 (cut), action 50 (cap), feedback 30 (cap), then the 10 slots left of the context; the
+    # third action is past max_turns + 1 = 2
+    assert (t.prompt, t.actions, t.feedback) == (40, (50, 10), (30,))
+
+
+def test_row_lengths_read_a_rollout_rows_masks():
+    index = [-1, -1, 0, 0, 0, -1, -1, 1, 1, -1, -1, -1, 2, -1]
+    feedback = [0, 0, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 0, 0]
+    assert row_lengths(2, index, feedback, ["search", "invalid", None]) == {
+        "prompt": 2, "actions": [3, 2, 1], "feedback": [2, 3], "searched": [True, False]}
+
+
+def test_the_bundled_reference_is_searchr1_3bs_trajectories():
+    lengths = reference_lengths()
+    assert len(lengths) == 3250 and load_lengths("") == lengths
+    mean = sum(t.total for t in lengths) / len(lengths)
+    assert 650 < mean < 750 and all(t.searched is None for t in lengths)
+
+
+def test_each_phase_is_its_count_over_the_stated_rate():
+    config = base_config()
+    config.rollout.max_turns, config.train.prompts_per_step, config.rollout.n_samples = 1, 2, 2
+    config.plan.efficiency_matmul, config.plan.efficiency_hbm, config.plan.retrieval_s = 0.5, 0.25, 0.1
+    config.plan.decode_step_overhead_s = 0.0
+    config.train.save_every, config.plan.checkpoint_bytes_per_s = 10, 1e9
+    cfg, peak = tiny_config("qwen2", dtype="bfloat16"), flops.Peak(1e12, 1e11, "test")
+    lengths = [_t(10, [5, 2], [4]), _t(10, [3, 6], [4])]
+    step = predict_step_time(config, cfg, platform="gpu", peak=peak, devices=2, hosts=1, rows_per_wave=4,
+                             train_rows=4, train_length=64, scored_per_row=16, state_bytes=8e9, lengths=lengths)
+    s = step.schedule
+    decode = max(flops.decode_bytes(cfg, s.decode_steps, s.key_reads / 2) / (1e11 * 0.25),
+                 flops.decode_flops(cfg, s.decode_tokens, s.key_reads) / 2 / (1e12 * 0.5))
+    forward = flops.forward_flops(cfg, 4, 64, 16)
+    assert step.seconds["rollout_decode"] == pytest.approx(decode)
+    assert step.seconds["rollout_retrieval"] == pytest.approx(0.1 * s.retrieval_calls)
+    assert step.seconds["logprobs"] == pytest.approx(2 * forward / (1e12 * 0.5 * 2))  # π_old and π_ref (kl > 0)
+    assert step.seconds["update"] == pytest.approx(flops.training_flops(cfg, 4, 64, 16, cfg.remat)[1] / 1e12)
+    assert step.seconds["checkpoint"] == pytest.approx(8e9 / 1e9 / 10)
+    parts = [v for k, v in step.seconds.items() if k not in ("rollout", "total")]
+    assert step.seconds["total"] == pytest.approx(sum(parts))
+    assert {"peak", "matmul_efficiency", "hbm_efficiency", "retrieval", "lengths"} <= set(step.assumptions)
+
+
+def test_mode_plan_writes_the_step_time_as_json(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "llds_jax.main", "--mode=plan", "--config=configs/qwen3b.py", "--config.plan.devices=8",
+         "--config.plan.phases=()", "--config.plan.device_memory_bytes=80000000000", f"--config.plan.json_out={out}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step time, predicted" in proc.stdout and "36-54 s" in proc.stdout
+    plan = json.loads(out.read_text())
+    assert set(plan["step_time_s"]) >= {"rollout", "logprobs", "update", "delta", "checkpoint", "total"}
+    assert plan["step_time_s"]["total"] > plan["step_time_s"]["update"] > 0
+    assert "matmul_efficiency" in plan["assumptions"]
