@@ -6,7 +6,7 @@ Three measurements, one process:
    template, BM25 over a wiki-18 cut, ``--max-turns`` search turns + the final turn.
    Reported after a warm-up rollout (compilation): trajectories/s and the share of wall
    time in prefill, decode, feedback append, retrieval and host work. SmolLM2 does not
-   follow the tag protocol zero-shot (STACK.md), so its actions are mostly invalid and get
+   follow the tag protocol zero-shot (docs/decisions.md: the format warm-up), so its actions are mostly invalid and get
    the invalid-action message as feedback: the decode/append path is exercised, retrieval
    hardly.
 2. The same batch shape with a scripted policy that searches every turn: retrieval and host

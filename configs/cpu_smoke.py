@@ -44,7 +44,7 @@ def get_config():
     c.train.logprob_batch_size = 2
     c.rollout.max_context = 512  # prompt ≈156 + search ≈30 + feedback ≈250 + answer ≈30
     # Format is learned by ≈8 steps, but answers need more: with 10 steps the sampled (T=1) GRPO
-    # reward was 0 on all 32 trajectories (run 3); STACK.md measured sampled EM 0.225 after 20.
+    # reward was 0 on all 32 trajectories; 20 give non-zero rewards (docs/performance.md, default job).
     c.train.warmup_sft_steps = 20
     c.train.save_every = 0
     c.train.delta_every = 2  # the Δ-log-prob diagnostic (LLD rate) on RL steps 0, 2, 4

@@ -22,7 +22,7 @@ step() {  # step NAME CMD...: run it, remember a failure (pytest's 5 = "nothing 
 step lint .venv/bin/ruff check llds_jax tests benchmarks configs
 # --dist loadscope: a module's tests go to one worker, so a module-scoped fixture (a tiny training run,
 # a rollout in three wave sizes, a real-weights load) is built once, not once per worker that gets one
-# of its tests (BUILD_NOTES.md, CI).
+# of its tests (docs/decisions.md, CI).
 step "tests (default)" .venv/bin/python -m pytest -n 2 --dist loadscope -m "not slow" "$@"
 step "tests (slow)" .venv/bin/python -m pytest -n 2 --dist loadscope -m slow "$@"
 # The numeric tests again under a second XLA:CPU code generator: another ISA and vector width

@@ -2,7 +2,7 @@
 
 The default job must run from a fresh clone without ``../shared``, and a 135M model only
 earns non-zero EM when the retriever can actually surface the answer (on all NQ questions
-its expected greedy EM is ≈6%, see STACK.md). So we ship:
+its expected greedy EM is ≈6%; docs/decisions.md, Data). So we ship:
 
 * ``bundled/corpus.jsonl`` — wiki-18 passages: the BM25 top-``KEEP_PER_QUESTION`` of every
   candidate question (so the answer passages *and* their natural distractors are in) plus a

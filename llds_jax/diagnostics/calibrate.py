@@ -6,7 +6,7 @@ For each setting: over ``seeds`` Fig. 2-shaped runs (II at step 60, III at 120),
 phase II and III are first flagged and how often II is flagged in time (before step
 120); over ``seeds`` stable 1,000-step runs (flat and rising likelihood), how many raise
 any flag, and the most negative likelihood t-statistic seen (the margin to ``decay_t``).
-The numbers behind the defaults in BUILD_NOTES.md, diagnostics section come from here.
+The numbers behind the defaults (docs/decisions.md, Diagnostics) come from here.
 """
 
 from __future__ import annotations

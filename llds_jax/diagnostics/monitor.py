@@ -17,7 +17,7 @@ step), so a single drop means nothing; a t-statistic over a window scales the tr
 its own noise, so one threshold works for any model or batch size. Medians make the
 surge test immune to one-off gradient spikes. ``patience`` turns rare chance excursions
 of the t-statistic on a flat stream into a negligible false-alarm rate (measured in
-BUILD_NOTES.md, diagnostics section). Phase II is released back to I after ``window``
+docs/decisions.md, Diagnostics). Phase II is released back to I after ``window``
 consecutive steps without the decay condition, so a raised λ can be judged on fresh data.
 
 On entering phase II the monitor returns an action (``on_phase_two``): ``log``,

@@ -3,7 +3,7 @@
 Search-R1 feeds whole 100-word passages (≈130 tokens each, ≈480 for top-3) back to the
 policy. On a CPU that feedback dominates sequence length and so the cost of every rollout
 and update; cutting each doc to ≈60 tokens makes sequences ≈30% shorter and the answer is
-usually in a passage's opening (STACK.md, measured). It is a *view*: the underlying
+usually in a passage's opening (docs/decisions.md, Retrieval). It is a *view*: the underlying
 retriever, its ranking and the SPEC §2 doc format are unchanged, and the warm-up, RL and
 evaluation all see the same cut: ``build_retriever`` applies it from ``retrieval.max_doc_tokens``
 (0 = whole passages, the reference).

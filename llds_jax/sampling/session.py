@@ -1,8 +1,8 @@
 """A multi-turn decoding session: one live KV cache for a batch of conversations.
 
 The rollout alternates "every active row writes an action" and "some rows receive tool
-feedback". Re-prefilling the whole history each turn costs O(context) per turn and, in
-the measured PyTorch reference run (STACK.md), dominated generation time; a session keeps
+feedback". Re-prefilling the whole history each turn costs O(context) per turn, which
+dominates a multi-turn rollout's generation time (docs/decisions.md); a session keeps
 the cache and only ever feeds it new tokens:
 
     start(prompts, ids) prefill the right-padded prompts, in chunks    (extend)

@@ -4,8 +4,8 @@ and attends over each row's live slots only.
 Why a kernel: in plain XLA the decode step writes its keys with a scatter (each row at its own
 slot) and attention reads the cache in a key-block loop. XLA:TPU gives the scatter a cache
 layout of its own and brackets it with two whole-cache ``copy`` ops per layer per token, and
-it copies a cache that an inner loop reads while the decode loop updates it (BUILD_NOTES →
-"TPU copy diagnosis": 60 cache-sized copies per token for SmolLM2-135M's 30 layers). Here the
+it copies a cache that an inner loop reads while the decode loop updates it (60 cache-sized
+copies per token for SmolLM2-135M's 30 layers; docs/decisions.md, Models and attention). Here the
 cache is an aliased HBM operand: the kernel DMAs the live key blocks in (double-buffered),
 folds them into FlashAttention's online softmax, and DMAs the one new row out. No XLA op
 touches the cache, so nothing copies it.
