@@ -130,7 +130,10 @@ def decoder_config(model_cfg) -> DecoderConfig:
             overrides["vocab_size"] = padded_vocab(len(load_tokenizer(model_cfg)))
         return tiny_config(source.split(":", 1)[1], **overrides)
     if source.startswith("random:"):
-        return known_config(source.split(":", 1)[1], **overrides)
+        try:
+            return known_config(source.split(":", 1)[1], **overrides)
+        except KeyError:
+            raise ModelSourceError(f"model.source={source!r}: not a known shape ({', '.join(KNOWN_MODELS)})") from None
     path = Path(source).expanduser()
     if source == "smollm2" or path.exists():  # what the loader would read: the GGUF, a run's newest export
         path = resolve_model_path(source)
@@ -152,9 +155,7 @@ def known_config(name: str, **overrides) -> DecoderConfig:
     for known, fields in KNOWN_MODELS.items():
         if name.lower() in (known.lower(), known.lower() + "-instruct"):
             return DecoderConfig.from_hf_config(fields, **overrides)
-    if not name:
-        raise KeyError(name)
-    raise ModelSourceError(f"model.source='random:{name}': not a known shape ({', '.join(KNOWN_MODELS)})")
+    raise KeyError(name)
 
 
 def random_model(config: DecoderConfig, mesh=None, seed: int = 0):

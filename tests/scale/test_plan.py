@@ -253,3 +253,12 @@ def test_the_plan_decodes_in_the_trainers_waves():
     assert "32 trajectories in 4 wave(s) of 8 rows (rollout.max_concurrent_rows)" in " ".join(plan.notes), plan.notes
     assert plan.phase_extra["decode"]["kv_cache"] * 4 == pytest.approx(everything.phase_extra["decode"]["kv_cache"],
                                                                         rel=0.01)
+
+
+def test_random_weights_take_a_known_models_shapes_and_name_an_unknown_one():
+    c = base_config()
+    c.model.source = "random:Qwen2.5-0.5B"
+    assert decoder_config(c.model).num_layers == 24
+    c.model.source = "random:Mystery-9B"
+    with pytest.raises(ModelSourceError, match="model.source='random:Mystery-9B': not a known shape"):
+        decoder_config(c.model)
