@@ -68,6 +68,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message names the directory or file and the reason."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """The restore target is not the saved tree (a leaf missing, extra, or of another shape/dtype):
+    the run's config changed since the save. Checked on the saved metadata before any array is read."""
+
+
 class CheckpointCorruptError(CheckpointError):
     """A committed checkpoint whose files no longer match what was written."""
 
@@ -194,6 +199,7 @@ class Checkpointer:
                 f"(committed: {self.all_steps() or 'none'})")
         _require_shardings(abstract_state)
         verify_integrity(self.step_dir(step), checksums=self.integrity == "crc32")
+        self._check_target(step, abstract_state)
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(
                 **{STATE_ITEM: ocp.args.StandardRestore(abstract_state),
@@ -204,6 +210,33 @@ class Checkpointer:
                 f"checkpoint is damaged or the abstract state does not match the saved tree "
                 f"(same leaves, shapes, dtypes)") from err
         return Restored(step=step, state=out[STATE_ITEM], extra=dict(out[EXTRA_ITEM] or {}))
+
+    def _check_target(self, step: int, abstract_state: Any) -> None:
+        """Compare the target's leaves with the saved metadata (paths, shapes, dtypes) before reading
+        any array: a mismatch names its first leaf instead of failing inside tensorstore mid-read."""
+        try:
+            # The item's own handler reads it: a manager that did not write this step knows no handler.
+            metadata = ocp.StandardCheckpointHandler().metadata(self.step_dir(step) / STATE_ITEM)
+        except Exception as err:  # metadata files missing or unreadable: the checkpoint itself is bad
+            raise CheckpointCorruptError(f"{self.step_dir(step)}: its tree metadata cannot be read "
+                                         f"({type(err).__name__}: {err})") from err
+        saved = _leaves_by_path(getattr(metadata, "tree", metadata))
+        target = _leaves_by_path(abstract_state)
+        where = self.step_dir(step)
+        for name, absent, present in (("the checkpoint lacks", target.keys() - saved.keys(), "target"),
+                                      ("the target lacks", saved.keys() - target.keys(), "checkpoint")):
+            if absent:
+                raise CheckpointMismatchError(
+                    f"{where}: {len(absent)} leaf/leaves of the {present} that {name}, first {sorted(absent)[0]!r}; "
+                    f"was the run's config (model, optimizer, rl.kl_coef) changed since the save?")
+        for path, leaf in target.items():
+            old = saved[path]
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):  # saved as its raw key data
+                leaf = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+            if tuple(old.shape) != tuple(leaf.shape) or jax.numpy.dtype(old.dtype) != jax.numpy.dtype(leaf.dtype):
+                raise CheckpointMismatchError(
+                    f"{where}: leaf {path!r} was saved as {tuple(old.shape)} {old.dtype}, the target is "
+                    f"{tuple(leaf.shape)} {leaf.dtype}; was the run's config (model, optimizer) changed since the save?")
 
     def restore_latest(self, abstract_state: Any) -> Restored | None:
         """The newest committed checkpoint, or None if there is none (a fresh run).
@@ -354,6 +387,14 @@ def _check_json(extra: dict) -> None:
             json.dumps(value)
         except (TypeError, ValueError) as err:
             raise TypeError(f"checkpoint extra[{key!r}] is not JSON-serialisable: {err}") from err
+
+
+def _leaves_by_path(tree: Any) -> dict[str, Any]:
+    """Leaves keyed by a path of plain names (attribute, key or index), the form Orbax saves a tree in."""
+    def name(key) -> str:
+        return str(getattr(key, "name", getattr(key, "key", getattr(key, "idx", key))))
+
+    return {"/".join(name(k) for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _require_shardings(abstract_state: Any) -> None:

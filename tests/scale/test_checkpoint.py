@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import shutil
 import signal
 
@@ -20,6 +21,7 @@ from llds_jax.train.checkpoint import (
     CheckpointCorruptError,
     Checkpointer,
     CheckpointError,
+    CheckpointMismatchError,
     abstract_like,
     parse_resume,
     resume,
@@ -180,8 +182,19 @@ def test_restore_target_mismatch_and_missing_sharding_are_loud(saved_on_2x4):
     wrong_shape = _abstract_on(toy_train.make_mesh((2, 4)))
     w = wrong_shape["params"]["w"]
     wrong_shape["params"]["w"] = jax.ShapeDtypeStruct((8, 8), w.dtype, sharding=w.sharding)
-    with pytest.raises(CheckpointCorruptError, match="checkpoints/2.*same leaves, shapes"):
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("a mismatched target must be refused before any array is read")
+
+    ckpt._manager.restore = no_read
+    saved = tuple(state["params"]["w"].shape)
+    with pytest.raises(CheckpointMismatchError, match="checkpoints/2: leaf 'params/w' was saved as " + re.escape(str(saved))):
         ckpt.restore(2, wrong_shape)
+    extra_leaf = _abstract_on(toy_train.make_mesh((2, 4)))
+    extra_leaf["params"]["bias2"] = extra_leaf["params"]["w"]
+    with pytest.raises(CheckpointMismatchError, match="that the checkpoint lacks, first 'params/bias2'"):
+        ckpt.restore(2, extra_leaf)
+    del ckpt._manager.restore
     gc.collect()
     with pytest.raises(CheckpointError, match="step 5"):
         ckpt.restore(5, abstract_like(state))
