@@ -33,17 +33,12 @@ from llds_jax.diagnostics.from_rollout import response_batch_from_rollout
 from llds_jax.diagnostics.monitor import Action
 from llds_jax.parallel import distributed
 from llds_jax.rollout.multi_turn import run_rollouts
-from llds_jax.rollout.reward import exact_match
+from llds_jax.rollout.reward import em_rewards
 from llds_jax.train.batch import TrainBatch
 from llds_jax.train.learner import Learner, logprob_gap
 from llds_jax.train.metrics import MetricsWriter
 from llds_jax.train.step import StepSizes
 from llds_jax.train.utilisation import device_count, step_utilisation
-
-
-def em_rewards(answers, golden) -> np.ndarray:
-    """EM of each trajectory's own last ``<answer>`` (None → 0; the prompt's example never counts)."""
-    return np.array([0.0 if a is None else exact_match(a, g) for a, g in zip(answers, golden)], np.float32)
 
 
 def rollout_metrics(rollout, rewards: np.ndarray) -> dict[str, float]:
@@ -111,13 +106,16 @@ def combine_over_hosts(metrics: dict[str, float]) -> dict[str, float]:
 
 def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, writer: MetricsWriter, config, *,
             start_step: int = 0, on_step_end: Callable[[int, dict, dict], Any] | None = None,
-            monitor: DeathSpiralMonitor | None = None) -> list[dict[str, float]]:
+            monitor: DeathSpiralMonitor | None = None,
+            reward_fn: Callable[[list, list], np.ndarray] | None = None) -> list[dict[str, float]]:
     """Run RL steps ``start_step .. train.total_steps - 1``; returns the per-step metric dicts.
 
     ``on_step_end(step, metrics, per_mini_batch)`` runs after a step is logged (checkpointing,
     the non-finite streak); ``per_mini_batch`` holds the update's per-mini-batch numpy arrays
     (``update/skipped``: 1.0 where that mini-batch's update was non-finite and skipped), in
     update order. Returning ``"stop"`` ends the loop early (preemption, non-finite streak).
+    ``reward_fn(answers, golden_answers_per_row) -> [N] float32`` scores each trajectory's own last
+    answer; default ``rollout.reward.em_rewards`` (the one EM, also eval's).
     """
     history = []
     base_key = jax.random.key(config.seed)
@@ -137,7 +135,7 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
                                [r.question for r in batch.records[share]], retriever, config.rollout, key=key,
                                group_ids=list(range(share.start, share.stop)))
         golden = [batch.records[g].golden_answers for g in rollout.group_ids]
-        rewards = em_rewards(rollout.answers, golden)
+        rewards = (reward_fn or em_rewards)(rollout.answers, golden)
         host_batch = TrainBatch.from_rollout(rollout, rewards, length=learner.seq_len,
                                              ma_search_count=config.rl.ma_search_count)
         metrics = rollout_metrics(rollout, rewards)

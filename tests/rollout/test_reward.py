@@ -117,3 +117,9 @@ def test_em_ignores_case_ascii_punctuation_and_spacing(text, punct):
 def test_extract_answer_returns_the_last_block_stripped(inner, trailing):
     text = f"<answer>decoy</answer> {trailing} <answer>{inner}</answer>"
     assert extract_answer(text) == inner.strip()
+
+
+def test_the_trainer_scores_with_this_em_and_no_copy_of_it():
+    from llds_jax.train import loop
+
+    assert loop.em_rewards is em_rewards
