@@ -3,7 +3,8 @@
 # 3 steps of a Qwen2.5-0.5B-shaped job with random weights at the paper's shapes, and the plan's
 # prediction of that step, in one table. Needs no network; ≤ 8 min on one H100.
 #
-#   launch/device_check.sh --tokenizer DIR [--out DIR] [--plan-json FILE] [--skip parity|train] [-- CONFIG FLAGS]
+#   launch/device_check.sh --tokenizer DIR [--out DIR] [--plan-json FILE] [--skip parity|train] [--with-passes]
+#                          [-- CONFIG FLAGS]
 #   launch/device_check.sh --dry-run      # tiny model on CPU, ≈ 1 min (the test suite runs it)
 #
 # On a machine whose image lacks the wheels of launch/device_check_wheels.txt, put them in .whl/
@@ -21,7 +22,8 @@ while [ $# -gt 0 ]; do
     --tokenizer) need_value "$@"; TOKENIZER=$2; shift 2 ;;
     --plan-json|--skip|--hardware|--train-timeout) need_value "$@"; ARGS+=("$1=$2"); shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    --with-passes) ARGS+=("$1"); shift ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     --) shift; ARGS+=("$@"); break ;;
     *) die "unknown option $1 (see --help)" ;;
   esac

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_dry_run_runs_every_part_and_prints_the_table(tmp_path, shared_dir):
-    proc = subprocess.run(["bash", "launch/device_check.sh", "--dry-run", "--out", str(tmp_path),
+    proc = subprocess.run(["bash", "launch/device_check.sh", "--dry-run", "--with-passes", "--out", str(tmp_path),
                            "--tokenizer", str(shared_dir / "assets" / "qwen2_tokenizer")],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
