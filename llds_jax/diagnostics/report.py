@@ -27,7 +27,7 @@ from llds_jax.diagnostics.monitor import MonitorConfig, MonitorReport, Phase, ph
 from llds_jax.errors import InputError
 
 PHASE_COLOURS = {Phase.STEADY_DECAY: "#f5b041", Phase.ACCELERATION: "#e74c3c"}
-_ACTION_KEY = re.compile(r"^diag/ll_(correct|incorrect)/action(\d+)$")
+_ACTION_KEY = re.compile(r"^diag/(ll|logodds)_(correct|incorrect)/action(\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,20 +42,26 @@ class Panel:
 
 
 def panels_for(present: set[str]) -> list[Panel]:
-    def by_action(kind: str) -> tuple[str, ...]:
-        matches = [k for k in present if (m := _ACTION_KEY.match(k)) and m[1] == kind]
-        return tuple(sorted(matches, key=lambda k: int(_ACTION_KEY.match(k)[2])))
+    def by_action(kind: str, measure: str = "ll") -> tuple[str, ...]:
+        matches = [k for k in present if (m := _ACTION_KEY.match(k)) and m[1] == measure and m[2] == kind]
+        return tuple(sorted(matches, key=lambda k: int(_ACTION_KEY.match(k)[3])))
 
     return [
         Panel("reward", "Reward (EM)", (keys.REWARD_MEAN,), "mean reward"),
         Panel("likelihood", "Log-likelihood under π_old: correct (A>0) vs incorrect (A<0)",
-              (keys.LL_CORRECT, keys.LL_INCORRECT), "nats / token"),
+              (keys.LL_CORRECT, keys.LL_INCORRECT, keys.LL_OFFICIAL_POS), "nats / token"),
         Panel("likelihood_correct_by_action", "Correct responses: log-likelihood by action index",
               by_action("correct"), "nats / token"),
         Panel("likelihood_incorrect_by_action", "Incorrect responses: log-likelihood by action index",
               by_action("incorrect"), "nats / token"),
+        # Log-odds do not saturate where log-probs do (a falling margin is visible in phase II).
+        Panel("logodds_by_action", "Log-odds log p − log(1−p) by action: correct vs incorrect",
+              by_action("correct", "logodds") + by_action("incorrect", "logodds"), "log-odds / token"),
         Panel("lld_rate", "LLD rate: correct responses with Δ ≤ 0", (keys.LLD_RATE,), "fraction"),
-        Panel("grad_norm", "Gradient norm before clipping", (keys.GRAD_NORM,), "global norm", log_y=True),
+        Panel("identical_first_action", "Mixed groups whose first actions are token-identical",
+              (keys.IDENTICAL_FIRST_ACTION_FRAC,), "fraction"),
+        Panel("grad_norm", "Gradient norm before clipping (and per active row)",
+              (keys.GRAD_NORM, keys.GRAD_NORM_PER_ACTIVE_ROW), "global norm", log_y=True),
         Panel("entropy", "Token entropy of π_old (action tokens)", (keys.POLICY_ENTROPY,), "nats"),
         Panel("searches", "Searches per trajectory and valid-action rate",
               (keys.SEARCHES, keys.VALID_ACTION_RATE), "count / fraction"),
