@@ -73,6 +73,7 @@ class Run:
     name: str
     rows: list[dict[str, float]]
     reports: list[MonitorReport]
+    probes: list[dict] = dataclasses.field(default_factory=list)  # <workdir>/probe/<step>/probe.json, by step
 
     @property
     def steps(self) -> np.ndarray:
@@ -124,7 +125,50 @@ def load_run(workdir: str | Path, monitor: MonitorConfig = MonitorConfig()) -> R
         raise InputError(f"{workdir}/metrics.jsonl does not exist: name a run directory with "
                          "--config.workdir=RUN_DIR (or --config.report.compare=RUN_A,RUN_B)")
     rows = load_metrics(workdir / "metrics.jsonl")
-    return Run(workdir.name or str(workdir), rows, replay(rows, monitor))
+    return Run(workdir.name or str(workdir), rows, replay(rows, monitor), load_probes(workdir))
+
+
+def load_probes(workdir: str | Path) -> list[dict]:
+    """The per-sample probe results of a run (``llds_jax.lab.probe``), sorted by checkpoint step."""
+    probes = []
+    for path in Path(workdir).glob("probe/*/probe.json"):
+        try:
+            probes.append(json.loads(path.read_text(encoding="utf-8")))
+        except json.JSONDecodeError as err:
+            raise InputError(f"{path}: not valid JSON ({err.msg})") from None
+    return sorted(probes, key=lambda p: p["step"])
+
+
+def _draw_probe(runs: Sequence[Run], path: Path) -> bool:
+    """``probe.png``: LLD share and Δ(x) over checkpoints for every run that has probes; False if none."""
+    if not any(run.probes for run in runs):
+        return False
+    plt = _pyplot()
+    figure, (share, delta) = plt.subplots(1, 2, figsize=(14, 4.2), constrained_layout=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, run in enumerate(r for r in runs if r.probes):
+        colour = colours[index % len(colours)]
+        steps = [p["step"] for p in run.probes]
+        value = lambda p, key: math.nan if p.get(key) is None else p[key]  # noqa: E731
+        share.plot(steps, [value(p, "lld_share") for p in run.probes], "-o", color=colour,
+                   label=f"{run.name}: optimizer")
+        share.plot(steps, [value(p, "lld_share_sgd") for p in run.probes], "--s", color=colour,
+                   label=f"{run.name}: SGD, fixed |Δ log p|")
+        delta.plot(steps, [value(p, "delta_mean") for p in run.probes], "-o", color=colour,
+                   label=f"{run.name}: Δ(x) total")
+        first = [math.nan if not p.get("delta_by_action") or p["delta_by_action"][0] is None
+                 else p["delta_by_action"][0] for p in run.probes]
+        delta.plot(steps, first, ":^", color=colour, label=f"{run.name}: Δ(x) action 0")
+    share.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+    share.set(title="Probe: mixed groups with Δ(x) < 0 (lld_share)", xlabel="checkpoint step", ylabel="share")
+    delta.axhline(0.0, color="grey", linewidth=0.8)
+    delta.set(title="Probe: mean Δ(x) of correct responses (Eq. 3)", xlabel="checkpoint step", ylabel="nats")
+    for axis in (share, delta):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return True
 
 
 def _pyplot():
@@ -153,8 +197,15 @@ def write_report(runs: Sequence[Run], out_dir: str | Path) -> Path:
         plt.close(figure)
         drawn.append(panel)
     _draw_overview(drawn, runs, out_dir / "overview.png")
+    probed = _draw_probe(runs, out_dir / "probe.png")
     summary = out_dir / "summary.md"
-    summary.write_text(_summary_markdown(runs, drawn), encoding="utf-8")
+    text = _summary_markdown(runs, drawn)
+    if probed:
+        text += ("\n## Per-sample probe over checkpoints (`--mode=probe`)\n\nShare of mixed groups whose correct "
+                 "responses lose likelihood after one isolated GRPO update (Eq. 3): the run's optimizer (solid) "
+                 "and a fixed-size SGD step (dashed); right: mean Δ(x) of action 0 and in total.\n\n"
+                 "![probe](probe.png)\n")
+    summary.write_text(text, encoding="utf-8")
     return summary
 
 
