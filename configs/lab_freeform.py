@@ -30,8 +30,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from lab_grpo import get_config as lab_config  # noqa: E402
 
-from llds_jax.lab.probe import default_probe_config  # noqa: E402
-
 
 def get_config():
     c = lab_config()
@@ -54,5 +52,4 @@ def get_config():
     c.optim.lr = 8e-4  # the ramp's end; it passes the first world's collapse range (4e-4–5e-4) mid-run
     c.optim.warmup_ratio = 1.0  # linear ramp over the whole run ...
     c.optim.lr_first_step_zero = True  # ... from lr 0 at step 0 (verl's schedule)
-    c.probe = default_probe_config()
     return c

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from llds_jax.diagnostics import keys
-from llds_jax.diagnostics.monitor import window_slope
+from llds_jax.diagnostics.monitor import MonitorConfig, Phase, replay, window_slope
 from llds_jax.diagnostics.report import load_probes, read_rows
 
 PHASE_TWO_STEPS = 30
@@ -134,6 +134,28 @@ def describe(rows, probes) -> dict:
     return out
 
 
+# The monitor as shipped (likelihood in nats, raw grad norm) and read on issue 43's quantities.
+MONITORS = {
+    "default": MonitorConfig(),
+    "logodds": MonitorConfig(likelihood_key=LOGODDS_KEY, grad_norm_key=keys.GRAD_NORM_PER_ACTIVE_ROW),
+    "logodds_w30": MonitorConfig(likelihood_key=LOGODDS_KEY, grad_norm_key=keys.GRAD_NORM_PER_ACTIVE_ROW,
+                                 window=30, decay_t=4.0, patience=5),
+}
+
+
+def monitor_onsets(rows, fall_step: int | None) -> dict:
+    """Per monitor setting: first phase-II and phase-III steps, and phase II's lead over the fall."""
+    out = {}
+    for name, config in MONITORS.items():
+        reports = replay(rows, config)
+        onset = {phase: next((r.step for r in reports if r.phase is phase and r.changed), None)
+                 for phase in (Phase.STEADY_DECAY, Phase.ACCELERATION)}
+        two = onset[Phase.STEADY_DECAY]
+        out[name] = {"phase2": two, "phase3": onset[Phase.ACCELERATION],
+                     "lead": None if two is None or fall_step is None else fall_step - two}
+    return out
+
+
 def evaluate(grpo_dir: str | Path, llds_dir: str | Path | None = None) -> dict:
     rows, probes = read_rows(Path(grpo_dir) / "metrics.jsonl"), load_probes(grpo_dir)
     windows = phase_two_windows(rows, probes)
@@ -141,10 +163,12 @@ def evaluate(grpo_dir: str | Path, llds_dir: str | Path | None = None) -> dict:
               "a_windows": windows[:3]}
     if windows:
         result["b_acceleration"] = acceleration(rows, windows[0])
+    result["monitor"] = monitor_onsets(rows, result["describe"]["fall_step"])
     if llds_dir is not None:
         llds_rows = read_rows(Path(llds_dir) / "metrics.jsonl")
         llds = describe(llds_rows, load_probes(llds_dir))
         result["llds"] = {"run": str(llds_dir), "describe": llds,
+                          "monitor": monitor_onsets(llds_rows, llds["fall_step"]),
                           "c_protects": bool(llds["reward10_final"] >= 0.7 * llds["reward10_peak"]
                                              and llds["reward10_final"] >= result["describe"]["reward10_final"])}
     return result

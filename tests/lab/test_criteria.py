@@ -53,3 +53,9 @@ def test_no_phase_two_without_a_rising_probe_share_or_with_flat_log_odds(tmp_pat
     stable = write(tmp_path / "stable", spiral_rows(2, decay=False), PROBES)
     result = evaluate(stable)
     assert not result["a_phase_two"] and result["describe"]["fall_step"] is None
+
+
+def test_the_monitor_on_log_odds_warns_before_the_fall_of_a_textbook_spiral(tmp_path):
+    result = evaluate(write(tmp_path / "grpo", spiral_rows(), PROBES))
+    logodds = result["monitor"]["logodds"]
+    assert logodds["phase2"] is not None and logodds["lead"] >= 20, logodds
