@@ -13,6 +13,7 @@ config with LLDS switched on. See docs/death_spiral_lab.md.
 
 from llds_jax.app.config import base_config
 from llds_jax.lab.prepare import default_lab_config
+from llds_jax.lab.probe import default_probe_config
 
 
 def get_config():
@@ -56,4 +57,5 @@ def get_config():
     c.eval.limit = 32
     c.eval.batch_size = 16
     c.eval.greedy = True
+    c.probe = default_probe_config()  # --mode=probe on this run's checkpoints (llds_jax.lab.probe)
     return c

@@ -30,6 +30,7 @@ MODES = {
     "report": "llds_jax.diagnostics.report:report_main",
     "plan": "llds_jax.plan.run:plan_main",
     "sweep": "llds_jax.app.sweep:sweep_main",
+    "probe": "llds_jax.lab.probe:probe_main",  # per-sample LLD probe on a run's checkpoints (issue 43)
 }
 
 EXIT_USER_ERROR = 2

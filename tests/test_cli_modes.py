@@ -114,6 +114,17 @@ def test_report_exits_zero(trained_run):
     assert list(trained_run.rglob("*.png")), "report drew nothing"
 
 
+def test_probe_exits_zero_and_writes_probe_json_and_a_run_without_checkpoints_exits_2(trained_run, tiny_config,
+                                                                                    tmp_path):
+    result = run_main("--mode=probe", f"--config={tiny_config}", f"--config.workdir={trained_run}")
+    assert_exit(result, 0)
+    probes = sorted(trained_run.glob("probe/*/probe.json"))
+    assert probes and "lld_share" in json.loads(probes[-1].read_text())
+    result = run_main("--mode=probe", f"--config={tiny_config}", f"--config.workdir={tmp_path}")
+    assert_exit(result, 2)
+    assert "checkpoints does not exist" in result.stderr
+
+
 def test_report_without_a_run_exits_2_naming_the_file_and_the_flag(tmp_path):
     result = run_main("--mode=report", "--config=configs/cpu_smoke.py", f"--config.workdir={tmp_path / 'never_ran'}")
     assert_exit(result, 2)

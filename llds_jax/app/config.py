@@ -88,6 +88,7 @@ def base_config() -> ml_collections.ConfigDict:
         max_action_tokens_per_row=0,
         warmup_sft_steps=0,        # format warm-up steps run before RL (see the sft section)
         save_every=100,
+        keep_checkpoints=3,        # newest checkpoints kept; the lab's probe reads one every few steps (issue 43)
         tensorboard=True,
         delta_diagnostics=True,    # one extra no-grad forward after the updates: Δ = logπ_new − logπ_old (LLD rate)
         delta_every=1,             # ... on every k-th RL step only (steps 0, k, 2k, ...): the forward costs ≈ 1/3 of an update
@@ -257,6 +258,7 @@ def _check_train(config) -> None:
     limit = t.get("max_nonfinite_updates", 0)
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise TrainConfigError(f"train.max_nonfinite_updates={limit!r} must be an integer ≥ 0 (0 = never stop)")
+    _positive(config, "train.keep_checkpoints")
     for path in ("train.save_every", "train.samples_per_step", "train.max_action_tokens_per_row"):
         _non_negative(config, path)
     _positive(config, "train.delta_every")

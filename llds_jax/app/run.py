@@ -115,7 +115,7 @@ def train(config) -> dict:
     workdir, mesh, model, tokenizer, retriever, writer = _setup(config)
     records = load_questions(config.data.train, config.data.limit_per_source or None)
     prompts = PromptIterator(records, config.train.prompts_per_step, seed=config.seed, shuffle=config.data.shuffle)
-    ckpt = Checkpointer(workdir.resolve(), keep=3)  # Orbax needs an absolute path
+    ckpt = Checkpointer(workdir.resolve(), keep=config.train.get("keep_checkpoints", 3))  # Orbax: absolute path
     timings = {}
 
     start_step = 0

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from llds_jax.diagnostics.step_metrics import ResponseBatch
+from llds_jax.diagnostics.step_metrics import ResponseBatch, token_logodds
 
 
 def per_action_sums_np(token_values: np.ndarray, action_index: np.ndarray, num_actions: int) -> np.ndarray:
@@ -50,6 +50,14 @@ def first_search_feedback(rollout) -> list[tuple[tuple[int, ...]] | None]:
     return keys
 
 
+def first_action_ids(rollout) -> list[tuple[int, ...]]:
+    """Per row, the token ids the model wrote in its first action (action index 0, loss-mask 1)."""
+    index = np.asarray(rollout.action_index)
+    mask = np.asarray(rollout.action_mask, bool)
+    ids = np.asarray(rollout.input_ids)
+    return [tuple(int(t) for t in ids[row, mask[row] & (index[row] == 0)]) for row in range(mask.shape[0])]
+
+
 def response_batch_from_rollout(
     rollout,
     *,
@@ -68,6 +76,7 @@ def response_batch_from_rollout(
     mask = np.asarray(rollout.action_mask, bool)
     width = mask.shape[1]  # the trainer's arrays are padded to its fixed length: extra columns are padding
     old = np.where(mask, np.asarray(old_logprobs, np.float64)[:, :width], 0.0)
+    logodds = np.where(mask, token_logodds(old), 0.0)
     delta = None
     if new_logprobs is not None:
         new = np.where(mask, np.asarray(new_logprobs, np.float64)[:, :width], 0.0)
@@ -80,4 +89,6 @@ def response_batch_from_rollout(
         delta_logp_per_action=delta,
         group_id=np.asarray(rollout.group_ids),
         first_search_docs=first_search_feedback(rollout),
+        logodds_per_action=per_action_sums_np(logodds, index, num_action_slots),
+        first_action_ids=first_action_ids(rollout),
     )

@@ -59,6 +59,7 @@ LOSS_TOTAL = "loss/total"
 LLDS_VALUE = "llds/value"
 LLDS_LAMBDA = "llds/lambda"
 GRAD_NORM = "grad/norm_preclip"
+GRAD_NORM_PER_ACTIVE_ROW = "grad/norm_per_active_row"
 POLICY_ENTROPY = "policy/entropy"
 UPDATE_SKIPPED = "update/skipped"
 OPTIM_LR = "optim/lr"
@@ -67,6 +68,9 @@ VALID_ACTION_RATE = "rollout/valid_action_rate"
 LL_CORRECT = "diag/ll_correct/all"
 LL_INCORRECT = "diag/ll_incorrect/all"
 LLD_RATE = "diag/lld_rate"
+LOGODDS_CORRECT_FIRST = "diag/logodds_correct/action0"
+LL_OFFICIAL_POS = "diag/ll_official_pos"
+IDENTICAL_FIRST_ACTION_FRAC = "diag/identical_first_action_frac"
 FIRST_ACTION_CORRECT_RATE = "diag/first_action_correct_rate"
 MONITOR_PHASE = "monitor/phase"
 STEP_SECONDS = "time/step_s"
@@ -145,6 +149,8 @@ TABLE: tuple[Metric, ...] = (
            phases=("rl", "sft"), hosts="global", mini_batches="mean"),
     Metric("grad/norm_preclip_max", "global norm", "largest pre-clip gradient norm of the step", hosts="global",
            mini_batches="max", from_update=GRAD_NORM),
+    Metric(GRAD_NORM_PER_ACTIVE_ROW, "global norm", "grad/norm_preclip / advantage/nonzero_frac: the token-mean "
+           "norm undiluted by zero-advantage rows (null when no row has A ≠ 0)"),
     Metric("grad/clip_scale", "factor", "min(1, clip_norm / norm) applied to the gradient", hosts="global",
            mini_batches="mean"),
     Metric(OPTIM_LR, "lr", "learning rate of the step", phases=("rl", "sft"), hosts="global",
@@ -164,6 +170,13 @@ TABLE: tuple[Metric, ...] = (
     Metric("diag/ll_incorrect/action{k}", "nats/token", "the same for incorrect responses"),
     Metric("diag/ll_incorrect/later", "nats/token", "the same for incorrect responses"),
     Metric(LL_INCORRECT, "nats/token", "the same for incorrect responses"),
+    Metric("diag/logodds_correct/action{k}", "log-odds/token", "token mean of log p − log(1−p) (each clipped to "
+           "±15) under π_old, correct responses' action k: falls linearly where log p saturates"),
+    Metric("diag/logodds_incorrect/action{k}", "log-odds/token", "the same for incorrect responses"),
+    Metric(LL_OFFICIAL_POS, "nats/token", "Σ log π_old over A ≥ 0 responses' action tokens / all action tokens "
+           "(the official code's pos_avg_old_log_prob)"),
+    Metric(IDENTICAL_FIRST_ACTION_FRAC, "fraction", "mixed groups (A > 0 and A < 0 members) whose first actions "
+           "are token-identical (no net on-policy gradient on them)"),
     Metric(LLD_RATE, "fraction", "correct responses with Δ = Σ(log π_new − log π_old) ≤ 0 after the updates",
            when=_DELTA_WHEN),
     Metric("diag/lld_rate/action{k}", "fraction", "the same per action k", when=_DELTA_WHEN),

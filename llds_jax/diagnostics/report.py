@@ -27,7 +27,7 @@ from llds_jax.diagnostics.monitor import MonitorConfig, MonitorReport, Phase, ph
 from llds_jax.errors import InputError
 
 PHASE_COLOURS = {Phase.STEADY_DECAY: "#f5b041", Phase.ACCELERATION: "#e74c3c"}
-_ACTION_KEY = re.compile(r"^diag/ll_(correct|incorrect)/action(\d+)$")
+_ACTION_KEY = re.compile(r"^diag/(ll|logodds)_(correct|incorrect)/action(\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,20 +42,26 @@ class Panel:
 
 
 def panels_for(present: set[str]) -> list[Panel]:
-    def by_action(kind: str) -> tuple[str, ...]:
-        matches = [k for k in present if (m := _ACTION_KEY.match(k)) and m[1] == kind]
-        return tuple(sorted(matches, key=lambda k: int(_ACTION_KEY.match(k)[2])))
+    def by_action(kind: str, measure: str = "ll") -> tuple[str, ...]:
+        matches = [k for k in present if (m := _ACTION_KEY.match(k)) and m[1] == measure and m[2] == kind]
+        return tuple(sorted(matches, key=lambda k: int(_ACTION_KEY.match(k)[3])))
 
     return [
         Panel("reward", "Reward (EM)", (keys.REWARD_MEAN,), "mean reward"),
         Panel("likelihood", "Log-likelihood under π_old: correct (A>0) vs incorrect (A<0)",
-              (keys.LL_CORRECT, keys.LL_INCORRECT), "nats / token"),
+              (keys.LL_CORRECT, keys.LL_INCORRECT, keys.LL_OFFICIAL_POS), "nats / token"),
         Panel("likelihood_correct_by_action", "Correct responses: log-likelihood by action index",
               by_action("correct"), "nats / token"),
         Panel("likelihood_incorrect_by_action", "Incorrect responses: log-likelihood by action index",
               by_action("incorrect"), "nats / token"),
+        # Log-odds do not saturate where log-probs do (a falling margin is visible in phase II).
+        Panel("logodds_by_action", "Log-odds log p − log(1−p) by action: correct vs incorrect",
+              by_action("correct", "logodds") + by_action("incorrect", "logodds"), "log-odds / token"),
         Panel("lld_rate", "LLD rate: correct responses with Δ ≤ 0", (keys.LLD_RATE,), "fraction"),
-        Panel("grad_norm", "Gradient norm before clipping", (keys.GRAD_NORM,), "global norm", log_y=True),
+        Panel("identical_first_action", "Mixed groups whose first actions are token-identical",
+              (keys.IDENTICAL_FIRST_ACTION_FRAC,), "fraction"),
+        Panel("grad_norm", "Gradient norm before clipping (and per active row)",
+              (keys.GRAD_NORM, keys.GRAD_NORM_PER_ACTIVE_ROW), "global norm", log_y=True),
         Panel("entropy", "Token entropy of π_old (action tokens)", (keys.POLICY_ENTROPY,), "nats"),
         Panel("searches", "Searches per trajectory and valid-action rate",
               (keys.SEARCHES, keys.VALID_ACTION_RATE), "count / fraction"),
@@ -67,6 +73,7 @@ class Run:
     name: str
     rows: list[dict[str, float]]
     reports: list[MonitorReport]
+    probes: list[dict] = dataclasses.field(default_factory=list)  # <workdir>/probe/<step>/probe.json, by step
 
     @property
     def steps(self) -> np.ndarray:
@@ -118,7 +125,50 @@ def load_run(workdir: str | Path, monitor: MonitorConfig = MonitorConfig()) -> R
         raise InputError(f"{workdir}/metrics.jsonl does not exist: name a run directory with "
                          "--config.workdir=RUN_DIR (or --config.report.compare=RUN_A,RUN_B)")
     rows = load_metrics(workdir / "metrics.jsonl")
-    return Run(workdir.name or str(workdir), rows, replay(rows, monitor))
+    return Run(workdir.name or str(workdir), rows, replay(rows, monitor), load_probes(workdir))
+
+
+def load_probes(workdir: str | Path) -> list[dict]:
+    """The per-sample probe results of a run (``llds_jax.lab.probe``), sorted by checkpoint step."""
+    probes = []
+    for path in Path(workdir).glob("probe/*/probe.json"):
+        try:
+            probes.append(json.loads(path.read_text(encoding="utf-8")))
+        except json.JSONDecodeError as err:
+            raise InputError(f"{path}: not valid JSON ({err.msg})") from None
+    return sorted(probes, key=lambda p: p["step"])
+
+
+def _draw_probe(runs: Sequence[Run], path: Path) -> bool:
+    """``probe.png``: LLD share and Δ(x) over checkpoints for every run that has probes; False if none."""
+    if not any(run.probes for run in runs):
+        return False
+    plt = _pyplot()
+    figure, (share, delta) = plt.subplots(1, 2, figsize=(14, 4.2), constrained_layout=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, run in enumerate(r for r in runs if r.probes):
+        colour = colours[index % len(colours)]
+        steps = [p["step"] for p in run.probes]
+        value = lambda p, key: math.nan if p.get(key) is None else p[key]  # noqa: E731
+        share.plot(steps, [value(p, "lld_share") for p in run.probes], "-o", color=colour,
+                   label=f"{run.name}: optimizer")
+        share.plot(steps, [value(p, "lld_share_sgd") for p in run.probes], "--s", color=colour,
+                   label=f"{run.name}: SGD, fixed |Δ log p|")
+        delta.plot(steps, [value(p, "delta_mean") for p in run.probes], "-o", color=colour,
+                   label=f"{run.name}: Δ(x) total")
+        first = [math.nan if not p.get("delta_by_action") or p["delta_by_action"][0] is None
+                 else p["delta_by_action"][0] for p in run.probes]
+        delta.plot(steps, first, ":^", color=colour, label=f"{run.name}: Δ(x) action 0")
+    share.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+    share.set(title="Probe: mixed groups with Δ(x) < 0 (lld_share)", xlabel="checkpoint step", ylabel="share")
+    delta.axhline(0.0, color="grey", linewidth=0.8)
+    delta.set(title="Probe: mean Δ(x) of correct responses (Eq. 3)", xlabel="checkpoint step", ylabel="nats")
+    for axis in (share, delta):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return True
 
 
 def _pyplot():
@@ -147,8 +197,15 @@ def write_report(runs: Sequence[Run], out_dir: str | Path) -> Path:
         plt.close(figure)
         drawn.append(panel)
     _draw_overview(drawn, runs, out_dir / "overview.png")
+    probed = _draw_probe(runs, out_dir / "probe.png")
     summary = out_dir / "summary.md"
-    summary.write_text(_summary_markdown(runs, drawn), encoding="utf-8")
+    text = _summary_markdown(runs, drawn)
+    if probed:
+        text += ("\n## Per-sample probe over checkpoints (`--mode=probe`)\n\nShare of mixed groups whose correct "
+                 "responses lose likelihood after one isolated GRPO update (Eq. 3): the run's optimizer (solid) "
+                 "and a fixed-size SGD step (dashed); right: mean Δ(x) of action 0 and in total.\n\n"
+                 "![probe](probe.png)\n")
+    summary.write_text(text, encoding="utf-8")
     return summary
 
 

@@ -21,6 +21,17 @@ Definitions (paper §4–5, SPEC §8):
   after the step's updates, in nats per response (Definition 4.1 is on sequence
   likelihood). The *LLD rate* is the share of correct responses with ``Δ ≤ 0``
   (Eq. 2 with ε = 0); per action it is the share of correct responses' actions.
+- *log-odds* of an action (issue 43): the token mean of ``log p − log(1 − p)``, each token's
+  value clipped to ±:data:`LOGODDS_CLIP`. Log-probs saturate: a margin m gives
+  ``log p = −log(1 + e^−m)``, so a margin falling steadily from 4 looks flat in nats for tens
+  of steps and then breaks; the log-odds fall linearly with it (phase II becomes visible).
+- *official likelihood* (``diag/ll_official_pos``): the official LLDS code's
+  ``pos_avg_old_log_prob`` — Σ log π_old over action tokens of responses with A ≥ 0 divided by
+  *all* action tokens of the batch (so its size also moves with the share of A ≥ 0 tokens).
+- *identical first actions*: the share of mixed groups (a response with A > 0 and one with
+  A < 0) whose members' first actions are the same token ids. GRPO advantages sum to zero in a
+  group, so a token whose prefix every member shares gets no net on-policy gradient: where this
+  share is high, the first action cannot carry the paper's near-duplicate displacement.
 - *first-action correctness* (§5.3): an incorrect response whose first search retrieved
   the same documents as some correct response of the same group. The rate is over the
   incorrect responses of groups that contain a correct response (only those can match).
@@ -34,6 +45,17 @@ from collections.abc import Sequence
 import numpy as np
 
 ArrayLike = np.ndarray
+# Per-token log-odds are clipped here: float32 log-softmax resolves log p only to ≈ 1e-7 near 0,
+# i.e. log-odds ≈ 16, so larger values are rounding, not margin (and p = 1 would be +inf).
+LOGODDS_CLIP = 15.0
+
+
+def token_logodds(logp: ArrayLike) -> np.ndarray:
+    """``log p − log(1 − p)`` of token log-probs, clipped to ±LOGODDS_CLIP (exact near p = 1 via expm1)."""
+    logp = np.minimum(np.asarray(logp, np.float64), 0.0)
+    with np.errstate(divide="ignore"):
+        value = logp - np.log(-np.expm1(logp))
+    return np.clip(value, -LOGODDS_CLIP, LOGODDS_CLIP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +75,8 @@ class ResponseBatch:
     group_id: ArrayLike | None = None  # [B] prompt id; GRPO group membership
     # [B] identities (doc ids, or one feedback-ids tuple) of what the first search retrieved; None = no search
     first_search_docs: Sequence[Sequence[object] | None] | None = None
+    logodds_per_action: ArrayLike | None = None  # [B, A] Σ clipped per-token log-odds under π_old
+    first_action_ids: Sequence[Sequence[int]] | None = None  # [B] token ids of each response's first action
 
     def __post_init__(self):
         batch = np.shape(self.advantage)[0]
@@ -64,7 +88,9 @@ class ResponseBatch:
             )
         if self.delta_logp_per_action is not None and np.shape(self.delta_logp_per_action) != slots:
             raise ValueError(f"delta_logp_per_action {np.shape(self.delta_logp_per_action)} != {slots}")
-        for name in ("reward", "group_id", "first_search_docs"):
+        if self.logodds_per_action is not None and np.shape(self.logodds_per_action) != slots:
+            raise ValueError(f"logodds_per_action {np.shape(self.logodds_per_action)} != {slots}")
+        for name in ("reward", "group_id", "first_search_docs", "first_action_ids"):
             value = getattr(self, name)
             if value is not None and len(value) != batch:
                 raise ValueError(f"{name} has {len(value)} rows, advantage has {batch}")
@@ -83,6 +109,14 @@ def step_diagnostics(batch: ResponseBatch) -> dict[str, float]:
     metrics["diag/frac_incorrect"] = float(incorrect.mean()) if advantage.size else np.nan
     metrics.update(likelihood_by_action(batch.old_logp_per_action, batch.tokens_per_action, correct, "correct"))
     metrics.update(likelihood_by_action(batch.old_logp_per_action, batch.tokens_per_action, incorrect, "incorrect"))
+    metrics["diag/ll_official_pos"] = official_positive_likelihood(batch.old_logp_per_action,
+                                                                   batch.tokens_per_action, advantage)
+    if batch.logodds_per_action is not None:
+        for name, selected in (("correct", correct), ("incorrect", incorrect)):
+            metrics.update(logodds_by_action(batch.logodds_per_action, batch.tokens_per_action, selected, name))
+    if batch.first_action_ids is not None and batch.group_id is not None:
+        metrics["diag/identical_first_action_frac"] = identical_first_action_frac(
+            batch.first_action_ids, batch.group_id, advantage)
     if batch.delta_logp_per_action is not None:
         metrics.update(lld_rates(batch.delta_logp_per_action, batch.tokens_per_action, correct))
         delta = np.asarray(batch.delta_logp_per_action, np.float64).sum(axis=1)
@@ -119,6 +153,46 @@ def likelihood_by_action(
     out[f"diag/ll_{name}/all"] = _mean(logp[present].sum(axis=1) / all_tokens[present])
     out[f"diag/num_{name}"] = float(selected.sum())
     return out
+
+
+def logodds_by_action(logodds_per_action: ArrayLike, tokens_per_action: ArrayLike, selected: ArrayLike,
+                      name: str) -> dict[str, float]:
+    """``diag/logodds_{name}/action{k}``: token-mean clipped log-odds of the selected responses' action k,
+    averaged over responses (as :func:`likelihood_by_action` averages log-probs)."""
+    odds = np.asarray(logodds_per_action, np.float64)
+    tokens = np.asarray(tokens_per_action, np.float64)
+    selected = np.asarray(selected, bool)
+    out = {}
+    for k in range(odds.shape[1]):
+        present = selected & (tokens[:, k] > 0)
+        out[f"diag/logodds_{name}/action{k}"] = _mean(odds[present, k] / tokens[present, k])
+    return out
+
+
+def official_positive_likelihood(old_logp_per_action: ArrayLike, tokens_per_action: ArrayLike,
+                                 advantage: ArrayLike) -> float:
+    """Σ log π_old over action tokens of A ≥ 0 responses / all action tokens (dp_actor.py's
+    ``pos_avg_old_log_prob``); nan for a batch without action tokens."""
+    tokens = np.asarray(tokens_per_action, np.float64).sum()
+    keep = np.asarray(advantage, np.float64) >= 0
+    total = np.asarray(old_logp_per_action, np.float64)[keep].sum()
+    return float(total / tokens) if tokens > 0 else np.nan
+
+
+def identical_first_action_frac(first_action_ids: Sequence[Sequence[int]], group_id: ArrayLike,
+                                advantage: ArrayLike) -> float:
+    """Share of mixed groups (some A > 0 and some A < 0) whose members' first actions are all the
+    same token ids; nan when the step has no mixed group."""
+    group_id = np.asarray(group_id)
+    advantage = np.asarray(advantage, np.float64)
+    mixed = identical = 0
+    for g in np.unique(group_id):
+        rows = np.flatnonzero(group_id == g)
+        if not ((advantage[rows] > 0).any() and (advantage[rows] < 0).any()):
+            continue
+        mixed += 1
+        identical += len({tuple(int(t) for t in first_action_ids[r]) for r in rows}) == 1
+    return identical / mixed if mixed else np.nan
 
 
 def lld_rates(delta_logp_per_action: ArrayLike, tokens_per_action: ArrayLike, correct: ArrayLike) -> dict[str, float]:

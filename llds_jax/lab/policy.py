@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from llds_jax.errors import InputError
+from llds_jax.lab.freeform import Writing
 from llds_jax.retrieval.hit import format_docs
 from llds_jax.rollout import protocol
 
@@ -43,12 +44,14 @@ DEFAULT_POLICY = dict(
     # The build fails unless the greedy check's one-hop EM reaches this (0 = no gate). Not part of the
     # artifact's hash: it judges a policy, it does not change it.
     min_build_em=0.0,
+    # How trajectories word thoughts and queries (llds_jax.lab.freeform.Writing): "fixed" (one thought
+    # per action kind, the bare name as query) or "freeform" (Markov-chain thoughts, paraphrased queries).
+    writing="fixed",
+    thought_entity_prob=0.3,  # freeform: chance a thought names the entity
 )
 GATE_FIELDS = ("min_build_em",)  # settings that judge the built policy without changing it
+FREEFORM_FIELDS = ("writing", "thought_entity_prob")  # hashed only when writing != "fixed" (prepare)
 
-SEARCH_THOUGHT = "<think> I need to search. </think>\n"
-BRIDGE_THOUGHT = "<think> I need to search {bridge}. </think>\n"
-ANSWER_THOUGHT = "<think> I found the answer. </think>\n"
 
 
 class PolicyConfigError(InputError):
@@ -61,9 +64,11 @@ def check_policy_settings(settings: Mapping) -> dict:
         raise PolicyConfigError(f"lab.policy has unknown fields {sorted(unknown)}; known: {sorted(DEFAULT_POLICY)}")
     merged = {**DEFAULT_POLICY, **dict(settings)}
     for field, value in merged.items():
-        if field in ("seed", "check_questions", "sft_warmup_steps"):
+        if field == "writing":
+            ok = value in ("fixed", "freeform")
+        elif field in ("seed", "check_questions", "sft_warmup_steps"):
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-        elif field in ("min_build_em", "sft_drill_fraction"):
+        elif field in ("min_build_em", "sft_drill_fraction", "thought_entity_prob"):
             ok = isinstance(value, int | float) and not isinstance(value, bool) and 0.0 <= value <= 1.0
         elif field == "sft_lr":
             ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
@@ -79,6 +84,19 @@ def check_policy_settings(settings: Mapping) -> dict:
         raise PolicyConfigError(f"lab.policy.heads={merged['heads']} is not a multiple of "
                                 f"lab.policy.kv_heads={merged['kv_heads']}")
     return merged
+
+
+def _expected(field: str) -> str:
+    if field == "writing":
+        return "'fixed' or 'freeform'"
+    return "a number in [0, 1]" if field in ("min_build_em", "sft_drill_fraction", "thought_entity_prob") \
+        else "positive number"
+
+
+def writing_for(settings: Mapping, rng: np.random.Generator) -> Writing:
+    """The trajectories' :class:`Writing` of ``lab.policy`` settings, drawing from ``rng``."""
+    return Writing(settings.get("writing", "fixed"), rng, settings.get("seed", 0),
+                   settings.get("thought_entity_prob", 0.3))
 
 
 def hf_config(settings: Mapping, tokenizer) -> dict:
@@ -119,29 +137,35 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _searches(rows: Sequence[dict], retriever, topk: int) -> tuple[list, list]:
-    """The hits of each row's first search (its entity) and, for two-hop rows, of the bridge search."""
-    first = [row["metadata"].get("entity") or protocol.format_question(row["question"]).rstrip("?") for row in rows]
-    bridges = [row["metadata"]["bridge"] for row in rows if row["metadata"]["hops"] == 2]
-    bridge_hits = iter(retriever.search(bridges, topk) if bridges else [])
+def _searches(rows: Sequence[dict], retriever, topk: int, writing: Writing | None = None) -> tuple[list, list]:
+    """(query, hits) of each row's first search (its entity) and, for two-hop rows, of the bridge search."""
+    writing = writing or Writing()
+    first = [writing.query(row["metadata"].get("entity") or protocol.format_question(row["question"]).rstrip("?"))
+             for row in rows]
+    bridges = [writing.query(row["metadata"]["bridge"]) for row in rows if row["metadata"]["hops"] == 2]
+    bridge_hits = iter(zip(bridges, retriever.search(bridges, topk)) if bridges else [])
     second = [next(bridge_hits) if row["metadata"]["hops"] == 2 else None for row in rows]
     return list(zip(first, retriever.search(first, topk))), second
 
 
-def _episode(tokenizer, row: dict, first, bridge_hits, rollout_cfg, thoughts: bool) -> list[tuple[list[int], int]]:
+def _episode(tokenizer, row: dict, first, bridge, rollout_cfg, thoughts: bool,
+             writing: Writing | None = None) -> list[tuple[list[int], int]]:
     """(ids, kind) pieces after the question: kind 1 = action (trained), 2 = feedback (masked)."""
+    writing = writing or Writing()
     query, hits = first
+    entity = row["metadata"].get("entity", "")
     think = (lambda text: text) if thoughts else (lambda text: "")
-    pieces = [(_encode(tokenizer, f"{think(SEARCH_THOUGHT)}<search> {query} </search>"), 1),
+    pieces = [(_encode(tokenizer, f"{think(writing.search_thought(entity))}<search> {query} </search>"), 1),
               (protocol.encode_feedback(tokenizer, protocol.search_feedback(format_docs(hits)),
                                         rollout_cfg.max_obs_tokens), 2)]
     if row["metadata"]["hops"] == 2:
-        bridge = row["metadata"]["bridge"]
-        pieces.append((_encode(tokenizer, think(BRIDGE_THOUGHT.format(bridge=bridge)) + f"<search> {bridge} </search>"),
-                       1))
+        bridge_query, bridge_hits = bridge
+        thought = think(writing.bridge_thought(row["metadata"]["bridge"]))
+        pieces.append((_encode(tokenizer, thought + f"<search> {bridge_query} </search>"), 1))
         pieces.append((protocol.encode_feedback(tokenizer, protocol.search_feedback(format_docs(bridge_hits)),
                                                 rollout_cfg.max_obs_tokens), 2))
-    pieces.append((_encode(tokenizer, f"{think(ANSWER_THOUGHT)}<answer> {row['golden_answers'][0]} </answer>"), 1))
+    pieces.append((_encode(tokenizer, f"{think(writing.answer_thought())}<answer> {row['golden_answers'][0]} </answer>"),
+                   1))
     return pieces
 
 
@@ -153,7 +177,7 @@ def _example(pieces):
     return SFTExample(ids, kinds == 1, kinds == 2)
 
 
-def lab_trajectories(rows: Sequence[dict], tokenizer, retriever, rollout_cfg) -> list:
+def lab_trajectories(rows: Sequence[dict], tokenizer, retriever, rollout_cfg, writing: Writing | None = None) -> list:
     """One protocol-following trajectory per world question row (one search per hop), recorded as
     a rollout records its own (``Trajectory``), so the SFT masks come from the rollout's layout code.
 
@@ -166,12 +190,12 @@ def lab_trajectories(rows: Sequence[dict], tokenizer, retriever, rollout_cfg) ->
     from llds_jax.sampling.token_bytes import vocab_bytes
 
     vocab = vocab_bytes(tokenizer)
-    first, second = _searches(rows, retriever, rollout_cfg.topk)
+    first, second = _searches(rows, retriever, rollout_cfg.topk, writing)
     trajectories = []
     for index, (row, hits, bridge_hits) in enumerate(zip(rows, first, second)):
         prompt = protocol.encode_prompt(tokenizer, row["question"], rollout_cfg.max_prompt_tokens)
         trajectory = Trajectory(prompt_ids=list(prompt), group_id=index)
-        for ids, kind in _episode(tokenizer, row, hits, bridge_hits, rollout_cfg, True):
+        for ids, kind in _episode(tokenizer, row, hits, bridge_hits, rollout_cfg, True, writing):
             if kind == 1:
                 trajectory.add_action(ids, [0.0] * len(ids), FinishReason.STOP_STRING, vocab)
             else:
@@ -180,7 +204,8 @@ def lab_trajectories(rows: Sequence[dict], tokenizer, retriever, rollout_cfg) ->
     return trajectories
 
 
-def reading_drills(rows: Sequence[dict], tokenizer, retriever, rollout_cfg, length: int) -> list:
+def reading_drills(rows: Sequence[dict], tokenizer, retriever, rollout_cfg, length: int,
+                   writing: Writing | None = None) -> list:
     """Sequences of back-to-back ``Question: …`` → search → passage → answer episodes, ≤ ``length`` tokens.
 
     Why: in a full trajectory the 120-token prompt and the fixed thoughts carry no signal; the
@@ -189,11 +214,11 @@ def reading_drills(rows: Sequence[dict], tokenizer, retriever, rollout_cfg, leng
     several times per sequence, so the copy circuit forms within a few hundred steps on 2 cores.
     Each row is used once, in order; an episode that does not fit starts the next sequence.
     """
-    first, second = _searches(rows, retriever, rollout_cfg.topk)
+    first, second = _searches(rows, retriever, rollout_cfg.topk, writing)
     drills, current, size = [], [], 0
     for row, hits, bridge_hits in zip(rows, first, second):
         pieces = [(_encode(tokenizer, f"Question: {protocol.format_question(row['question'])}\n"), 0),
-                  *_episode(tokenizer, row, hits, bridge_hits, rollout_cfg, False),
+                  *_episode(tokenizer, row, hits, bridge_hits, rollout_cfg, False, writing),
                   (_encode(tokenizer, "\n"), 0)]
         n = sum(len(p) for p, _ in pieces)
         if n > length:
@@ -240,15 +265,17 @@ def pretrain_policy(config, settings: Mapping, tokenizer, retriever, rows: Seque
         model = shard_model(init_decoder(hf, settings["seed"]), mesh)
     step = SFTStep(model, c, mesh)
     rng = np.random.default_rng(settings["seed"] + 1)
+    writing = writing_for(settings, np.random.default_rng(settings["seed"] + 2))
     clock, losses = time.perf_counter(), []
     batch = settings["sft_batch_size"]
     for index in range(settings["sft_steps"]):
         drills = int(round(batch * settings["sft_drill_fraction"]))
         chosen = [rows[i] for i in rng.choice(len(rows), size=batch - drills, replace=len(rows) < batch - drills)]
-        examples = lab_trajectories(chosen, tokenizer, retriever, c.rollout)
+        examples = lab_trajectories(chosen, tokenizer, retriever, c.rollout, writing)
         if drills:
             drill_rows = [rows[i] for i in rng.choice(len(rows), size=8 * drills, replace=len(rows) < 8 * drills)]
-            examples += reading_drills(drill_rows, tokenizer, retriever, c.rollout, c.sft.max_seq_len)[:drills]
+            examples += reading_drills(drill_rows, tokenizer, retriever, c.rollout, c.sft.max_seq_len,
+                                       writing)[:drills]
         metrics = step(collate_sft(examples, c.sft.max_seq_len, pad_token_id(tokenizer)))
         losses.append(float(metrics["sft/loss"]))
         if index % 50 == 0 or index == settings["sft_steps"] - 1:

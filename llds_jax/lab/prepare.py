@@ -26,7 +26,7 @@ from pathlib import Path
 import ml_collections
 
 from llds_jax.errors import InputError
-from llds_jax.lab.policy import DEFAULT_POLICY, GATE_FIELDS, check_policy_settings
+from llds_jax.lab.policy import DEFAULT_POLICY, FREEFORM_FIELDS, GATE_FIELDS, check_policy_settings
 from llds_jax.lab.world import (
     DEFAULT_WORLD,
     check_world_settings,
@@ -140,7 +140,10 @@ def prepare(config: ml_collections.ConfigDict, log=print) -> ml_collections.Conf
     retrieval_view = dict(topk=config.rollout.topk, max_obs_tokens=config.rollout.max_obs_tokens,
                           max_prompt_tokens=config.rollout.max_prompt_tokens,
                           max_doc_tokens=config.retrieval.max_doc_tokens)
-    built_settings = {k: v for k, v in policy_settings.items() if k not in GATE_FIELDS}
+    # The free-form writing fields join the hash only when they are in use, so the first world's
+    # cached policies (built before the fields existed, byte-identical output) stay valid.
+    built_settings = {k: v for k, v in policy_settings.items() if k not in GATE_FIELDS
+                      and not (k in FREEFORM_FIELDS and policy_settings["writing"] == "fixed")}
     policy_key = _digest(world_settings, vocab_size, built_settings, retrieval_view)
 
     def build_policy(directory: Path) -> None:

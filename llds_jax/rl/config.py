@@ -23,6 +23,7 @@ class RLConfigError(InputError):
     """A bad ``config.rl`` field; the message names it and the allowed values."""
 
 LLDS_DENOMINATORS = ("action_tokens", "preserved_tokens")
+LLDS_PRESERVE = ("non_negative", "positive")
 MA_SEARCH_COUNTS = ("batch_written", "minibatch_executed")
 
 
@@ -51,6 +52,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.llds_coef = 0.1  # lambda: paper 0.1, released scripts 0.2, 0 = plain GRPO
     c.llds_gate = "action"  # token (LLD) | response (R-gate, paper v1) | action (A-gate, official)
     c.llds_denominator = "action_tokens"  # action_tokens (official, SPEC) | preserved_tokens (paper eq. 5)
+    # Which responses LLDS protects: non_negative = A >= 0 (official code, SPEC §5; includes the
+    # zero-advantage rows of uniform groups), positive = A > 0 only (the correct responses of mixed
+    # groups, the set the paper's LLD analysis is about; issue 43's control).
+    c.llds_preserve = "non_negative"
     c.mask_answer = False  # LLDS-MA: answer tokens get min(answer_weight, llds_coef)
     c.answer_weight = 0.0  # w_ans; 0 removes answer tokens from the penalty
     c.adaptive_ma = False  # w_ans * max(mean_searches - 1, 0), still capped at llds_coef
@@ -92,6 +97,7 @@ def validate(cfg) -> None:
     _check_choice(cfg, "llds_gate", LLDS_GATES)
     _check_choice(cfg, "loss_scope", LOSS_SCOPES)
     _check_choice(cfg, "llds_denominator", LLDS_DENOMINATORS)
+    _check_choice(cfg, "llds_preserve", LLDS_PRESERVE)
     _check_choice(cfg, "ma_search_count", MA_SEARCH_COUNTS)
     _check_range(cfg, "advantage_eps", 0.0)
     _check_range(cfg, "clip_low", 0.0, 1.0)

@@ -3,8 +3,10 @@
 Per action token t of response i, with d = log pi_old - log pi_theta (pi_old and every gate
 carry no gradient) and m the action mask (feedback and padding are 0):
 
-    L = (1/N) sum_i [A_i >= 0] sum_t c_t * g_{i,t} * m_{i,t} * max(0, d_{i,t})
+    L = (1/N) sum_i P(A_i) sum_t c_t * g_{i,t} * m_{i,t} * max(0, d_{i,t})
 
+* P (`llds_preserve`): "non_negative" = [A_i >= 0] (official code, the default), "positive" =
+  [A_i > 0] (only correct responses of mixed groups; zero-advantage rows are left alone).
 * c_t = lambda on ordinary tokens; on answer tokens (last <answer>...</answer>, tags included)
   min(w_ans, lambda) under MA, w_ans scaled by max(mean_searches - 1, 0) under adaptive MA.
 * g (0/1, stop-gradient) is chosen by `llds_gate`:
@@ -14,7 +16,7 @@ carry no gradient) and m the action mask (feedback and padding are 0):
                action being a maximal run of action tokens between feedback spans.
 * N (`llds_denominator`): "action_tokens" = every action token of the (micro-/mini-)batch, as
   the official code and SPEC §5 say; "preserved_tokens" = only those of responses with A >= 0,
-  the paper's eq. 5 normaliser (larger per-token weight when few responses are preserved).
+  the paper's eq. 5 normaliser (the preserved set follows `llds_preserve`) (larger per-token weight when few responses are preserved).
 * `answer_in_gate` (default True): answer tokens still count in the gate's signed sum under
   MA (MA only changes their coefficient); False drops them from the gate as well.
 """
@@ -59,6 +61,11 @@ def answer_coefficient(cfg, mean_searches, llds_coef) -> jax.Array:
     return jnp.minimum(weight, llds_coef)
 
 
+def preserved_rows(advantages: jax.Array, cfg) -> jax.Array:
+    """Bool mask of the responses LLDS protects (``rl.llds_preserve``), broadcast like ``advantages``."""
+    return advantages > 0 if cfg.llds_preserve == "positive" else advantages >= 0
+
+
 class LLDSTerms(NamedTuple):
     weighted: jax.Array  # [B, T] c * g * pres * m * max(0, d): the loss numerator (differentiable)
     penalty: jax.Array  # [B, T] same without c: the paper's L_LLDS numerator (a metric)
@@ -80,7 +87,7 @@ def llds_terms(
     answer = on & (answer_mask > 0)
     in_gate = on if (cfg.answer_in_gate or not cfg.mask_answer) else on & ~answer
     gate = jax.lax.stop_gradient(LLDS_GATES.get(cfg.llds_gate)(jnp.where(in_gate, d_const, 0.0), run_ids))
-    preserved = (on & (advantages >= 0)).astype(logp.dtype)
+    preserved = (on & preserved_rows(advantages, cfg)).astype(logp.dtype)
     # `where`, not `maximum(0, d)`: the gradient must be exactly 0 at d = 0 (pi_theta = pi_old).
     reducing = jnp.where(d_const > 0, displacement, 0.0)
     penalty = token_mask * preserved * gate * reducing

@@ -35,7 +35,7 @@ from llds_jax.rl.action_runs import action_run_ids, action_run_starts
 from llds_jax.rl.aggregation import aggregate
 from llds_jax.rl.config import validate
 from llds_jax.rl.kl import KL_ESTIMATORS
-from llds_jax.rl.llds import answer_coefficient, llds_terms
+from llds_jax.rl.llds import answer_coefficient, llds_terms, preserved_rows
 from llds_jax.rl.metrics import TermSink, add_diagnostics
 from llds_jax.rl.policy_losses import POLICY_LOSSES
 
@@ -99,7 +99,7 @@ def _searches_sum_and_rows(masks: LossMasks, row_weight: jax.Array, cfg) -> tupl
 
 def _llds_denominator(token_mask: jax.Array, advantages: jax.Array, cfg) -> jax.Array:
     if cfg.llds_denominator == "preserved_tokens":
-        return (token_mask * (advantages >= 0)).sum()
+        return (token_mask * preserved_rows(advantages, cfg)).sum()
     return token_mask.sum()
 
 

@@ -63,6 +63,17 @@ def summarize_update(per_mini: dict[str, np.ndarray], with_entropy: bool = True)
     return out
 
 
+def grad_norm_per_active_row(grad_norm: float, advantages: np.ndarray) -> float:
+    """The pre-clip grad norm over the share of rows with A ≠ 0 (nan when there are none).
+
+    Why: the token-mean loss divides by every row's tokens, so the norm scales with the share
+    of rows that carry an advantage; when groups go uniform the raw norm falls even if each
+    active row's gradient surges (issue 43's "dilution"). This is the norm those rows would give alone.
+    """
+    share = float(np.mean(np.asarray(advantages) != 0)) if np.size(advantages) else 0.0
+    return float(grad_norm) / share if share > 0 else float("nan")
+
+
 def logprob_gap(sampler_logp: np.ndarray, trainer_logp: np.ndarray, action_mask: np.ndarray) -> dict[str, float]:
     """Mean |Δ| and Pearson correlation of sampler vs trainer log-probs on action tokens.
 
@@ -242,6 +253,7 @@ class Learner:
             "advantage/abs_mean": float(np.abs(advantages).mean()),
             "advantage/nonzero_frac": float(np.mean(advantages != 0)),
         })
+        metrics[keys.GRAD_NORM_PER_ACTIVE_ROW] = grad_norm_per_active_row(metrics[keys.GRAD_NORM], advantages)
         passes = 1 + int(ref_logp is not None and ref_logp is not old_logp)  # π_old, and π_ref when it ran
         return metrics, {"batch": batch, "advantages": advantages, "old_logp": distributed.local_rows(old_logp, rows),
                          "per_mini_batch": per_mini, "logprob_passes": passes}

@@ -88,3 +88,25 @@ def test_the_trainers_padded_record_gives_the_same_diagnostics(rollout):
     args = dict(advantage=np.array([1.0, -1.0, 1.0, -1.0]), reward=reward, num_action_slots=2)
     assert step_diagnostics(response_batch_from_rollout(rollout, old_logprobs=padded, new_logprobs=padded, **args)) \
         == step_diagnostics(response_batch_from_rollout(rollout, old_logprobs=old, new_logprobs=old, **args))
+
+
+def test_logodds_and_first_action_identity_from_a_real_rollout(rollout):
+    from llds_jax.diagnostics.from_rollout import first_action_ids
+    from llds_jax.diagnostics.step_metrics import token_logodds
+
+    # Rows 0 and 1 wrote the same first action, rows 2 and 3 did not: one mixed group of two identical.
+    ids = first_action_ids(rollout)
+    assert ids[0] == ids[1] and ids[2] != ids[3] and all(ids)
+    advantage = np.array([1.0, -1.0, 1.0, -1.0])
+    old = rollout.sampler_logprobs
+    batch = response_batch_from_rollout(rollout, advantage=advantage, reward=np.array([1, 0, 1, 0]),
+                                        old_logprobs=old, num_action_slots=2)
+    metrics = step_diagnostics(batch)
+    assert metrics["diag/identical_first_action_frac"] == pytest.approx(0.5)
+
+    def mean_token_logodds(row, action):
+        ids = rollout.input_ids[row][rollout.action_index[row] == action]
+        return np.mean(token_logodds([scripted_logprob(i) for i in ids]))
+
+    expected = np.mean([mean_token_logodds(0, 0), mean_token_logodds(2, 0)])
+    assert metrics["diag/logodds_correct/action0"] == pytest.approx(expected, rel=1e-6)

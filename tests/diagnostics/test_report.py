@@ -95,3 +95,30 @@ def test_runs_shorter_than_the_smoothing_window_are_drawn(tmp_path, steps):
     workdir = write_run(tmp_path / "short", death_spiral_run(0)[:steps])
     summary = report_main(report_config(workdir=str(workdir)))
     assert_valid_png(summary.parent / "reward.png")
+
+
+def test_issue_43_quantities_get_their_panels_when_a_run_logged_them(tmp_path):
+    rows = death_spiral_run(0)
+    for index, row in enumerate(rows):
+        row["diag/logodds_correct/action0"] = 4.0 - 0.01 * index
+        row["diag/logodds_incorrect/action0"] = 2.0
+        row["diag/identical_first_action_frac"] = 0.1
+        row["grad/norm_per_active_row"] = 3.0
+        row["diag/ll_official_pos"] = -0.05
+    summary = report_main(report_config(workdir=str(write_run(tmp_path / "run", rows))))
+    pngs = {p.stem for p in summary.parent.glob("*.png")}
+    assert pngs == PANELS | {"logodds_by_action", "identical_first_action"}
+
+
+def test_probe_results_beside_a_run_are_plotted_over_checkpoints(tmp_path):
+    import json
+
+    workdir = write_run(tmp_path / "run", death_spiral_run(0))
+    for step, share in ((10, 0.2), (20, 0.6)):
+        (workdir / "probe" / str(step)).mkdir(parents=True)
+        (workdir / "probe" / str(step) / "probe.json").write_text(json.dumps(
+            {"step": step, "lld_share": share, "lld_share_sgd": share / 2, "delta_mean": -share,
+             "delta_by_action": [-share, None]}))
+    summary = report_main(report_config(workdir=str(workdir)))
+    assert_valid_png(summary.parent / "probe.png")
+    assert "![probe](probe.png)" in summary.read_text()

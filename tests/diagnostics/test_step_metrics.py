@@ -89,3 +89,55 @@ def test_mismatched_shapes_fail_loudly():
         hand_batch(old_logp_per_action=np.zeros((6, 3)))
     with pytest.raises(ValueError, match="group_id has 5 rows"):
         hand_batch(group_id=np.zeros(5))
+
+
+# -- issue 43: saturation-proof and dilution-proof quantities --------------------------------
+
+def test_token_logodds_is_log_p_over_one_minus_p_and_clipped():
+    from llds_jax.diagnostics.step_metrics import LOGODDS_CLIP, token_logodds
+
+    # p = 0.5 -> 0; p = 0.98 -> log(49) = 3.8918; p = 0.2 -> log(0.25) = -1.3863; p = 1 -> +clip.
+    logp = np.log([0.5, 0.98, 0.2]).tolist() + [0.0, -200.0]
+    np.testing.assert_allclose(token_logodds(logp), [0.0, math.log(49.0), math.log(0.25), LOGODDS_CLIP, -LOGODDS_CLIP],
+                               atol=1e-9)
+
+
+def test_logodds_by_action_averages_token_means_over_responses():
+    # Σ log-odds per action: r0 action0 over 4 tokens = 8 -> 2.0; r3 = 1/2 -> 0.5; r4 = 30/10 -> 3.0.
+    # correct action0: mean(2, 0.5, 3) = 11/6; action1: r0 4/2 = 2, r3 -4/4 = -1 -> 0.5.
+    # incorrect action0: r1 -5/5 = -1, r2 2/2 = 1, r5 -3/1 = -3 -> -1; action1: r2 6/2 = 3, r5 0 -> 1.5.
+    odds = np.array([[8.0, 4.0], [-5.0, 0.0], [2.0, 6.0], [1.0, -4.0], [30.0, 0.0], [-3.0, 0.0]])
+    assert_metrics(step_diagnostics(hand_batch(logodds_per_action=odds)), {
+        "diag/logodds_correct/action0": 11 / 6, "diag/logodds_correct/action1": 0.5,
+        "diag/logodds_incorrect/action0": -1.0, "diag/logodds_incorrect/action1": 1.5,
+    })
+
+
+def test_official_likelihood_divides_the_non_negative_responses_sum_by_all_tokens():
+    # A ≥ 0: r0 (-3), r3 (-1.2), r4 (-3) -> -7.2; all action tokens: 6+5+4+6+10+2 = 33.
+    assert_metrics(step_diagnostics(hand_batch()), {"diag/ll_official_pos": -7.2 / 33})
+    # Zero-advantage responses count on the positive side (A ≥ 0), as in dp_actor.py.
+    zero = hand_batch(advantage=np.array([0.0, -0.58, -0.58, 0.58, 0.58, -1.15]))
+    assert_metrics(step_diagnostics(zero), {"diag/ll_official_pos": -7.2 / 33})
+    assert_metrics(step_diagnostics(hand_batch(advantage=np.zeros(6))), {"diag/ll_official_pos": -20.2 / 33})
+
+
+def test_identical_first_action_share_counts_mixed_groups_only():
+    from llds_jax.diagnostics.step_metrics import identical_first_action_frac
+
+    # Group 0 mixed, all first actions identical; group 1 mixed, one differs; group 2 uniform (A = 0)
+    # with identical actions: not counted. -> 1/2.
+    ids = [(1, 2), (1, 2), (1, 2), (3, 4), (3, 4), (3, 5), (7,), (7,)]
+    groups = [0, 0, 0, 1, 1, 1, 2, 2]
+    advantage = [1.0, -0.5, -0.5, 1.0, -0.5, -0.5, 0.0, 0.0]
+    assert identical_first_action_frac(ids, groups, advantage) == 0.5
+    assert math.isnan(identical_first_action_frac(ids[6:], groups[6:], advantage[6:]))
+    batch = hand_batch(first_action_ids=[(1,), (1,), (1,), (2,), (2,), (9,)])
+    assert step_diagnostics(batch)["diag/identical_first_action_frac"] == 0.5
+
+
+def test_grad_norm_per_active_row_undoes_the_dilution_of_zero_advantage_rows():
+    from llds_jax.train.learner import grad_norm_per_active_row
+
+    assert grad_norm_per_active_row(0.3, np.array([1.0, -1.0, 0.0, 0.0, 0.0, 0.0])) == pytest.approx(0.9)
+    assert math.isnan(grad_norm_per_active_row(0.3, np.zeros(4)))

@@ -32,9 +32,9 @@ def make_cfg(**overrides):
 
 
 @functools.cache
-def llds_only_grad(gate: str, mask_answer: bool = False):
+def llds_only_grad(gate: str, mask_answer: bool = False, preserve: str = "non_negative"):
     """d(LLDS term)/d(logp): lambda-weighted LLDS sum over its denominator, nothing else."""
-    cfg = make_cfg(llds_gate=gate, mask_answer=mask_answer, answer_weight=0.0)
+    cfg = make_cfg(llds_gate=gate, mask_answer=mask_answer, answer_weight=0.0, llds_preserve=preserve)
 
     def llds_term(logp, old_logp, ref_logp, entropy, advantages, masks):
         terms = rl.objective_terms(rl.PolicyBatch(logp, old_logp, ref_logp, entropy, advantages, masks), cfg)
@@ -87,15 +87,16 @@ def gate_reference(logp, old_logp, masks, gate):
     return out
 
 
-@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("gate,preserve", [(gate, "non_negative") for gate in GATES] + [("action", "positive")])
 @PROPERTY_SETTINGS
 @given(batch=rollouts())
-def test_llds_gradient_is_zero_exactly_where_the_regulariser_must_not_act(gate, batch):
+def test_llds_gradient_is_zero_exactly_where_the_regulariser_must_not_act(gate, preserve, batch):
     logp, old_logp, ref_logp, entropy, advantages, masks = batch
-    _, grad = llds_only_grad(gate)(logp, old_logp, ref_logp, entropy, advantages, masks)
+    _, grad = llds_only_grad(gate, preserve=preserve)(logp, old_logp, ref_logp, entropy, advantages, masks)
     grad = np.asarray(grad)
     mask = np.asarray(masks.action_mask) * np.asarray(masks.row_weight)[:, None]
-    preserved = np.asarray(advantages)[:, None] >= 0
+    # rl.llds_preserve: the official A ≥ 0 set, or only A > 0 (zero-advantage rows left alone).
+    preserved = np.asarray(advantages)[:, None] >= 0 if preserve == "non_negative" else np.asarray(advantages)[:, None] > 0
     gate_on = gate_reference(logp, old_logp, masks, gate)
     reducing = (np.asarray(old_logp) - np.asarray(logp)) > 0
     should_act = (mask > 0) & preserved & (gate_on > 0) & reducing

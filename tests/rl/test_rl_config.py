@@ -19,6 +19,7 @@ def test_defaults_are_the_reference_settings():
         "action_tokens",
     )
     assert cfg.advantage_eps == 1e-6 and cfg.unbiased_std and not cfg.mask_answer
+    assert cfg.llds_preserve == "non_negative"  # the official A ≥ 0 set
 
 
 @pytest.mark.parametrize(
@@ -35,6 +36,7 @@ def test_defaults_are_the_reference_settings():
         ("advantage_estimator", "gae", "rl.advantage_estimator = 'gae'"),
         ("loss_scope", "global", "rl.loss_scope = 'global'"),
         ("llds_denominator", "active_tokens", "rl.llds_denominator"),
+        ("llds_preserve", "correct", "rl.llds_preserve = .correct. is not one of"),
         ("llds_coef", -0.1, "rl.llds_coef = -0.1 is outside"),
         ("clip_low", 1.5, "rl.clip_low = 1.5 is outside"),
         ("dual_clip_c", 0.5, "rl.dual_clip_c = 0.5 must be 0"),

@@ -1,0 +1,178 @@
+"""Issue 43's pre-registered acceptance criteria, computed from a run's files (no judgement by eye).
+
+    python -m llds_jax.lab.criteria RUN_GRPO [RUN_LLDS]     # JSON to stdout
+
+Reads ``<run>/metrics.jsonl`` (RL rows) and ``<run>/probe/<step>/probe.json``. The criteria, fixed
+before the free-form runs (docs/death_spiral_lab.md, "Pre-registered criteria"):
+
+(a) **phase II**: some window of ≥ ``PHASE_TWO_STEPS`` steps where the reward does not fall (OLS
+    t of the per-step reward > −2), the action-0 log-odds of correct responses fall (OLS t ≤ −3),
+    the probe's ``lld_share`` rises from ≤ 0.25 (first checkpoint in the window) to ≥ 0.4
+    (last), and the 5-step median of ``grad/norm_per_active_row`` stays within 1.5× of the
+    run's median up to the window's end;
+(b) **acceleration before the fall**: within ``ACCELERATION_STEPS`` after that window the 5-step
+    median entropy reaches 3× the window's mean and the 5-step median normalised grad norm 2×
+    the window's median, at or before the first step whose 10-step reward is below half its
+    peak so far;
+(c) **LLDS protects**: the LLDS run's final 10-step reward ≥ 70 % of its own peak and ≥ GRPO's.
+
+The honest negative: (a) absent — the report says when the log-odds started to fall relative to
+the break and what the probe share was.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from llds_jax.diagnostics import keys
+from llds_jax.diagnostics.monitor import MonitorConfig, Phase, replay, window_slope
+from llds_jax.diagnostics.report import load_probes, read_rows
+
+PHASE_TWO_STEPS = 30
+ACCELERATION_STEPS = 60
+LOGODDS_KEY = keys.LOGODDS_CORRECT_FIRST
+
+
+def series(rows, key: str) -> np.ndarray:
+    return np.array([np.nan if row.get(key) is None else float(row[key]) for row in rows], np.float64)
+
+
+def rolling(values: np.ndarray, width: int, fn=np.nanmean) -> np.ndarray:
+    """Trailing statistic over the last ``width`` steps (fewer at the start); nan where all are nan."""
+    out = np.full(values.shape, np.nan)
+    for i in range(values.size):
+        chunk = values[max(0, i - width + 1): i + 1]
+        if np.isfinite(chunk).any():
+            out[i] = fn(chunk)
+    return out
+
+
+def t_stat(steps: np.ndarray, values: np.ndarray) -> float:
+    finite = np.isfinite(values)
+    if finite.sum() < 3:
+        return float("nan")
+    return float(window_slope(zip(steps[finite].tolist(), values[finite].tolist()))[1])
+
+
+def collapse_step(steps: np.ndarray, reward: np.ndarray) -> int | None:
+    """First step whose 10-step reward is below half of its peak so far (None if never)."""
+    r10 = rolling(reward, 10)
+    peak = np.fmax.accumulate(np.where(np.isfinite(r10), r10, -np.inf))
+    below = np.flatnonzero((r10 < 0.5 * peak) & (peak > 0))
+    return int(steps[below[0]]) if below.size else None
+
+
+def phase_two_windows(rows, probes, length: int = PHASE_TWO_STEPS) -> list[dict]:
+    """Every window start at which all four (a) conditions hold (steps are the run's own)."""
+    steps = series(rows, "step")
+    reward, logodds = series(rows, keys.REWARD_MEAN), series(rows, LOGODDS_KEY)
+    grad = series(rows, keys.GRAD_NORM_PER_ACTIVE_ROW)
+    grad5 = rolling(grad, 5, np.nanmedian)
+    shares = {p["step"]: p.get("lld_share") for p in probes}
+    found = []
+    for start in range(0, len(rows) - length + 1):
+        end = start + length
+        s, e = steps[start], steps[end - 1]
+        inside = [shares[k] for k in sorted(shares) if s <= k <= e and shares[k] is not None]
+        median = np.nanmedian(grad[:end]) if np.isfinite(grad[:end]).any() else np.nan
+        checks = {
+            "reward_t": t_stat(steps[start:end], reward[start:end]),
+            "logodds_t": t_stat(steps[start:end], logodds[start:end]),
+            "probe_share_first": inside[0] if inside else None,
+            "probe_share_last": inside[-1] if inside else None,
+            "grad_ratio_max": float(np.nanmax(np.maximum(grad5[start:end] / median, median / grad5[start:end])))
+            if np.isfinite(median) and np.isfinite(grad5[start:end]).any() else float("nan"),
+        }
+        ok = (checks["reward_t"] > -2 and checks["logodds_t"] <= -3 and len(inside) >= 2
+              and inside[0] <= 0.25 and inside[-1] >= 0.4 and checks["grad_ratio_max"] <= 1.5)
+        if ok:
+            found.append({"start": int(s), "end": int(e), **checks})
+    return found
+
+
+def acceleration(rows, window: dict, horizon: int = ACCELERATION_STEPS) -> dict:
+    """(b) after a phase-II window: surge steps and the fall step, and whether the surges came first."""
+    steps = series(rows, "step")
+    entropy, grad = series(rows, keys.POLICY_ENTROPY), series(rows, keys.GRAD_NORM_PER_ACTIVE_ROW)
+    inside = (steps >= window["start"]) & (steps <= window["end"])
+    after = (steps > window["end"]) & (steps <= window["end"] + horizon)
+    entropy5, grad5 = rolling(entropy, 5, np.nanmedian), rolling(grad, 5, np.nanmedian)
+    first = lambda mask: int(steps[np.flatnonzero(mask)[0]]) if mask.any() else None  # noqa: E731
+    entropy_step = first(after & (entropy5 >= 3 * np.nanmean(entropy[inside])))
+    grad_step = first(after & (grad5 >= 2 * np.nanmedian(grad[inside])))
+    fall = collapse_step(steps, series(rows, keys.REWARD_MEAN))
+    ok = (entropy_step is not None and grad_step is not None and fall is not None
+          and max(entropy_step, grad_step) <= fall <= window["end"] + horizon)
+    return {"entropy_3x_step": entropy_step, "grad_2x_step": grad_step, "fall_step": fall, "ok": ok}
+
+
+def describe(rows, probes) -> dict:
+    """What a run did, whatever the criteria say: the numbers the report's table quotes."""
+    steps, reward = series(rows, "step"), series(rows, keys.REWARD_MEAN)
+    r10 = rolling(reward, 10)
+    logodds = series(rows, LOGODDS_KEY)
+    fall = collapse_step(steps, reward)
+    out = {
+        "steps": int(len(rows)),
+        "entropy_step0": float(series(rows, keys.POLICY_ENTROPY)[0]) if rows else None,
+        "identical_first_action_frac_mean": float(np.nanmean(series(rows, keys.IDENTICAL_FIRST_ACTION_FRAC))),
+        "reward10_peak": float(np.nanmax(r10)), "reward10_peak_step": int(steps[np.nanargmax(r10)]),
+        "reward10_final": float(r10[-1]), "fall_step": fall,
+        "logodds0_first10": float(np.nanmean(logodds[:10])), "logodds0_last10": float(np.nanmean(logodds[-10:])),
+        "logodds0_t_whole_run": t_stat(steps, logodds),
+        "probe_lld_share": {int(p["step"]): p.get("lld_share") for p in probes},
+        "probe_lld_share_sgd": {int(p["step"]): p.get("lld_share_sgd") for p in probes},
+    }
+    if fall is not None:  # when did the log-odds start falling, relative to the fall?
+        before = steps <= fall
+        out["logodds0_t_last30_before_fall"] = t_stat(steps[before][-30:], logodds[before][-30:])
+        out["logodds0_t_last10_before_fall"] = t_stat(steps[before][-10:], logodds[before][-10:])
+    return out
+
+
+# The monitor as shipped (likelihood in nats, raw grad norm) and read on issue 43's quantities.
+MONITORS = {
+    "default": MonitorConfig(),
+    "logodds": MonitorConfig(likelihood_key=LOGODDS_KEY, grad_norm_key=keys.GRAD_NORM_PER_ACTIVE_ROW),
+    "logodds_w30": MonitorConfig(likelihood_key=LOGODDS_KEY, grad_norm_key=keys.GRAD_NORM_PER_ACTIVE_ROW,
+                                 window=30, decay_t=4.0, patience=5),
+}
+
+
+def monitor_onsets(rows, fall_step: int | None) -> dict:
+    """Per monitor setting: first phase-II and phase-III steps, and phase II's lead over the fall."""
+    out = {}
+    for name, config in MONITORS.items():
+        reports = replay(rows, config)
+        onset = {phase: next((r.step for r in reports if r.phase is phase and r.changed), None)
+                 for phase in (Phase.STEADY_DECAY, Phase.ACCELERATION)}
+        two = onset[Phase.STEADY_DECAY]
+        out[name] = {"phase2": two, "phase3": onset[Phase.ACCELERATION],
+                     "lead": None if two is None or fall_step is None else fall_step - two}
+    return out
+
+
+def evaluate(grpo_dir: str | Path, llds_dir: str | Path | None = None) -> dict:
+    rows, probes = read_rows(Path(grpo_dir) / "metrics.jsonl"), load_probes(grpo_dir)
+    windows = phase_two_windows(rows, probes)
+    result = {"run": str(grpo_dir), "describe": describe(rows, probes), "a_phase_two": bool(windows),
+              "a_windows": windows[:3]}
+    if windows:
+        result["b_acceleration"] = acceleration(rows, windows[0])
+    result["monitor"] = monitor_onsets(rows, result["describe"]["fall_step"])
+    if llds_dir is not None:
+        llds_rows = read_rows(Path(llds_dir) / "metrics.jsonl")
+        llds = describe(llds_rows, load_probes(llds_dir))
+        result["llds"] = {"run": str(llds_dir), "describe": llds,
+                          "monitor": monitor_onsets(llds_rows, llds["fall_step"]),
+                          "c_protects": bool(llds["reward10_final"] >= 0.7 * llds["reward10_peak"]
+                                             and llds["reward10_final"] >= result["describe"]["reward10_final"])}
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(evaluate(*sys.argv[1:3]), indent=1, default=str))
