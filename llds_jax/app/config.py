@@ -86,6 +86,12 @@ def base_config() -> ml_collections.ConfigDict:
         # Positions per trajectory whose log-probs π_old, π_ref, the loss and the Δ pass compute: 0 =
         # the rollout's bound on action tokens, (rollout.max_turns + 1) × rollout.max_action_tokens.
         max_action_tokens_per_row=0,
+        # Pack trajectories several to a row for π_old, π_ref, the update and the Δ pass (segment ids,
+        # positions restarting per trajectory): the same numbers to fp32 rounding on far fewer tokens.
+        packing=True,
+        # Tokens per packed micro-batch (rows of rollout.max_context, at least one per data shard);
+        # 0 = one row per data shard, the least padding.
+        micro_batch_tokens=0,
         warmup_sft_steps=0,        # format warm-up steps run before RL (see the sft section)
         save_every=100,
         tensorboard=True,
@@ -253,7 +259,8 @@ def _check_train(config) -> None:
     limit = t.get("max_nonfinite_updates", 0)
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise TrainConfigError(f"train.max_nonfinite_updates={limit!r} must be an integer ≥ 0 (0 = never stop)")
-    for path in ("train.save_every", "train.samples_per_step", "train.max_action_tokens_per_row"):
+    for path in ("train.save_every", "train.samples_per_step", "train.max_action_tokens_per_row",
+                 "train.micro_batch_tokens"):
         _non_negative(config, path)
     _positive(config, "train.delta_every")
 
