@@ -43,21 +43,9 @@ from llds_jax.parallel import distributed
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
 from llds_jax.train.batch import TrainBatch, check_action_tokens, padded_length
-from llds_jax.train.packing import PackingSizes, data_parallel_size, pack, packing_sizes
+from llds_jax.train.packing import PackingSizes, pack
 from llds_jax.train.state import TrainState, init_train_state, train_state_shardings
-from llds_jax.train.step import StepSizes, build_update_fns
-
-def learner_packing(config, mesh, rules: ShardingRules | None = None) -> PackingSizes | None:
-    """The packed shapes of this run, or None for padded rows (``train.packing`` off, or several hosts).
-
-    Several hosts each hold only their rows while the packer needs a mini-batch's trajectories in
-    one place, so a multi-host run keeps padded rows (the same numbers, more compute).
-    """
-    if not config.train.get("packing", False) or jax.process_count() > 1:
-        return None
-    sizes = StepSizes.from_config(config)
-    return packing_sizes(config, padded_length(config), sizes.scored_positions, data_parallel_size(mesh, rules))
-
+from llds_jax.train.step import StepSizes, build_update_fns, packing_for_run
 
 _REDUCE_MINI_BATCHES = {"mean": np.mean, "max": np.max, "min": np.min, "sum": np.sum,
                         "first": lambda a: a[0], "last": lambda a: a[-1], "count": len}
@@ -140,7 +128,7 @@ class Learner:
             state = jax.jit(fresh, out_shardings=state_shardings)(params, ref)
         seq_len = padded_length(config)
         sizes = StepSizes.from_config(config)
-        packing = learner_packing(config, mesh, rules)
+        packing = packing_for_run(config, mesh, rules)
         example = TrainBatch.abstract(sizes.trajectories, seq_len, with_ref=ref is not None, packing=packing)
         batch_shardings = example.shardings(mesh, rules)
         fns = build_update_fns(graphdef, state_shardings, batch_shardings, mesh, config, rules, packing=packing)

@@ -6,9 +6,10 @@ ran the decoder on ≈ 6× the tokens that carry information. verl removes the p
 variable-length flash attention and a per-GPU token budget; we keep static shapes instead:
 
 * **Rows.** A packed row is ``width`` = the padded length wide (so any trajectory fits one row:
-  nothing is ever cut). Trajectories are placed first-fit, in order, into the rows of *their own
+  nothing is ever cut). Trajectories are placed first-fit decreasing into the rows of *their own
   mini-batch* — the mini-batches are still the same trajectories in the same sequential order,
-  the off-policy structure LLDS relies on. Each trajectory is a segment (ids 1, 2, … within its
+  the off-policy structure LLDS relies on; inside a mini-batch order is free (one update sums
+  all its micro-batches). Each trajectory is a segment (ids 1, 2, … within its
   row, 0 = padding) whose positions restart at 0; attention never crosses segments
   (``AttentionMask.packed``). A row also holds at most ``scored`` action targets — the padded
   row's own bound (``batch.scored_positions_per_row``) — so the LM head of a packed row does no
@@ -131,8 +132,11 @@ class RowPlan(NamedTuple):
 
 
 def plan_rows(lengths, action_targets, sizes: PackingSizes) -> RowPlan:
-    """First-fit of each mini-batch's trajectories, in order, into rows of ``width`` tokens and ``scored``
-    action targets. A trajectory goes to the first row with room for both; none is split or cut."""
+    """First-fit decreasing of each mini-batch's trajectories into rows of ``width`` tokens and ``scored``
+    action targets: longest first (ties in batch order), each to the first row with room for both;
+    none is split or cut. Order inside a mini-batch is free — its micro-batches' gradients are summed
+    before its one update — so sorting costs nothing in semantics and fills rows better than plain
+    first-fit (reference lengths, 8 shards: 475 → see benchmarks/_packing_report.py)."""
     lengths = np.asarray(lengths, np.int64)
     action_targets = np.asarray(action_targets, np.int64)
     n = len(lengths)
@@ -147,12 +151,12 @@ def plan_rows(lengths, action_targets, sizes: PackingSizes) -> RowPlan:
     for mini in range(sizes.mini_batches):
         used_tokens: list[int] = []
         used_scored: list[int] = []
-        for j in range(mini * sizes.mini_batch_size, (mini + 1) * sizes.mini_batch_size):
-            for r, (tokens, scored) in enumerate(zip(used_tokens, used_scored, strict=True)):
-                if tokens + lengths[j] <= sizes.width and scored + action_targets[j] <= sizes.scored:
-                    break
-            else:
-                r = len(used_tokens)
+        members = np.arange(mini * sizes.mini_batch_size, (mini + 1) * sizes.mini_batch_size)
+        for j in members[np.argsort(-lengths[members], kind="stable")]:  # first-fit decreasing
+            fits = [r for r, (tokens, scored) in enumerate(zip(used_tokens, used_scored, strict=True))
+                    if tokens + lengths[j] <= sizes.width and scored + action_targets[j] <= sizes.scored]
+            r = fits[0] if fits else len(used_tokens)
+            if not fits:
                 used_tokens.append(0)
                 used_scored.append(0)
             row[j], offset[j], start[j] = r, used_tokens[r], used_scored[r]

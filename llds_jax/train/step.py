@@ -79,7 +79,7 @@ from llds_jax.train.batch import (
     scored_positions_per_row,
     token_aligned,
 )
-from llds_jax.train.packing import PackedRows, PackingSizes
+from llds_jax.train.packing import PackedRows, PackingSizes, data_parallel_size, packing_sizes
 from llds_jax.train.state import TrainState, apply_update, learning_rate, make_optimizer
 
 
@@ -109,6 +109,18 @@ class StepSizes:
         t = config.train
         return cls(t.prompts_per_step * config.rollout.n_samples, t.mini_batch_size, t.micro_batch_size,
                    t.logprob_batch_size, t.total_steps, scored_positions_per_row(config, padded_length(config)))
+
+
+def packing_for_run(config, mesh, rules: ShardingRules | None = None) -> PackingSizes | None:
+    """The packed shapes of a run on ``mesh``, or None for padded rows (``train.packing`` off, or several hosts).
+
+    Several hosts each hold only their rows while the packer needs a mini-batch's trajectories in
+    one place, so a multi-host run keeps padded rows (the same numbers, more compute).
+    """
+    if not config.train.get("packing", False) or jax.process_count() > 1:
+        return None
+    sizes = StepSizes.from_config(config)
+    return packing_sizes(config, padded_length(config), sizes.scored_positions, data_parallel_size(mesh, rules))
 
 
 def _constrain_rows(tree, rules: ShardingRules):
