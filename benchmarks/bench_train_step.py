@@ -210,11 +210,13 @@ def packing_report(session, args) -> None:
     import sys
 
     import _packing_report as report
-    from configs.qwen3b import get_config as paper_config
 
+    from llds_jax.app.sweep import load_config_file
+
+    paper = load_config_file(str(_harness.REPO / "configs" / "qwen3b.py"))
     pieces = report.reference_pieces()
     shards = {"8xH100 (fsdp 8)": 8, "one device": 1, "v5e:8x8 (fsdp 64)": 64}
-    ratios = {name: report.computed_over_useful(pieces, paper_config(), n) for name, n in shards.items()}
+    ratios = {name: report.computed_over_useful(pieces, paper, n) for name, n in shards.items()}
     session.results["computed_over_useful"] = ratios
     name = args.models.split(",")[0]
     model = load_model(name)
