@@ -349,6 +349,17 @@ def _scored_text(config) -> str:
             f"≤ {scored} action targets per row of {length - 1} (train.max_action_tokens_per_row)")
 
 
+def _packing_text(config, shards: int) -> str:
+    from llds_jax.train.batch import padded_length, scored_positions_per_row  # noqa: PLC0415
+    from llds_jax.train.packing import packing_sizes  # noqa: PLC0415
+
+    width = padded_length(config)
+    sizes = packing_sizes(config, width, scored_positions_per_row(config, width), shards)
+    return (f"packing       : train.packing on (one host): the decoder passes read trajectories packed into rows of "
+            f"{width} tokens, {sizes.rows} rows per micro-batch (train.micro_batch_tokens), as many micro-batches "
+            f"as each mini-batch fills; the two sizes above then only bound the padded fallback")
+
+
 def batch_arithmetic(config, num_devices: int | None = None) -> str:
     """The human-readable batch / mini-batch / micro-batch table printed at start-up."""
     t = config.train
@@ -365,6 +376,7 @@ def batch_arithmetic(config, num_devices: int | None = None) -> str:
         f"{t.micro_batch_size // dp} per data-parallel shard (data×fsdp = {dp})",
         f"log-probs     : π_old and π_ref in chunks of {t.logprob_batch_size} "
         f"({trajectories // t.logprob_batch_size} chunks); LM head on {_scored_text(config)}",
+        *([_packing_text(config, dp)] if t.get("packing", False) else []),
         f"schedule      : {t.total_steps} steps, lr {config.optim.lr:g}, warmup {warmup} steps "
         f"({config.optim.warmup_ratio:.1%}), first step lr 0: {config.optim.lr_first_step_zero}; "
         f"{t.total_steps * minis} optimizer updates in total",
