@@ -58,8 +58,9 @@ def test_first_fit_keeps_each_mini_batch_and_cuts_nothing():
 def test_a_row_holds_what_fits_and_a_full_length_trajectory_gets_its_own():
     sizes = _sizes(width=10, rows=1, scored=9, minis=1, mini=4)
     plan = plan_rows([10, 4, 6, 3], [2, 2, 2, 2], sizes)
-    assert plan.row.tolist() == [0, 1, 1, 2]  # first-fit: 4 + 6 fill row 1, 3 opens row 2
-    assert plan.offset.tolist() == [0, 0, 4, 0]
+    # first-fit decreasing: 10 fills row 0, 6 opens row 1, 4 joins it, 3 opens row 2
+    assert plan.row.tolist() == [0, 1, 1, 2]
+    assert plan.offset.tolist() == [0, 6, 0, 0]
     assert plan.slots_per_mini.tolist() == [3]
     assert plan_rows([3, 3, 3, 3], [5, 5, 5, 1], sizes).row.tolist() == [0, 1, 2, 0]  # the scored cap also closes rows
     with pytest.raises(ValueError, match="does not fit"):
