@@ -10,8 +10,9 @@ the trainer disagree about π_old, e.g. a dtype or temperature mismatch).
 Host ↔ device: the host record (``TrainBatch.from_rollout``) is padded to one fixed length
 (``rollout.max_context`` rounded up to ``rollout.pad_to_multiple``) so every jitted function
 compiles once per run, then uploaded once (:meth:`Learner.upload`) with the batch sharding.
-With ``train.packing`` (default) the upload also packs the trajectories several to a row
-(``train.packing``): the decoder passes read those rows, the objective the per-trajectory view.
+With ``train.packing`` (default; one host) the upload also packs the trajectories several to a
+row (``llds_jax.train.packing``): the decoder passes read those rows, the objective the
+per-trajectory view.
 
 Several hosts (``jax.process_count() > 1``): every host passes only *its* rows — the block
 ``host_rows()`` (``distributed.host_batch_rows`` of the batch sharding; rows are

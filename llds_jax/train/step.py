@@ -42,6 +42,17 @@ states of a row's action targets are gathered, in order, before the projection
 (``compact_view``); π_old / π_ref come back token-aligned with 0 off the action tokens.
 The loss's sums visit the same terms, so this changes rounding only (tests/train).
 
+Packed rows (``train.packing``, ``llds_jax.train.packing``): π_old, π_ref and the update's forward
+read ``batch.packed`` — several trajectories per row, segment ids, positions restarting per
+trajectory — one micro-batch of rows per iteration of a loop whose trip count is the number of
+micro-batches the batch (π_old / π_ref) or the mini-batch (update) uses, so lengths vary without a
+recompile. Each row's LM head computes its listed action targets; ``trajectory_view`` reads them
+back into every trajectory's own ``[M, K]`` compact view (trajectories of other micro-batches:
+row weight 0, log π = π_old), so ``micro_batch_loss`` and ``batch_constants`` see exactly the
+padded layout's arrays: advantages, the A-gate's per-action sums, sequence aggregations, GSPO's
+sequence ratio, KL, entropy and every denominator are per trajectory as before, and the
+accumulated sums equal the padded step's up to summation order (``tests/train/test_packing.py``).
+
 Token alignment: the batch is token-aligned (``llds_jax.train.batch``); ``policy_logprobs``
 returns token-aligned log-probs and the loss reads the objective's next-token view
 (``_objective_view``). Nothing here materialises [B, T, V] logits (``token_logprobs`` chunks).
