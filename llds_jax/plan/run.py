@@ -316,8 +316,6 @@ def make_plan(config, target: Target | None = None) -> Plan:
             "prefill": rollout_rows, "decode": rollout_rows}
     if packing is not None:  # both passes run micro-batches of packed rows
         rows["update"] = rows["logprobs"] = packing.rows
-        notes_packing = (f"packed rows: {packing.rows} × {packing.width} tokens per micro-batch "
-                         f"(train.micro_batch_tokens), {packing.slots} micro-batch slots")
     queries = {"update": length, "logprobs": length, "prefill": prompt, "decode": 1}
     keys = {"update": length, "logprobs": length, "prefill": context, "decode": context}
     attention = {  # one layer's fp32 scores per device: rows x heads x (a tile of) queries x keys x 4 B
@@ -326,7 +324,8 @@ def make_plan(config, target: Target | None = None) -> Plan:
     notes = [target.note] if target.note else []
     notes.append(wave_note)
     if packing is not None:
-        notes.append(notes_packing)
+        notes.append(f"packed rows: {packing.rows} × {packing.width} tokens per micro-batch "
+                     f"(train.micro_batch_tokens), {packing.slots} micro-batch slots")
     return Plan(f"{Path(str(config.model.source)).name} ({decoder_cfg.num_layers} layers, d={decoder_cfg.hidden_size})",
                 parameters, shape, target.compiler, resident, phase_extra, programs, notes,
                 attention, target.hardware, kernels)
