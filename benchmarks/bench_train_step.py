@@ -12,6 +12,7 @@ per step) after one untimed step each; refuses to run on a loaded machine unless
 
     python benchmarks/bench_train_step.py                      # tiny + SmolLM2-135M, 16×256 tokens
     python benchmarks/bench_train_step.py --models=tiny --steps=5
+    python benchmarks/bench_train_step.py --packing-report --json   # packed vs padded (benchmarks/_packing_report.py)
 
 The PyTorch side is a straightforward eager implementation (transformers ``LlamaForCausalLM``
 built from the same config + safetensors export); it materialises [B, T, V] logits per
@@ -170,9 +171,16 @@ def main() -> None:
     parser.add_argument("--positions", choices=("actions", "all"), default="actions",
                         help="what our step scores: each row's action targets (the trainer's default) or every "
                              "position (as the PyTorch step, like verl, always does)")
+    parser.add_argument("--packing-report", action="store_true",
+                        help="decoder tokens computed ÷ real tokens, padded vs packed, for the paper config on the "
+                             "reference lengths, and π_old + update CPU wall time packed vs padded on a mixed-length "
+                             "batch of the default job's shapes (model: the first of --models)")
     _harness.add_arguments(parser)
     args = parser.parse_args()
     session = _harness.start("bench_train_step", args)
+    if args.packing_report:
+        packing_report(session, args)
+        return
     torch.set_num_threads(args.threads)
     from llds_jax.models import save_pretrained
     from llds_jax.rl.advantages import compute_advantages
@@ -194,6 +202,43 @@ def main() -> None:
         session.add_case(f"{name} GRPO+LLDS update {N}x{T}, {N // MINI} mini-batches x {MINI // MICRO} micro, {scored}",
                          times, tokens=tokens, params=params)
     session.finish()
+
+
+def packing_report(session, args) -> None:
+    """``--packing-report``: one record whose top level holds ``computed_over_useful_padded`` / ``_packed``."""
+    import json
+    import sys
+
+    import _packing_report as report
+
+    from llds_jax.app.sweep import load_config_file
+
+    paper = load_config_file(str(_harness.REPO / "configs" / "qwen3b.py"))
+    pieces = report.reference_pieces()
+    shards = {"8xH100 (fsdp 8)": 8, "one device": 1, "v5e:8x8 (fsdp 64)": 64}
+    ratios = {name: report.computed_over_useful(pieces, paper, n) for name, n in shards.items()}
+    session.results["computed_over_useful"] = ratios
+    name = args.models.split(",")[0]
+    model = load_model(name)
+    arrays = report.scaled_batch(pieces, 8, 512, model.config.vocab_size)
+    tokens = int(arrays["attention_mask"].sum())
+    packed, learner = report.step_fn(model, arrays, packing=True)
+    padded, _ = report.step_fn(load_model(name), arrays, packing=False)
+    session.log(f"{name}: 8 trajectories, {tokens} real tokens in rows of 512; packed rows "
+                f"{learner.packing.rows} per micro-batch ...")
+    times = _harness.alternate({_harness.OURS: packed, "padded": padded}, args.steps)
+    session.add_case(f"{name} π_old + π_ref + update, 8 mixed-length trajectories (reference lengths × 512/4096), "
+                     "packed (llds_jax) vs padded", times, tokens=tokens)
+    record = session.record()
+    headline = ratios["8xH100 (fsdp 8)"]
+    record.update(computed_over_useful_padded=headline["padded"], computed_over_useful_packed=headline["packed"],
+                  packed_speedup_vs_padded=times["padded"].median_s / times[_harness.OURS].median_s)
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(_harness.format_table(record))
+        print(json.dumps({k: record[k] for k in ("computed_over_useful_padded", "computed_over_useful_packed",
+                                                  "packed_speedup_vs_padded")}), file=sys.stdout)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,12 @@ def base_config() -> ml_collections.ConfigDict:
         # Positions per trajectory whose log-probs π_old, π_ref, the loss and the Δ pass compute: 0 =
         # the rollout's bound on action tokens, (rollout.max_turns + 1) × rollout.max_action_tokens.
         max_action_tokens_per_row=0,
+        # Pack trajectories several to a row for π_old, π_ref, the update and the Δ pass (segment ids,
+        # positions restarting per trajectory): the same numbers to fp32 rounding on far fewer tokens.
+        packing=True,
+        # Tokens per packed micro-batch (rows of rollout.max_context, at least one per data shard);
+        # 0 = one row per data shard, the least padding.
+        micro_batch_tokens=0,
         warmup_sft_steps=0,        # format warm-up steps run before RL (see the sft section)
         save_every=100,
         keep_checkpoints=3,        # newest checkpoints kept; the lab's probe reads one every few steps (issue 43)
@@ -259,7 +265,8 @@ def _check_train(config) -> None:
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise TrainConfigError(f"train.max_nonfinite_updates={limit!r} must be an integer ≥ 0 (0 = never stop)")
     _positive(config, "train.keep_checkpoints")
-    for path in ("train.save_every", "train.samples_per_step", "train.max_action_tokens_per_row"):
+    for path in ("train.save_every", "train.samples_per_step", "train.max_action_tokens_per_row",
+                 "train.micro_batch_tokens"):
         _non_negative(config, path)
     _positive(config, "train.delta_every")
     for path in ("train.peak_flops", "train.peak_bytes_per_s"):
@@ -352,6 +359,17 @@ def _scored_text(config) -> str:
             f"≤ {scored} action targets per row of {length - 1} (train.max_action_tokens_per_row)")
 
 
+def _packing_text(config, shards: int) -> str:
+    from llds_jax.train.batch import padded_length, scored_positions_per_row  # noqa: PLC0415
+    from llds_jax.train.packing import packing_sizes  # noqa: PLC0415
+
+    width = padded_length(config)
+    sizes = packing_sizes(config, width, scored_positions_per_row(config, width), shards)
+    return (f"packing       : train.packing on (one host): the decoder passes read trajectories packed into rows of "
+            f"{width} tokens, {sizes.rows} rows per micro-batch (train.micro_batch_tokens), as many micro-batches "
+            f"as each mini-batch fills; the two sizes above then only bound the padded fallback")
+
+
 def batch_arithmetic(config, num_devices: int | None = None) -> str:
     """The human-readable batch / mini-batch / micro-batch table printed at start-up."""
     t = config.train
@@ -368,6 +386,7 @@ def batch_arithmetic(config, num_devices: int | None = None) -> str:
         f"{t.micro_batch_size // dp} per data-parallel shard (data×fsdp = {dp})",
         f"log-probs     : π_old and π_ref in chunks of {t.logprob_batch_size} "
         f"({trajectories // t.logprob_batch_size} chunks); LM head on {_scored_text(config)}",
+        *([_packing_text(config, dp)] if t.get("packing", False) else []),
         f"schedule      : {t.total_steps} steps, lr {config.optim.lr:g}, warmup {warmup} steps "
         f"({config.optim.warmup_ratio:.1%}), first step lr 0: {config.optim.lr_first_step_zero}; "
         f"{t.total_steps * minis} optimizer updates in total",

@@ -36,6 +36,7 @@ from llds_jax.models.attention import (
     resolve_backend,
     target_platform,
 )
+from llds_jax.models.attention.mask import segment_positions
 from llds_jax.models.config import DecoderConfig
 from llds_jax.parallel.rules import ShardingRules, constrain, logical_to_sharding
 
@@ -313,18 +314,29 @@ class Decoder(nnx.Module):
 
     # -- full-sequence forward ----------------------------------------------------------
     def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                      positions: jax.Array | None = None) -> jax.Array:
+                      positions: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
         """Final-norm hidden states [B, T, D] (compute dtype), no LM head.
 
         Left or right padding: pads neither attend nor are attended to; positions default
         to ``cumsum(mask) - 1``. Rows of pad tokens hold meaningless values.
+
+        ``segment_ids`` [B, T] (packed rows: several sequences per row, 0 = padding; the
+        attention mask is then ``segment_ids > 0``): no token attends across segments and
+        positions default to restarting at 0 with each segment, so every segment's states are
+        the ones it would get alone in a row (up to the attention's summation order).
         """
-        if attention_mask is None:
-            attention_mask = jnp.ones(input_ids.shape, bool)
-        attention_mask = attention_mask.astype(bool)
-        if positions is None:
-            positions = positions_from_mask(attention_mask)
-        mask = AttentionMask.causal(attention_mask)
+        if segment_ids is not None:
+            attention_mask = segment_ids > 0
+            if positions is None:
+                positions = segment_positions(segment_ids)
+            mask = AttentionMask.packed(segment_ids)
+        else:
+            if attention_mask is None:
+                attention_mask = jnp.ones(input_ids.shape, bool)
+            attention_mask = attention_mask.astype(bool)
+            if positions is None:
+                positions = positions_from_mask(attention_mask)
+            mask = AttentionMask.causal(attention_mask)
         cos, sin = self._rope(positions)
         backend = resolve_backend(self.config.attention, target_platform())
 

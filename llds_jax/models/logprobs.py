@@ -118,14 +118,17 @@ def token_logprobs(hidden: jax.Array, table: jax.Array, targets: jax.Array, *, v
 
 def sequence_logprobs(model, input_ids: jax.Array, attention_mask: jax.Array, *, temperature: float = 1.0,
                       chunk_size: int = 128, with_entropy: bool = True, positions: jax.Array | None = None,
-                      ) -> tuple[jax.Array, jax.Array | None]:
+                      segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     """log π(input_ids[:, t+1] | prefix) for a Decoder, fp32 [B, T-1] (and entropy).
 
     Entry t scores token t+1, the usual shift for causal LMs; masks are the caller's job.
     With ``positions`` [B, K] (target columns, e.g. from ``scored_positions``) only those
     entries are computed: [B, K], entry k scoring token ``positions[:, k] + 1``.
+    ``segment_ids`` [B, T]: packed rows (``Decoder.hidden_states``); ``attention_mask`` is then
+    ignored, and a column whose next token starts another segment scores nothing meaningful
+    (action targets never do: a trajectory starts with its prompt).
     """
-    hidden = model.hidden_states(input_ids, attention_mask)[:, :-1]
+    hidden = model.hidden_states(input_ids, attention_mask, segment_ids=segment_ids)[:, :-1]
     targets = input_ids[:, 1:]
     if positions is not None:
         hidden = constrain(jnp.take_along_axis(hidden, positions[..., None], axis=1), ("batch", "seq", "act_embed"))

@@ -241,7 +241,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
     from llds_jax.parallel.mesh import make_mesh  # noqa: PLC0415
     from llds_jax.parallel.rules import DEFAULT  # noqa: PLC0415
     from llds_jax.train.batch import TrainBatch, padded_length  # noqa: PLC0415
-    from llds_jax.train.step import build_update_fns  # noqa: PLC0415
+    from llds_jax.train.step import build_update_fns, packing_for_run  # noqa: PLC0415
 
     section = config.get("plan") or default_plan_config()
     if target is None:
@@ -263,7 +263,9 @@ def make_plan(config, target: Target | None = None) -> Plan:
     rollout_rows, wave_note = _rollout_rows(config, section, decoder_cfg, target, devices, trajectories, dp_rows)
 
     graphdef, state, state_shardings = _abstract_train_state(config, decoder_cfg, mesh, rules)
-    batch = TrainBatch.abstract(trajectories, length, with_ref=state.ref_params is not None, mesh=mesh, rules=rules)
+    packing = packing_for_run(config, mesh, rules)  # packed micro-batches: what a one-host run trains on
+    batch = TrainBatch.abstract(trajectories, length, with_ref=state.ref_params is not None, mesh=mesh, rules=rules,
+                                packing=packing)
     cache = _abstract_cache(decoder_cfg, rollout_rows, int(config.rollout.max_context), mesh, rules)
     parameters = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     resident = {
@@ -283,7 +285,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
     with jax.set_mesh(mesh):
         if "update" in phases or "logprobs" in phases:
             fns = build_update_fns(graphdef, state_shardings, batch.shardings(mesh, rules), mesh,
-                                   config, rules)
+                                   config, rules, packing=packing)
             if "update" in phases:
                 programs["update"] = compile_program("update", fns.update, state, batch,
                                                      platform=target.platform)
@@ -316,6 +318,8 @@ def make_plan(config, target: Target | None = None) -> Plan:
 
     rows = {"update": config.train.micro_batch_size, "logprobs": config.train.logprob_batch_size,
             "prefill": rollout_rows, "decode": rollout_rows}
+    if packing is not None:  # both passes run micro-batches of packed rows
+        rows["update"] = rows["logprobs"] = packing.rows
     queries = {"update": length, "logprobs": length, "prefill": prompt, "decode": 1}
     keys = {"update": length, "logprobs": length, "prefill": context, "decode": context}
     attention = {  # one layer's fp32 scores per device: rows x heads x (a tile of) queries x keys x 4 B
@@ -323,6 +327,9 @@ def make_plan(config, target: Target | None = None) -> Plan:
         for phase in programs}
     notes = [target.note] if target.note else []
     notes.append(wave_note)
+    if packing is not None:
+        notes.append(f"packed rows: {packing.rows} × {packing.width} tokens per micro-batch "
+                     f"(train.micro_batch_tokens), {packing.slots} micro-batch slots")
     step = None
     if section.get("step_time", True):
         step = _step_time(config, section, decoder_cfg, target, devices, rollout_rows, trajectories, length, state)
@@ -402,8 +409,9 @@ def _cached_forward(graphdef, mesh, rules):
 # ----------------------------------------------------------- before a run
 # What to change when a phase does not fit, named in the refusal.
 PHASE_KNOBS = {
-    "update": "train.micro_batch_size (rows per gradient micro-batch), model.remat or mesh.shape",
-    "logprobs": "train.logprob_batch_size",
+    "update": "train.micro_batch_tokens (packed) or train.micro_batch_size (rows per gradient micro-batch), "
+              "model.remat or mesh.shape",
+    "logprobs": "train.micro_batch_tokens (packed) or train.logprob_batch_size",
     "prefill": "rollout.max_concurrent_rows (rows per rollout wave) or rollout.prefill_chunk",
     "decode": "rollout.max_concurrent_rows (rows per rollout wave) or rollout.memory_fraction",
 }

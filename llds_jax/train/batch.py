@@ -36,6 +36,7 @@ import numpy as np
 
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
+from llds_jax.train.packing import PackedRows, PackingSizes
 
 # Right-padding value of each field (padding columns: no token, no mask, no action).
 _TOKEN_FIELDS = {"input_ids": (np.int32, 0), "attention_mask": (bool, False), "action_mask": (np.float32, 0.0),
@@ -61,6 +62,9 @@ class TrainBatch(NamedTuple):
     group_ids: Any  # int32 [N]: GRPO group (prompt) id, global across hosts
     old_logp: Any = None  # float32 [N, T]: log π_old(x_t | x_<t), 0 at t = 0
     ref_logp: Any = None  # float32 [N, T]: log π_ref(x_t | x_<t), 0 at t = 0
+    # The same trajectories packed several to a row (``train.packing``): what the decoder passes
+    # read; the [N, T] arrays above stay the per-trajectory view the objective and diagnostics read.
+    packed: PackedRows | None = None
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, Any], *, length: int) -> TrainBatch:
@@ -101,25 +105,36 @@ class TrainBatch(NamedTuple):
 
     @classmethod
     def abstract(cls, n: int, length: int, *, with_ref: bool, mesh=None, rules: ShardingRules | None = None,
-                 ) -> TrainBatch:
-        """``ShapeDtypeStruct`` s of a device batch with π_old (and π_ref) filled; shardings when ``mesh`` is given."""
+                 packing: PackingSizes | None = None) -> TrainBatch:
+        """``ShapeDtypeStruct`` s of a device batch with π_old (and π_ref) filled; shardings when ``mesh`` is given.
+
+        ``packing``: with the packed rows of those shapes (``train.packing``)."""
         def leaf(shape, dtype):
             sharding = None if mesh is None else batch_sharding(mesh, rules, len(shape), shape)
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
         tok, row = (n, length), (n,)
+        packed = None
+        if packing is not None:
+            packed = PackedRows.abstract(packing, n)
+            if mesh is not None:
+                packed = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                      packed, packed.shardings(mesh, rules))
         return cls(leaf(tok, jnp.int32), leaf(tok, jnp.bool_), leaf(tok, jnp.float32), leaf(tok, jnp.float32),
                    leaf(tok, jnp.int32), leaf(row, jnp.float32), leaf(row, jnp.float32), leaf(row, jnp.float32),
-                   leaf(row, jnp.int32), leaf(tok, jnp.float32), leaf(tok, jnp.float32) if with_ref else None)
+                   leaf(row, jnp.int32), leaf(tok, jnp.float32), leaf(tok, jnp.float32) if with_ref else None, packed)
 
     def shardings(self, mesh, rules: ShardingRules) -> TrainBatch:
-        """The row sharding of every field of this (abstract or concrete) batch."""
-        return jax.tree.map(lambda x: batch_sharding(mesh, rules, x.ndim, x.shape), self)
+        """The row sharding of every field of this (abstract or concrete) batch (packed rows: ``PackedRows.shardings``)."""
+        rows = jax.tree.map(lambda x: batch_sharding(mesh, rules, x.ndim, x.shape), self._replace(packed=None))
+        return rows._replace(packed=None if self.packed is None else self.packed.shardings(mesh, rules))
 
     @property
     def logprob_inputs(self) -> tuple:
-        """(input_ids, attention_mask, action_mask): a log-prob pass's arguments after the params
-        (the action mask picks the positions it scores)."""
+        """A log-prob pass's arguments after the params: (input_ids, attention_mask, action_mask), or
+        (packed rows, action_mask) for a packed batch (the action mask picks the positions it scores)."""
+        if self.packed is not None:
+            return self.packed, self.action_mask
         return self.input_ids, self.attention_mask, self.action_mask
 
     @property

@@ -10,6 +10,9 @@ the trainer disagree about π_old, e.g. a dtype or temperature mismatch).
 Host ↔ device: the host record (``TrainBatch.from_rollout``) is padded to one fixed length
 (``rollout.max_context`` rounded up to ``rollout.pad_to_multiple``) so every jitted function
 compiles once per run, then uploaded once (:meth:`Learner.upload`) with the batch sharding.
+With ``train.packing`` (default; one host) the upload also packs the trajectories several to a
+row (``llds_jax.train.packing``): the decoder passes read those rows, the objective the
+per-trajectory view.
 
 Several hosts (``jax.process_count() > 1``): every host passes only *its* rows — the block
 ``host_rows()`` (``distributed.host_batch_rows`` of the batch sharding; rows are
@@ -41,8 +44,9 @@ from llds_jax.parallel import distributed
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
 from llds_jax.train.batch import TrainBatch, check_action_tokens, padded_length
+from llds_jax.train.packing import PackingSizes, pack
 from llds_jax.train.state import TrainState, init_train_state, train_state_shardings
-from llds_jax.train.step import StepSizes, build_update_fns
+from llds_jax.train.step import StepSizes, build_update_fns, packing_for_run
 
 _REDUCE_MINI_BATCHES = {"mean": np.mean, "max": np.max, "min": np.min, "sum": np.sum,
                         "first": lambda a: a[0], "last": lambda a: a[-1], "count": len}
@@ -103,6 +107,8 @@ class Learner:
     batch_shardings: TrainBatch
     fns: Any
     seq_len: int
+    # Packed shapes when the decoder passes read packed rows (``train.packing``), else None.
+    packing: PackingSizes | None = None
     # A weak reference to the fresh state, whose π_ref is a same-dtype copy of its params: while
     # ``state`` is still that object (no update, restore or λ change since), π_ref's log-probs are
     # π_old's, bit for bit. Weak, so a restored state does not keep the fresh one's buffers alive.
@@ -133,11 +139,13 @@ class Learner:
             state_shardings = train_state_shardings(abstract, param_shardings, mesh, config.optim)
             state = jax.jit(fresh, out_shardings=state_shardings)(params, ref)
         seq_len = padded_length(config)
-        example = TrainBatch.abstract(StepSizes.from_config(config).trajectories, seq_len, with_ref=ref is not None)
+        sizes = StepSizes.from_config(config)
+        packing = packing_for_run(config, mesh, rules)
+        example = TrainBatch.abstract(sizes.trajectories, seq_len, with_ref=ref is not None, packing=packing)
         batch_shardings = example.shardings(mesh, rules)
-        fns = build_update_fns(graphdef, state_shardings, batch_shardings, mesh, config, rules)
+        fns = build_update_fns(graphdef, state_shardings, batch_shardings, mesh, config, rules, packing=packing)
         same = ref is not None and ref_model is None and ref_dtype is None
-        return cls(config, mesh, rules, graphdef, state, state_shardings, batch_shardings, fns, seq_len,
+        return cls(config, mesh, rules, graphdef, state, state_shardings, batch_shardings, fns, seq_len, packing,
                    reference_is_policy_in=weakref.ref(state) if same else None)
 
     # -- what the sampler reads -------------------------------------------------------------
@@ -210,6 +218,8 @@ class Learner:
         check_action_tokens(host.action_mask, StepSizes.from_config(self.config).scored_positions,
                             "train.max_action_tokens_per_row")
         host = host._replace(old_logp=None, ref_logp=None)
+        if self.packing is not None:
+            host = host._replace(packed=pack(host.input_ids, host.attention_mask, host.action_mask, self.packing))
         shardings = self.batch_shardings._replace(old_logp=None, ref_logp=None)
         with jax.set_mesh(self.mesh):
             if jax.process_count() == 1:

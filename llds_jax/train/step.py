@@ -42,6 +42,17 @@ states of a row's action targets are gathered, in order, before the projection
 (``compact_view``); π_old / π_ref come back token-aligned with 0 off the action tokens.
 The loss's sums visit the same terms, so this changes rounding only (tests/train).
 
+Packed rows (``train.packing``, ``llds_jax.train.packing``): π_old, π_ref and the update's forward
+read ``batch.packed`` — several trajectories per row, segment ids, positions restarting per
+trajectory — one micro-batch of rows per iteration of a loop whose trip count is the number of
+micro-batches the batch (π_old / π_ref) or the mini-batch (update) uses, so lengths vary without a
+recompile. Each row's LM head computes its listed action targets; ``trajectory_view`` reads them
+back into every trajectory's own ``[M, K]`` compact view (trajectories of other micro-batches:
+row weight 0, log π = π_old), so ``micro_batch_loss`` and ``batch_constants`` see exactly the
+padded layout's arrays: advantages, the A-gate's per-action sums, sequence aggregations, GSPO's
+sequence ratio, KL, entropy and every denominator are per trajectory as before, and the
+accumulated sums equal the padded step's up to summation order (``tests/train/test_packing.py``).
+
 Token alignment: the batch is token-aligned (``llds_jax.train.batch``); ``policy_logprobs``
 returns token-aligned log-probs and the loss reads the objective's next-token view
 (``_objective_view``). Nothing here materialises [B, T, V] logits (``token_logprobs`` chunks).
@@ -79,6 +90,7 @@ from llds_jax.train.batch import (
     scored_positions_per_row,
     token_aligned,
 )
+from llds_jax.train.packing import PackedRows, PackingSizes, data_parallel_size, packing_sizes
 from llds_jax.train.state import TrainState, apply_update, learning_rate, make_optimizer
 
 
@@ -110,6 +122,18 @@ class StepSizes:
                    t.logprob_batch_size, t.total_steps, scored_positions_per_row(config, padded_length(config)))
 
 
+def packing_for_run(config, mesh, rules: ShardingRules | None = None) -> PackingSizes | None:
+    """The packed shapes of a run on ``mesh``, or None for padded rows (``train.packing`` off, or several hosts).
+
+    Several hosts each hold only their rows while the packer needs a mini-batch's trajectories in
+    one place, so a multi-host run keeps padded rows (the same numbers, more compute).
+    """
+    if not config.train.get("packing", False) or jax.process_count() > 1:
+        return None
+    sizes = StepSizes.from_config(config)
+    return packing_sizes(config, padded_length(config), sizes.scored_positions, data_parallel_size(mesh, rules))
+
+
 def _constrain_rows(tree, rules: ShardingRules):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -125,13 +149,33 @@ def _split_rows(tree, parts: int):
 
 
 def forward_logprobs(graphdef, params, input_ids, attention_mask, *, temperature: float, chunk_size: int,
-                     with_entropy: bool, positions=None):
+                     with_entropy: bool, positions=None, segment_ids=None):
     """log π(token t+1 | ≤ t) [N, T-1] *target-aligned* (and entropy) — the one forward of π_old, π_ref and the loss.
 
-    With ``positions`` [N, K] only those target columns: [N, K] (``sequence_logprobs``).
+    With ``positions`` [N, K] only those target columns: [N, K] (``sequence_logprobs``);
+    ``segment_ids``: packed rows (``train.packing``).
     """
     return sequence_logprobs(nnx.merge(graphdef, params), input_ids, attention_mask, temperature=temperature,
-                             chunk_size=chunk_size, with_entropy=with_entropy, positions=positions)
+                             chunk_size=chunk_size, with_entropy=with_entropy, positions=positions,
+                             segment_ids=segment_ids)
+
+
+def packed_micro_batch(packed: PackedRows, slot, rules: ShardingRules):
+    """(input_ids, segment_ids, score_positions) [P, ...] of micro-batch ``slot`` (axis 0 is unsharded: a local index)."""
+    take = lambda x: jax.lax.dynamic_index_in_dim(x, slot, 0, keepdims=False)
+    return _constrain_rows((take(packed.input_ids), take(packed.segment_ids), take(packed.score_positions)), rules)
+
+
+def trajectory_view(row_values, row, score_start, valid):
+    """Packed LM-head outputs → each trajectory's own compact view [N, K]: entry k is its k-th action target.
+
+    ``row_values`` [R, Kp] (one micro-batch's rows, or [S, P, Kp] with ``row`` already the global
+    row slot·P + row); ``row`` / ``score_start`` [N] from ``PackedRows``; ``valid`` [N, K] marks the
+    entries that exist (others read entry 0 and must be masked by the caller).
+    """
+    width = row_values.shape[-1]
+    index = (row * width + score_start)[:, None] + jnp.arange(valid.shape[1], dtype=jnp.int32)[None, :]
+    return jnp.take(row_values.reshape(-1), jnp.where(valid, index, 0), axis=0)
 
 
 def compact_view(masks: LossMasks, old_logp, ref_logp, size: int):
@@ -196,8 +240,12 @@ class UpdateFns(NamedTuple):
 
 
 def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: TrainBatch, mesh, config,
-                     rules: ShardingRules | None = None) -> UpdateFns:
-    """Jit the three functions of a step with explicit shardings; call them under ``jax.set_mesh(mesh)``."""
+                     rules: ShardingRules | None = None, packing: PackingSizes | None = None) -> UpdateFns:
+    """Jit the three functions of a step with explicit shardings; call them under ``jax.set_mesh(mesh)``.
+
+    ``packing`` (``train.packing``): the decoder passes read ``batch.packed`` (several trajectories per
+    row, ``train.packing``) and loop over the used micro-batches; ``batch_shardings.packed`` must be set.
+    """
     rules = rules or DEFAULT_RULES
     sizes = StepSizes.from_config(config)
     rl_cfg, optim_cfg = config.rl, config.optim
@@ -216,6 +264,9 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
     compute_dtype = jnp.dtype(config.model.dtype).name
     tx = make_optimizer(optim_cfg)
     with_entropy = rl_cfg.entropy_coef > 0
+    # A packed pass reads each trajectory's first ``packed_scored`` action targets (all of a row's
+    # targets when the bound is no smaller): the same positions the padded pass scores.
+    packed_scored = sizes.scored_positions
     replicated = NamedSharding(mesh, PartitionSpec())
     logp_sharding = batch_sharding(mesh, rules, 2)
 
@@ -243,6 +294,29 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         out = jax.lax.map(one, (ids, mask, actions))
         return jax.lax.stop_gradient(out.reshape((sizes.trajectories,) + out.shape[2:]))
 
+    def packed_logprobs(params, packed: PackedRows, action_mask):
+        """``logprobs`` over packed rows: one micro-batch of rows per iteration, as many as the batch uses.
+
+        Each row's LM head computes its ``packing.scored`` listed targets; the results come back as
+        every trajectory's token-aligned log-probs, 0 off its action tokens, as the padded pass gives.
+        """
+        params = params_in_compute_dtype(params, compute_dtype)
+        buffer_sharding = NamedSharding(mesh, rules.spec((None, "batch", None), packed.score_positions.shape, mesh))
+
+        def one(slot, out):
+            ids, segments, positions = packed_micro_batch(packed, slot, rules)
+            logp, _ = forward_logprobs(graphdef, params, ids, None, temperature=temperature, chunk_size=chunk,
+                                       with_entropy=False, positions=positions, segment_ids=segments)
+            return jax.lax.dynamic_update_index_in_dim(out, logp, slot, 0)
+
+        out = jax.lax.with_sharding_constraint(jnp.zeros(packed.score_positions.shape, jnp.float32), buffer_sharding)
+        out = jax.lax.fori_loop(0, packed.mini_count.sum(), one, out)
+        positions, valid = scored_positions(next_token_targets(action_mask), packed_scored)
+        rows = packed.slot * packing.rows + packed.row
+        logp = jnp.where(valid, trajectory_view(out, rows, packed.score_start, valid), 0.0)
+        logp = scatter_targets(logp, positions, valid, action_mask.shape[1] - 1)
+        return jax.lax.stop_gradient(_constrain_rows(token_aligned(logp), rules))
+
     def objective_view(mb: TrainBatch):
         """(positions or None, masks, π_old, π_ref) as the loss reads them, compacted to ``scored`` positions."""
         masks, old_logp, ref_logp = _objective_view(mb)
@@ -265,14 +339,79 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def one_update(state: TrainState, mini: TrainBatch, advantages, lr, on_policy, batch_mean_searches):
+    def packed_view(mb: TrainBatch):
+        """(masks, π_old, π_ref) of a mini-batch's trajectories, compacted to ``packed_scored`` positions
+        (always compacted: entry k of a row must be its k-th action target, the packed rows' order)."""
+        masks, old_logp, ref_logp = _objective_view(mb)
+        _, _, masks, old_logp, ref_logp = compact_view(masks, old_logp, ref_logp, packed_scored)
+        return masks, old_logp, ref_logp
+
+    def packed_micro_loss(params, rows, slot, where, view, advantages, constants, on_policy, num_micro):
+        """One packed micro-batch's share of the loss, on the mini-batch's per-trajectory view.
+
+        The forward runs on the packed rows; their action targets are read back into each
+        trajectory's own [M, K] view (``trajectory_view``), where trajectories of other micro-batches
+        have row weight 0 and log π = π_old (no gradient, ratio 1). So the objective sees the padded
+        layout's arrays — every per-response reduction (sequence aggregation, GSPO's ratio, the
+        LLDS gates, LLDS-MA counts) is per trajectory as before — and the sums over micro-batches
+        add up to the mini-batch's (rounding order aside).
+        """
+        ids, segments, positions = rows
+        row, score_start, traj_slot = where
+        masks, precomputed_old, ref_logp = view
+        logp_rows, entropy_rows = forward_logprobs(graphdef, params, ids, None, temperature=temperature,
+                                                   chunk_size=chunk, with_entropy=with_entropy, positions=positions,
+                                                   segment_ids=segments)
+        here = traj_slot == slot
+        present = here[:, None] & (masks.action_mask > 0)
+        logp = jnp.where(present, trajectory_view(logp_rows, row, score_start, present), precomputed_old)
+        entropy = None
+        if entropy_rows is not None:
+            entropy = jnp.where(present, trajectory_view(entropy_rows, row, score_start, present), 0.0)
+        masks = masks._replace(row_weight=masks.row_weight * here)
+        own = jax.lax.stop_gradient(logp)
+        gap = jnp.max(jnp.where(present, jnp.abs(own - precomputed_old), 0.0))
+        old_logp = jnp.where(on_policy, own, precomputed_old)
+        policy_batch = PolicyBatch(logp=logp, old_logp=old_logp, ref_logp=ref_logp,
+                                   entropy=entropy, advantages=advantages, masks=masks)
+        loss, terms = micro_batch_loss(policy_batch, rl_cfg, constants, num_micro)
+        return loss, (terms, gap)
+
+    packed_grad_fn = jax.value_and_grad(packed_micro_loss, has_aux=True)
+
+    def packed_accumulation(params, packed: PackedRows, mini: TrainBatch, where, first, count, advantages,
+                            constants, on_policy, zero_grads):
+        """Gradients and terms of one mini-batch over its ``count`` packed micro-batches (a dynamic trip count)."""
+        view = packed_view(mini)
+        num_micro = count.astype(jnp.float32)  # rl.loss_scope = micro_batch: the mean over the micro-batches used
+
+        def step(slot, carry):
+            grads, loss, terms, gap = carry
+            rows = packed_micro_batch(packed, slot, rules)
+            (mb_loss, (mb_terms, mb_gap)), mb_grads = packed_grad_fn(
+                params, rows, slot, where, view, advantages, constants, on_policy, num_micro)
+            grads = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), grads, mb_grads)
+            return grads, loss + mb_loss, accumulate_terms(terms, mb_terms), jnp.maximum(gap, mb_gap)
+
+        shapes = jax.eval_shape(packed_grad_fn, params, packed_micro_batch(packed, first, rules), first, where, view,
+                                advantages, constants, on_policy, num_micro)[0][1][0]
+        zero = jnp.zeros((), jnp.float32)
+        return jax.lax.fori_loop(first, first + count, step, (zero_grads, zero, _empty_terms(shapes), zero))
+
+    def one_update(state: TrainState, mini: TrainBatch, advantages, lr, on_policy, batch_mean_searches,
+                   packed=None, packed_mini=None):
         constants = batch_constants(advantages, objective_view(mini)[1], rl_cfg, llds_coef=state.llds_coef,
                                     mean_searches=batch_mean_searches)
-        micros = _split_rows((mini, advantages), sizes.num_micro_batches)
         zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
         # θ is fixed across the micro-batches: cast it once, not in every micro-batch's forward,
         # remat and backward; the gradients are the same (see params_in_compute_dtype).
         params = params_in_compute_dtype(state.params, compute_dtype, keep_lookup_tables=True)
+        if packed is not None:
+            where, first, count = packed_mini
+            grads, loss, terms, gap = packed_accumulation(params, packed, mini, where, first, count, advantages,
+                                                          constants, on_policy, zero_grads)
+            return _finish_update(state, grads, loss, terms, gap, lr)
+        micros = _split_rows((mini, advantages), sizes.num_micro_batches)
 
         def accumulate(carry, micro):
             grads, loss, terms, gap = carry
@@ -287,6 +426,9 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         zero = jnp.zeros((), jnp.float32)
         (grads, loss, terms, gap), _ = jax.lax.scan(
             accumulate, (zero_grads, zero, _empty_terms(terms_shape), zero), micros)
+        return _finish_update(state, grads, loss, terms, gap, lr)
+
+    def _finish_update(state, grads, loss, terms, gap, lr):
         _, metrics = finalize(terms, rl_cfg)
         metrics["delta_logp/abs_max"] = gap  # mini-batch 1: the recompute gap
         state, optimizer_metrics = apply_update(state, grads, loss, lr, tx, optim_cfg.clip_norm)
@@ -300,13 +442,19 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
                                         estimator=rl_cfg.advantage_estimator, eps=rl_cfg.advantage_eps,
                                         unbiased_std=rl_cfg.unbiased_std)
         advantages = _constrain_rows(advantages, rules)
-        minis = _split_rows((batch, advantages), sizes.num_mini_batches)
+        packed = batch.packed
+        minis = _split_rows((batch._replace(packed=None), advantages), sizes.num_mini_batches)
         on_policy = jnp.arange(sizes.num_mini_batches) == 0  # θ = θ_old only before the first update
+        packed_minis = None
+        if packed is not None:  # each mini-batch's trajectories' places, and its micro-batch slots
+            where = _split_rows((packed.row, packed.score_start, packed.slot), sizes.num_mini_batches)
+            packed_minis = (where, packed.mini_first, packed.mini_count)
         batch_mean_searches = None  # minibatch_executed: each mini-batch's own mean
         if rl_cfg.ma_search_count == "batch_written":  # the official valid_search_mean: whole rollout batch
             batch_mean_searches = (batch.num_searches * batch.row_weight).sum() / jnp.maximum(batch.row_weight.sum(), 1.0)
         state, metrics = jax.lax.scan(
-            lambda s, xs: one_update(s, xs[0][0], xs[0][1], lr, xs[1], batch_mean_searches), state, (minis, on_policy))
+            lambda s, xs: one_update(s, xs[0][0], xs[0][1], lr, xs[1], batch_mean_searches, packed, xs[2]),
+            state, (minis, on_policy, packed_minis))
         metrics["optim/lr"] = jnp.broadcast_to(lr, (sizes.num_mini_batches,))
         metrics["llds/lambda"] = jnp.broadcast_to(state.llds_coef, (sizes.num_mini_batches,))
         state = state.replace(step=state.step + 1)
@@ -314,10 +462,15 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         return state, metrics, outputs
 
     token_sh = (batch_shardings.input_ids, batch_shardings.attention_mask, batch_shardings.action_mask)
-    policy_logprobs = jax.jit(logprobs, in_shardings=(state_shardings.params, *token_sh), out_shardings=logp_sharding)
+    pass_fn = logprobs
+    if packing is not None:
+        if batch_shardings.packed is None:
+            raise ValueError("build_update_fns(packing=...) needs batch_shardings with packed rows")
+        token_sh, pass_fn = (batch_shardings.packed, batch_shardings.action_mask), packed_logprobs
+    policy_logprobs = jax.jit(pass_fn, in_shardings=(state_shardings.params, *token_sh), out_shardings=logp_sharding)
     reference_logprobs = None
     if state_shardings.ref_params is not None:
-        reference_logprobs = jax.jit(logprobs, in_shardings=(state_shardings.ref_params, *token_sh),
+        reference_logprobs = jax.jit(pass_fn, in_shardings=(state_shardings.ref_params, *token_sh),
                                      out_shardings=logp_sharding)
     outputs_sharding = StepOutputs(batch_sharding(mesh, rules, 1), replicated, replicated)
     update_jit = jax.jit(update, in_shardings=(state_shardings, batch_shardings),

@@ -35,8 +35,9 @@ F32_EPS = float(np.finfo(np.float32).eps)
 ULPS = 16
 
 
-def _learner(mesh_shape):
-    config = tiny_train_config()
+def _learner(mesh_shape, packing=False):
+    """``packing=False``: the padded path, which the pinned numbers were computed on."""
+    config = tiny_train_config(packing=packing)
     config.mesh.shape = mesh_shape
     mesh = make_mesh(mesh_shape)
     with jax.set_mesh(mesh):
@@ -55,15 +56,23 @@ def _assert_pinned(name, got, want, floor=1.0):
         f"(got {got}, pinned {want})")
 
 
-@pytest.fixture(scope="module")
-def pinned_run():
-    learner = _learner((1, 1, 1))
+def _two_steps(learner):
     steps = []
     for step in range(2):
         metrics, extra = learner.update(TrainBatch.from_arrays(synthetic_rollout(seed=step), length=learner.seq_len))
         extra["logp_now"] = learner.logprobs_now(extra["batch"])
         steps.append((metrics, extra))
     return learner, steps
+
+
+@pytest.fixture(scope="module")
+def pinned_run():
+    return _two_steps(_learner((1, 1, 1)))
+
+
+@pytest.fixture(scope="module")
+def packed_run():
+    return _two_steps(_learner((1, 1, 1), packing=True))
 
 
 def test_update_metrics_advantages_and_logprobs_equal_the_pre_change_numbers(pinned_run):
@@ -79,6 +88,26 @@ def test_update_metrics_advantages_and_logprobs_equal_the_pre_change_numbers(pin
                        want["logp_now_row_sums"])
 
 
+def test_packed_update_equals_the_pre_change_numbers(packed_run, pinned_run):
+    """Packed rows (``train.packing``) give the pinned metrics and advantages to the same 16 ulps.
+
+    Its π_old and π_now are 0 off the action tokens (only action targets are scored, as in any
+    compacted pass), so they are compared with the padded run's on action tokens: the same terms
+    summed in another order inside attention's key blocks and the LM head, 64 ulps of the scale.
+    """
+    _, steps = packed_run
+    _, padded = pinned_run
+    for step, ((_, extra), want, (_, ref)) in enumerate(zip(steps, PINNED["update"], padded, strict=True)):
+        for key, values in want["per_mini_batch"].items():
+            _assert_pinned(f"packed step {step} {key}", extra["per_mini_batch"][key], values)
+        _assert_pinned(f"packed step {step} advantages", extra["advantages"], want["advantages"])
+        actions = synthetic_rollout(seed=step)["action_mask"] > 0
+        for key in ("old_logp", "logp_now"):
+            got, ref_values = extra[key][:, :actions.shape[1]][actions], ref[key][:, :actions.shape[1]][actions]
+            bound = 64 * F32_EPS * float(np.max(np.abs(ref_values)))
+            assert np.max(np.abs(got - ref_values)) <= bound, f"packed step {step} {key} on action tokens"
+
+
 def test_returned_logprobs_are_token_aligned(pinned_run):
     """Position t scores the token at t (as the sampler's log-probs): nothing predicts token 0."""
     learner, steps = pinned_run
@@ -90,13 +119,14 @@ def test_returned_logprobs_are_token_aligned(pinned_run):
     np.testing.assert_array_equal(next_token_targets(token_aligned(x)), x)
 
 
-def test_the_step_uploads_once_and_no_host_transfer_precedes_the_update(pinned_run):
+@pytest.mark.parametrize("run", ["pinned_run", "packed_run"])
+def test_the_step_uploads_once_and_no_host_transfer_precedes_the_update(run, request):
     """After ``upload``, π_old, π_ref, the advantages, the update and the Δ pass move nothing host → device.
 
     Before the change the advantages went host → device → host → device and ``logprobs_now``
     uploaded the batch again.
     """
-    learner, _ = pinned_run
+    learner, _ = request.getfixturevalue(run)
     batch = learner.upload(TrainBatch.from_arrays(synthetic_rollout(seed=3), length=learner.seq_len))
     with jax.transfer_guard_host_to_device("disallow_explicit"):
         _, extra = learner.update(batch)
@@ -135,12 +165,19 @@ def test_host_record_pads_casts_and_names_bad_fields():
         TrainBatch.from_arrays({**arrays, "rewards": arrays["rewards"][:15]}, length=32)
 
 
-def test_abstract_record_matches_the_uploaded_one(pinned_run):
+@pytest.mark.parametrize("run", ["pinned_run", "packed_run"])
+def test_abstract_record_matches_the_uploaded_one(run, request):
     """The planner compiles against ``TrainBatch.abstract``: same shapes, dtypes and shardings as a real step."""
-    learner, steps = pinned_run
+    learner, steps = request.getfixturevalue(run)
     _, extra = steps[0]
-    abstract = TrainBatch.abstract(16, learner.seq_len, with_ref=True, mesh=learner.mesh, rules=learner.rules)
-    for name, want, got in zip(TrainBatch._fields, abstract, extra["batch"]):
+    abstract = TrainBatch.abstract(16, learner.seq_len, with_ref=True, mesh=learner.mesh, rules=learner.rules,
+                                   packing=learner.packing)
+    assert (abstract.packed is None) == (run == "pinned_run") == (extra["batch"].packed is None)
+    wants = jax.tree_util.tree_leaves_with_path(abstract)
+    gots = jax.tree.leaves(extra["batch"])
+    assert len(wants) == len(gots)
+    for (path, want), got in zip(wants, gots, strict=True):
+        name = jax.tree_util.keystr(path)
         assert (got.shape, got.dtype) == (want.shape, want.dtype), f"{name}: {got.shape} {got.dtype} vs {want}"
         assert got.sharding.is_equivalent_to(want.sharding, got.ndim), name
 

@@ -65,3 +65,30 @@ def synthetic_rollout(seed: int = 0, n: int = N_PROMPTS * GROUP, length: int = S
                 group_ids=np.repeat(np.arange(n // GROUP), GROUP))
 
 
+
+
+def mixed_rollout(seed: int = 0, n: int = N_PROMPTS * GROUP, length: int = 64) -> dict[str, np.ndarray]:
+    """Rollout-shaped arrays of mixed lengths (12 … ``length`` real tokens, right-padded), so packing
+    puts several trajectories in a row: prompt, action 0, masked feedback, action 1 ending in an answer."""
+    rng = np.random.default_rng(seed)
+    arrays = synthetic_rollout(seed, n, length)
+    arrays["attention_mask"][:] = False
+    arrays["action_mask"][:] = 0
+    arrays["action_index"][:] = -1
+    arrays["answer_mask"][:] = 0
+    lengths = rng.integers(12, length + 1, n)
+    lengths[rng.integers(n)] = length  # one full-length row: packed alone
+    for j, total in enumerate(lengths):
+        prompt = int(rng.integers(4, 8))
+        first = int(rng.integers(1, max(2, (total - prompt) // 3)))
+        feedback = int(rng.integers(1, max(2, (total - prompt - first) // 2)))
+        second_start = prompt + first + feedback
+        arrays["attention_mask"][j, :total] = True
+        arrays["action_mask"][j, prompt:prompt + first] = 1
+        arrays["action_index"][j, prompt:prompt + first] = 0
+        if second_start < total:
+            arrays["action_mask"][j, second_start:total] = 1
+            arrays["action_index"][j, second_start:total] = 1
+            arrays["answer_mask"][j, max(second_start, total - 3):total] = 1
+        arrays["input_ids"][j, total:] = 0
+    return arrays

@@ -9,6 +9,10 @@ backward (FlashAttention-2's dq/dk/dv recurrences), so the gradient is bounded t
 carry ``checkpoint_name``s, so a layer remat policy can keep them ("minimal" does) instead of
 rerunning the forward.
 
+Packed rows (``mask.key_start``): a query reads only its own segment, and the key loop starts at
+the block of the smallest segment start among its queries, so a piece never visits key blocks
+that hold no segment of it.
+
 The loop runs over key blocks below ``mask.live_keys()`` only — a dynamic trip count —
 so one-token decode over a large cache reads the blocks rows have reached, not the
 whole cache. When S is not a multiple of the block the last block is shifted back to
@@ -95,11 +99,14 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Attentio
         # query_index[b, t] == t, so the key loop of queries [start, stop) ends at the block
         # holding key stop - 1 (its trip count follows the largest query index it is given).
         block = min(query_block, slots)
+        starts = mask.key_start
         pieces = [_flash(grouped[:, :, :, start:start + piece], k, v, mask.query_index[:, start:start + piece],
-                         mask.key_valid, block) for start in range(0, length, piece)]
+                         mask.key_valid, None if starts is None else starts[:, start:start + piece], block)
+                  for start in range(0, length, piece)]
         out = jnp.concatenate(pieces, axis=3)
     else:
-        out = _flash(grouped, k, v, mask.query_index, mask.key_valid, min(block_size, slots))  # [B, KVH, G, T, Dh]
+        out = _flash(grouped, k, v, mask.query_index, mask.key_valid, mask.key_start,
+                     min(block_size, slots))  # [B, KVH, G, T, Dh]
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)
 
 
@@ -115,17 +122,28 @@ def _key_block(i, block: int, k, v, key_valid):
     return start, ids, k_blk, v_blk, valid
 
 
-def _masked_scores(grouped, k_blk, ids, valid, query_index):
-    """fp32 scores [B, KVH, G, T, block] with invisible keys at MASKED_SCORE."""
+def _masked_scores(grouped, k_blk, ids, valid, query_index, key_start=None):
+    """fp32 scores [B, KVH, G, T, block] with invisible keys at MASKED_SCORE (``key_start``: a packed
+    row's queries also read nothing before their own segment's first slot)."""
     scores = jnp.einsum("bkgtd,bksd->bkgts", grouped, k_blk, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(grouped.shape[-1])
     visible = valid[:, None, :] & (ids[None, None, :] <= query_index[:, :, None])  # [B, T, block]
+    if key_start is not None:
+        visible &= ids[None, None, :] >= key_start[:, :, None]
     return jnp.where(visible[:, None, None], scores, MASKED_SCORE)
 
 
 def _num_blocks(query_index, slots: int, block: int):
     live = jnp.clip(jnp.max(query_index) + 1, 1, slots)
     return (live + block - 1) // block
+
+
+def _first_key_block(key_start, block: int):
+    """The first key block any of these queries can read: 0, or below the smallest segment start
+    of a packed piece (blocks that hold no segment of the query block are never visited)."""
+    if key_start is None:
+        return 0
+    return (jnp.min(key_start) // block).astype(jnp.int32)
 
 
 def _first_block(scores, v_blk):
@@ -162,13 +180,14 @@ def _finish(grouped, carry):
     return (acc / total[..., None]).astype(grouped.dtype), m + jnp.log(total)
 
 
-def _forward(grouped, k, v, query_index, key_valid, block: int):
+def _forward(grouped, k, v, query_index, key_valid, key_start, block: int):
     def visit(i):  # block i's masked scores, and the keys' values
         _, ids, k_blk, v_blk, valid = _key_block(i, block, k, v, key_valid)
-        return _masked_scores(grouped, k_blk, ids, valid, query_index), v_blk
+        return _masked_scores(grouped, k_blk, ids, valid, query_index, key_start), v_blk
 
-    carry = _first_block(*visit(0))
-    carry = jax.lax.fori_loop(1, _num_blocks(query_index, k.shape[2], block),
+    first = _first_key_block(key_start, block)
+    carry = _first_block(*visit(first))
+    carry = jax.lax.fori_loop(first + 1, _num_blocks(query_index, k.shape[2], block),
                               lambda i, carry: _next_block(carry, *visit(i)), carry)
     return _finish(grouped, carry)
 
@@ -208,19 +227,19 @@ def block_cache_attention(q: jax.Array, k_blocks: tuple[jax.Array, ...], v_block
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(grouped, k, v, query_index, key_valid, block: int):
-    return _forward(grouped, k, v, query_index, key_valid, block)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(grouped, k, v, query_index, key_valid, key_start, block: int):
+    return _forward(grouped, k, v, query_index, key_valid, key_start, block)[0]
 
 
-def _flash_fwd(grouped, k, v, query_index, key_valid, block: int):
-    out, lse = _forward(grouped, k, v, query_index, key_valid, block)
+def _flash_fwd(grouped, k, v, query_index, key_valid, key_start, block: int):
+    out, lse = _forward(grouped, k, v, query_index, key_valid, key_start, block)
     out, lse = checkpoint_name(out, OUT_RESIDUAL), checkpoint_name(lse, LSE_RESIDUAL)
-    return out, (grouped, k, v, query_index, key_valid, out, lse)
+    return out, (grouped, k, v, query_index, key_valid, key_start, out, lse)
 
 
 def _flash_bwd(block: int, residuals, d_out):
-    grouped, k, v, query_index, key_valid, out, lse = residuals
+    grouped, k, v, query_index, key_valid, key_start, out, lse = residuals
     scale = 1.0 / math.sqrt(grouped.shape[-1])
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, KVH, G, T]
     d_q = jnp.zeros(grouped.shape, jnp.float32)
@@ -230,7 +249,7 @@ def _flash_bwd(block: int, residuals, d_out):
     def step(i, carry):
         d_q, d_k, d_v = carry
         start, ids, k_blk, v_blk, valid = _key_block(i, block, k, v, key_valid)
-        probs = jnp.exp(_masked_scores(grouped, k_blk, ids, valid, query_index) - lse[..., None])
+        probs = jnp.exp(_masked_scores(grouped, k_blk, ids, valid, query_index, key_start) - lse[..., None])
         d_v_blk = jnp.einsum("bkgts,bkgtd->bksd", probs.astype(d_out.dtype), d_out,
                              preferred_element_type=jnp.float32)
         d_probs = jnp.einsum("bkgtd,bksd->bkgts", d_out, v_blk, preferred_element_type=jnp.float32)
@@ -243,8 +262,9 @@ def _flash_bwd(block: int, residuals, d_out):
             d_v, jax.lax.dynamic_slice_in_dim(d_v, start, block, axis=2) + d_v_blk, start, axis=2)
         return d_q, d_k, d_v
 
-    d_q, d_k, d_v = jax.lax.fori_loop(0, _num_blocks(query_index, k.shape[2], block), step, (d_q, d_k, d_v))
-    return d_q.astype(grouped.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, None
+    d_q, d_k, d_v = jax.lax.fori_loop(_first_key_block(key_start, block), _num_blocks(query_index, k.shape[2], block),
+                                      step, (d_q, d_k, d_v))
+    return d_q.astype(grouped.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

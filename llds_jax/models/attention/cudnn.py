@@ -8,6 +8,12 @@ real tokens, and RoPE was applied before, by position, not index); the output is
 rotated back. A row with a hole in the middle cannot be written that way: when any row
 has one, a ``lax.cond`` takes the blockwise kernel instead, so the answer is right for
 every mask and the fused kernel serves the usual batches.
+
+Packed rows (several trajectories per row, ``AttentionMask.key_start``) take the blockwise
+kernel: ``jax.nn.dot_product_attention`` (JAX 0.10) takes causal masking, per-row
+``query_seq_lengths`` / ``key_value_seq_lengths`` and a sliding window, but no segment ids or
+per-segment offsets (the THD ``q_offsets`` of cuDNN exist only behind a private module), and a
+dense [T, S] mask is what we must not build.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMas
     (which does build scores): how the mapping is tested on a host without cuDNN."""
     if not mask.self_attention:
         raise ValueError("cudnn_attention covers the full-sequence forward only (AttentionMask.causal)")
+    if mask.key_start is not None:  # packed rows: the public API takes no segment ids (module doc)
+        return blockwise_attention(q, k, v, mask, block_size)
     real = mask.key_valid
 
     def fused():

@@ -5,7 +5,8 @@ diagonal; padding enters as segment ids (real tokens 1, pads 0) because a key ma
 read only by a query of the same segment. On real tokens "causal by array index and
 same segment" is exactly our ``key_valid[s] & s <= t``; a pad query reads earlier pads
 instead of nothing (always at least itself, so splash never sees an empty row) and its
-output is meaningless either way. The sequence is padded up to a multiple of the block
+output is meaningless either way. Packed rows (``AttentionMask.packed``) give each trajectory
+its own segment id (``AttentionMask.segment_ids``), so no query reads another trajectory. The sequence is padded up to a multiple of the block
 (128-lane multiples, as the kernel requires) with segment-0 tokens and cut back after.
 
 The kernel is a ``pallas_call`` that GSPMD cannot partition, so under a mesh it runs
@@ -39,7 +40,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMa
     block = _block_for(length, block_size)
     padded = -(-length // block) * block
     scale = 1.0 / math.sqrt(head_dim)
-    segments = jnp.pad(mask.key_valid.astype(jnp.int32), ((0, 0), (0, padded - length)))
+    segments = jnp.pad(mask.segment_ids(), ((0, 0), (0, padded - length)))
 
     def heads_major(x):  # [B, T, N, Dh] → [B, N, padded T, Dh]
         return jnp.pad(x, ((0, 0), (0, padded - length), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
