@@ -263,7 +263,8 @@ def make_plan(config, target: Target | None = None) -> Plan:
     rollout_rows, wave_note = _rollout_rows(config, section, decoder_cfg, target, devices, trajectories, dp_rows)
 
     graphdef, state, state_shardings = _abstract_train_state(config, decoder_cfg, mesh, rules)
-    packing = packing_for_run(config, mesh, rules)  # packed micro-batches: what a one-host run trains on
+    # Packed micro-batches: what a one-host run trains on; a run over several hosts keeps padded rows.
+    packing = packing_for_run(config, mesh, rules) if hosts_of(devices) == 1 else None
     batch = TrainBatch.abstract(trajectories, length, with_ref=state.ref_params is not None, mesh=mesh, rules=rules,
                                 packing=packing)
     cache = _abstract_cache(decoder_cfg, rollout_rows, int(config.rollout.max_context), mesh, rules)
@@ -332,19 +333,26 @@ def make_plan(config, target: Target | None = None) -> Plan:
                      f"(train.micro_batch_tokens), {packing.slots} micro-batch slots")
     step = None
     if section.get("step_time", True):
-        step = _step_time(config, section, decoder_cfg, target, devices, rollout_rows, trajectories, length, state)
+        step = _step_time(config, section, decoder_cfg, target, devices, rollout_rows, trajectories, length, state,
+                          packing)
     return Plan(f"{Path(str(config.model.source)).name} ({decoder_cfg.num_layers} layers, d={decoder_cfg.hidden_size})",
                 parameters, shape, target.compiler, resident, phase_extra, programs, notes,
                 attention, target.hardware, kernels, step)
 
 
+def hosts_of(devices) -> int:
+    """Hosts the devices of a target belong to (compile-only topologies carry their process index)."""
+    return max(1, len({getattr(d, "process_index", 0) for d in devices}))
+
+
 def _step_time(config, section, decoder_cfg, target, devices, rollout_rows: int, trajectories: int, length: int,
-               state) -> StepTime:
-    """The step-time prediction for this plan's target (``plan.step_time``)."""
+               state, packing) -> StepTime:
+    """The step-time prediction for this plan's target (``plan.step_time``); ``packing``: the packed
+    shapes the training passes run (None: padded rows, as on several hosts)."""
     from llds_jax.rollout.waves import rollout_rows_per_wave  # noqa: PLC0415
     from llds_jax.train.step import StepSizes  # noqa: PLC0415
 
-    hosts = max(1, len({getattr(d, "process_index", 0) for d in devices}))
+    hosts = hosts_of(devices)
     platform = "gpu" if target.platform in ("gpu", "cuda") else target.platform
     peak = (flops.Peak(*flops.PEAKS[target.hardware][1:], flops.PEAKS[target.hardware][0]) if target.hardware
             else flops.device_peak(devices[0]))
@@ -356,7 +364,8 @@ def _step_time(config, section, decoder_cfg, target, devices, rollout_rows: int,
     state_bytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
     return predict_step_time(config, decoder_cfg, platform=platform, peak=peak, devices=len(devices), hosts=hosts,
                              rows_per_wave=rows_per_wave, train_rows=trajectories, train_length=length,
-                             scored_per_row=StepSizes.from_config(config).scored_positions, state_bytes=state_bytes)
+                             scored_per_row=StepSizes.from_config(config).scored_positions, state_bytes=state_bytes,
+                             packing=packing)
 
 
 def _rollout_rows(config, section, decoder_cfg, target, devices, trajectories: int, dp: int) -> tuple[int, str]:

@@ -142,17 +142,31 @@ class StepTime:
                 "details": dict(self.details), "anchors": {name: value for name, value in ANCHORS}}
 
 
+def training_rows(trajectories: list[TrajectoryLengths], packing, length: int) -> tuple[int, int, float]:
+    """(rows, row length, attention pairs per row) the training passes compute for ``trajectories``:
+    packed rows (``train.packing.plan_rows``, first-fit decreasing within each mini-batch) when
+    ``packing`` is given, else one padded row of ``length`` each."""
+    if packing is None:
+        return len(trajectories), length, float(flops.causal_pairs(length))
+    from llds_jax.train.packing import computed_tokens, plan_rows  # noqa: PLC0415
+
+    plan = plan_rows([t.total for t in trajectories], [sum(t.actions) for t in trajectories], packing)
+    rows = computed_tokens(plan, packing) // packing.width
+    return rows, packing.width, sum(flops.causal_pairs(t.total) for t in trajectories) / rows
+
+
 def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, devices: int, hosts: int,
                       rows_per_wave: int, train_rows: int, train_length: int, scored_per_row: int,
                       state_bytes: float, lengths: list[TrajectoryLengths] | None = None,
-                      length_label: str = "") -> StepTime:
+                      length_label: str = "", packing=None) -> StepTime:
     """Seconds of one step of ``config`` on ``devices`` chips of ``peak`` over ``hosts`` hosts.
 
     ``rows_per_wave``: the rollout's wave size per host (all of a host's trajectories decode on
     its sampling devices: all the mesh's devices on one host, one per host on several, as
     ``Learner.sampler_policy`` does today); ``train_rows`` × ``train_length``: the batch the
-    trainer's programs compute; ``state_bytes``: the train state a checkpoint writes; ``lengths``
-    (named ``length_label``) replace ``plan.length_source``.
+    trainer's programs compute padded; ``packing`` (``train.packing.PackingSizes``): the passes run
+    packed rows instead, sized on the step's own trajectories; ``state_bytes``: the train state a
+    checkpoint writes; ``lengths`` (named ``length_label``) replace ``plan.length_source``.
     """
     section = config.plan
     efficiency = {kind: EFFICIENCY.get(platform, EFFICIENCY["cpu"])[kind] for kind in ("matmul", "hbm")}
@@ -179,8 +193,17 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     prefill_s = prefill_flops / (peak.flops * matmul * sampler_devices)
     retrieval_s = schedule.retrieval_calls * float(section.get("retrieval_s", 0.5))
 
-    forward = flops.forward_flops(model_cfg, train_rows, train_length, scored_per_row)
-    _, update_flops = flops.training_flops(model_cfg, train_rows, train_length, scored_per_row, model_cfg.remat)
+    if packing is not None:  # the whole step's trajectories (every host's: packing runs on one host)
+        step_trajectories = step_lengths(config, lengths if lengths is not None else
+                                         load_lengths(str(section.get("length_source", ""))), trajectories,
+                                         seed=int(config.seed))
+        train_rows, train_length, pairs = training_rows(step_trajectories, packing, train_length)
+        scored_per_row = packing.scored
+    else:
+        pairs = float(flops.causal_pairs(train_length))
+    forward = flops.forward_flops(model_cfg, train_rows, train_length, scored_per_row, pairs_per_row=pairs)
+    _, update_flops = flops.training_flops(model_cfg, train_rows, train_length, scored_per_row, model_cfg.remat,
+                                           pairs_per_row=pairs)
     mesh_rate = peak.flops * matmul * devices
     passes = 1 + int(float(config.rl.kl_coef) > 0)
     delta_every = int(config.train.get("delta_every", 1)) if config.train.get("delta_diagnostics", True) else 0
@@ -209,7 +232,8 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
                    ", cut by the rollout caps",
         "sampler": f"{sampler_devices} sampling device(s) per host x {hosts} host(s); "
                    f"waves of {schedule.slots} rows",
-        "training_batch": f"{train_rows} rows x {train_length} tokens computed per pass",
+        "training_batch": f"{train_rows} {'packed' if packing is not None else 'padded'} rows x {train_length} "
+                          "tokens computed per pass",
         "overlap": "none: phases run one after another, as the trainer runs them",
     }
     details = {"decode_bytes": decode_bytes, "decode_flops": decode_flops, "prefill_flops": prefill_flops,

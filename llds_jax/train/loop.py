@@ -37,8 +37,7 @@ from llds_jax.rollout.reward import em_rewards
 from llds_jax.train.batch import TrainBatch
 from llds_jax.train.learner import Learner, logprob_gap
 from llds_jax.train.metrics import MetricsWriter
-from llds_jax.train.step import StepSizes
-from llds_jax.train.utilisation import device_count, step_utilisation
+from llds_jax.train.utilisation import computed_rows, device_count, step_utilisation
 
 
 def rollout_metrics(rollout, rewards: np.ndarray) -> dict[str, float]:
@@ -142,12 +141,12 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
         update_metrics, extra = learner.update(learner.upload(host_batch))
         metrics.update(update_metrics)
         metrics.update(logprob_gap(rollout.sampler_logprobs, extra["old_logp"], rollout.action_mask))
-        rows, length = extra["batch"].input_ids.shape
+        rows, length, scored, pairs = computed_rows(learner, extra["batch"], rollout.lengths)
         metrics.update(step_utilisation(
             learner.model_config, config, metrics=metrics, rollout_timings=rollout.timings, rows=rows, length=length,
-            scored_per_row=StepSizes.from_config(config).scored_positions, logprob_passes=extra["logprob_passes"],
-            mesh_devices=learner.mesh.size, sampler_devices=device_count(policy[1]),
-            weight_bytes=jax.tree.leaves(policy[1])[0].dtype.itemsize))
+            scored_per_row=scored, logprob_passes=extra["logprob_passes"], mesh_devices=learner.mesh.size,
+            sampler_devices=device_count(policy[1]), weight_bytes=jax.tree.leaves(policy[1])[0].dtype.itemsize,
+            pairs_per_row=pairs))
         new_logp = None
         if config.train.delta_diagnostics and step % config.train.get("delta_every", 1) == 0:
             clock = time.perf_counter()

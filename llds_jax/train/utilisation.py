@@ -27,6 +27,25 @@ def device_count(tree) -> int:
     return max(1, len(devices))
 
 
+def computed_rows(learner, device_batch, trajectory_lengths) -> tuple[int, int, int, float | None]:
+    """(rows, row length, scored positions per row, attention pairs per row or None = causal) the step's
+    training programs computed: the packed rows of the micro-batches its mini-batches used, or the
+    padded batch. ``trajectory_lengths``: this host's real tokens per trajectory (packing runs on one host)."""
+    import numpy as np
+
+    from llds_jax.parallel import distributed
+    from llds_jax.train.step import StepSizes
+
+    packing = getattr(learner, "packing", None)
+    if packing is None or getattr(device_batch, "packed", None) is None:
+        rows, length = device_batch.input_ids.shape
+        return rows, length, StepSizes.from_config(learner.config).scored_positions, None
+    used = int(np.sum(distributed.fetch_to_host(device_batch.packed.mini_count)))
+    rows = used * packing.rows
+    lengths = np.asarray(trajectory_lengths, np.float64)
+    return rows, packing.width, packing.scored, float(np.sum(lengths * (lengths + 1) / 2) / max(rows, 1))
+
+
 def peak_memory_bytes() -> float:
     """The largest ``peak_bytes_in_use`` over this process's devices; where none reports it (XLA:CPU,
     whose devices live in host memory) the process's peak resident set."""
@@ -49,17 +68,20 @@ def peak_memory_bytes() -> float:
 
 def step_utilisation(model_cfg, config, *, metrics: Mapping[str, float], rollout_timings: Mapping[str, float],
                      rows: int, length: int, scored_per_row: int, logprob_passes: int, mesh_devices: int,
-                     sampler_devices: int, weight_bytes: int) -> dict[str, float]:
+                     sampler_devices: int, weight_bytes: int, pairs_per_row: float | None = None) -> dict[str, float]:
     """``throughput/*`` utilisation metrics of one step (the keys ``diagnostics.keys`` registers).
 
-    ``rows`` × ``length``: the device batch the update and log-prob programs ran over;
+    ``rows`` × ``length``: the rows the update and log-prob programs ran over (padded rows, or the
+    packed rows of the micro-batches used, whose attention ``pairs_per_row`` stays inside each
+    trajectory; default causal over ``length``);
     ``logprob_passes``: π_old plus π_ref when it ran; ``weight_bytes``: bytes per weight of the
     sampler's params (its compute dtype).
     """
     peak = flops.device_peak(jax.devices()[0], float(config.train.get("peak_flops", 0.0)),
                              float(config.train.get("peak_bytes_per_s", 0.0)))
-    model_flops, _ = flops.training_flops(model_cfg, rows, length, scored_per_row, model_cfg.remat)
-    forward = flops.forward_flops(model_cfg, rows, length, scored_per_row)
+    model_flops, _ = flops.training_flops(model_cfg, rows, length, scored_per_row, model_cfg.remat,
+                                          pairs_per_row=pairs_per_row)
+    forward = flops.forward_flops(model_cfg, rows, length, scored_per_row, pairs_per_row=pairs_per_row)
     update_s, logprobs_s = metrics.get("time/update_s", 0.0), metrics.get("time/logprobs_s", 0.0)
     steps, key_reads = int(rollout_timings.get("decode_steps", 0)), float(rollout_timings.get("decode_key_reads", 0))
     decode_s, decoded = float(rollout_timings.get("decode_s", 0.0)), float(rollout_timings.get("decode_tokens", 0))

@@ -65,3 +65,30 @@ def test_overrides_replace_the_datasheet_and_say_so():
     assert flops.device_peak(Device()).flops == 989e12
     peak = flops.device_peak(Device(), flops_override=5e14)
     assert peak.flops == 5e14 and peak.bytes_per_s == 3.35e12 and "overridden" in peak.source
+
+
+def test_mfu_of_packed_rows_counts_the_used_micro_batches_and_in_segment_attention():
+    """A step whose 2 mini-batches used 2 + 1 micro-batches of 4 packed rows of 64 tokens: 12 rows,
+    attention only inside each trajectory (lengths 10, 20, 30 here)."""
+    from types import SimpleNamespace
+
+    from llds_jax.app.config import base_config
+    from llds_jax.train.packing import PackingSizes
+    from llds_jax.train.utilisation import computed_rows, step_utilisation
+
+    config = base_config()
+    config.train.peak_flops, config.train.peak_bytes_per_s = 1e12, 1e11
+    packing = PackingSizes(width=64, rows=4, scored=8, mini_batches=2, mini_batch_size=4)
+    learner = SimpleNamespace(packing=packing, config=config)
+    batch = SimpleNamespace(packed=SimpleNamespace(mini_count=np.array([2, 1], np.int32)))
+    rows, length, scored, pairs = computed_rows(learner, batch, [10, 20, 30])
+    assert (rows, length, scored) == (12, 64, 8) and pairs == (55 + 210 + 465) / 12
+    cfg = tiny_config("qwen2")
+    macs = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
+    forward = 12 * (2 * 2 * macs * 64 + 2 * 2 * 4 * 16 * 2 * pairs + 2 * 64 * 256 * 8)
+    metrics = {"time/update_s": 2.0, "time/logprobs_s": 1.0}
+    out = step_utilisation(cfg, config, metrics=metrics, rollout_timings={}, rows=rows, length=length,
+                           scored_per_row=scored, logprob_passes=2, mesh_devices=4, sampler_devices=4,
+                           weight_bytes=4, pairs_per_row=pairs)
+    assert out["throughput/update_mfu"] == pytest.approx(3 * forward / (2.0 * 1e12 * 4), rel=1e-12)
+    assert out["throughput/logprobs_mfu"] == pytest.approx(2 * forward / (1.0 * 1e12 * 4), rel=1e-12)
