@@ -61,6 +61,9 @@ class TrainBatch(NamedTuple):
     group_ids: Any  # int32 [N]: GRPO group (prompt) id, global across hosts
     old_logp: Any = None  # float32 [N, T]: log π_old(x_t | x_<t), 0 at t = 0
     ref_logp: Any = None  # float32 [N, T]: log π_ref(x_t | x_<t), 0 at t = 0
+    # float32 [N, T]: the sampler's own log π(x_t | x_<t) on action tokens, carried only when
+    # rl.rollout_correction needs it (None otherwise: the default batch is unchanged).
+    sampler_logp: Any = None
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, Any], *, length: int) -> TrainBatch:
@@ -81,27 +84,34 @@ class TrainBatch(NamedTuple):
             if name == "group_ids" and len(value) and np.max(np.abs(np.asarray(value, np.int64))) > np.iinfo(np.int32).max:
                 raise ValueError(f"group_ids up to {np.max(np.abs(value))} do not fit int32; use dense prompt ids")
             out[name] = np.asarray(value).astype(dtype)
+        if arrays.get("sampler_logp") is not None:
+            out["sampler_logp"] = _pad_columns("sampler_logp", np.asarray(arrays["sampler_logp"], np.float32),
+                                               length, 0.0)
         for name, value in out.items():
             if len(value) != rows:
                 raise ValueError(f"rollout field {name!r} has {len(value)} rows, input_ids has {rows}")
         return cls(**out)
 
     @classmethod
-    def from_rollout(cls, rollout, rewards, *, length: int, ma_search_count: str = "batch_written") -> TrainBatch:
+    def from_rollout(cls, rollout, rewards, *, length: int, ma_search_count: str = "batch_written",
+                     with_sampler_logp: bool = False) -> TrainBatch:
         """Host record of a ``RolloutBatch`` (this host's rows) and its rewards.
 
         ``num_searches`` is the count adaptive LLDS-MA reads: ``batch_written`` (the official
         ``valid_search_mean``: every action that parsed as a search) or the searches executed.
+        ``with_sampler_logp`` carries ``rollout.sampler_logprobs`` (``rl.rollout_correction``).
         """
         searches = rollout.search_actions_written if ma_search_count == "batch_written" else rollout.searches
         return cls.from_arrays(dict(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
                                     action_mask=rollout.action_mask, answer_mask=rollout.answer_mask,
                                     action_index=rollout.action_index, num_searches=searches, rewards=rewards,
-                                    group_ids=rollout.group_ids), length=length)
+                                    group_ids=rollout.group_ids,
+                                    sampler_logp=rollout.sampler_logprobs if with_sampler_logp else None),
+                               length=length)
 
     @classmethod
     def abstract(cls, n: int, length: int, *, with_ref: bool, mesh=None, rules: ShardingRules | None = None,
-                 ) -> TrainBatch:
+                 with_sampler: bool = False) -> TrainBatch:
         """``ShapeDtypeStruct`` s of a device batch with π_old (and π_ref) filled; shardings when ``mesh`` is given."""
         def leaf(shape, dtype):
             sharding = None if mesh is None else batch_sharding(mesh, rules, len(shape), shape)
@@ -110,7 +120,8 @@ class TrainBatch(NamedTuple):
         tok, row = (n, length), (n,)
         return cls(leaf(tok, jnp.int32), leaf(tok, jnp.bool_), leaf(tok, jnp.float32), leaf(tok, jnp.float32),
                    leaf(tok, jnp.int32), leaf(row, jnp.float32), leaf(row, jnp.float32), leaf(row, jnp.float32),
-                   leaf(row, jnp.int32), leaf(tok, jnp.float32), leaf(tok, jnp.float32) if with_ref else None)
+                   leaf(row, jnp.int32), leaf(tok, jnp.float32), leaf(tok, jnp.float32) if with_ref else None,
+                   leaf(tok, jnp.float32) if with_sampler else None)
 
     def shardings(self, mesh, rules: ShardingRules) -> TrainBatch:
         """The row sharding of every field of this (abstract or concrete) batch."""

@@ -122,7 +122,8 @@ class Learner:
             state_shardings = train_state_shardings(abstract, param_shardings, mesh, config.optim)
             state = jax.jit(fresh, out_shardings=state_shardings)(params, ref)
         seq_len = padded_length(config)
-        example = TrainBatch.abstract(StepSizes.from_config(config).trajectories, seq_len, with_ref=ref is not None)
+        example = TrainBatch.abstract(StepSizes.from_config(config).trajectories, seq_len, with_ref=ref is not None,
+                                      with_sampler=config.rl.rollout_correction != "none")
         batch_shardings = example.shardings(mesh, rules)
         fns = build_update_fns(graphdef, state_shardings, batch_shardings, mesh, config, rules)
         same = ref is not None and ref_model is None and ref_dtype is None
@@ -198,6 +199,10 @@ class Learner:
                              f"{self.seq_len}: build it with TrainBatch.from_rollout(..., length=learner.seq_len)")
         check_action_tokens(host.action_mask, StepSizes.from_config(self.config).scored_positions,
                             "train.max_action_tokens_per_row")
+        if (host.sampler_logp is None) != (self.batch_shardings.sampler_logp is None):
+            raise ValueError(f"rl.rollout_correction = {self.config.rl.rollout_correction!r}: the batch must "
+                             f"{'' if host.sampler_logp is None else 'not '}carry the sampler's log-probs "
+                             "(TrainBatch.from_rollout(..., with_sampler_logp=...))")
         host = host._replace(old_logp=None, ref_logp=None)
         shardings = self.batch_shardings._replace(old_logp=None, ref_logp=None)
         with jax.set_mesh(self.mesh):

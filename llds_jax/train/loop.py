@@ -32,6 +32,7 @@ from llds_jax.diagnostics import DeathSpiralMonitor, MonitorConfig, keys, step_d
 from llds_jax.diagnostics.from_rollout import response_batch_from_rollout
 from llds_jax.diagnostics.monitor import Action
 from llds_jax.parallel import distributed
+from llds_jax.rl import rollout_correction
 from llds_jax.rollout.multi_turn import run_rollouts
 from llds_jax.rollout.reward import exact_match
 from llds_jax.train.batch import TrainBatch
@@ -139,11 +140,14 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
         golden = [batch.records[g].golden_answers for g in rollout.group_ids]
         rewards = em_rewards(rollout.answers, golden)
         host_batch = TrainBatch.from_rollout(rollout, rewards, length=learner.seq_len,
-                                             ma_search_count=config.rl.ma_search_count)
+                                             ma_search_count=config.rl.ma_search_count,
+                                             with_sampler_logp=config.rl.rollout_correction != "none")
         metrics = rollout_metrics(rollout, rewards)
         update_metrics, extra = learner.update(learner.upload(host_batch))
         metrics.update(update_metrics)
         metrics.update(logprob_gap(rollout.sampler_logprobs, extra["old_logp"], rollout.action_mask))
+        metrics.update(rollout_correction.host_metrics(rollout.sampler_logprobs, extra["old_logp"],
+                                                       rollout.action_mask, config.rl))
         rows, length = extra["batch"].input_ids.shape
         metrics.update(step_utilisation(
             learner.model_config, config, metrics=metrics, rollout_timings=rollout.timings, rows=rows, length=length,

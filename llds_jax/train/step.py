@@ -147,7 +147,8 @@ def compact_view(masks: LossMasks, old_logp, ref_logp, size: int):
     compact = masks._replace(
         action_mask=jnp.where(valid, take(masks.action_mask), 0).astype(masks.action_mask.dtype),
         answer_mask=None if masks.answer_mask is None else jnp.where(valid, take(masks.answer_mask), 0),
-        action_index=None if masks.action_index is None else jnp.where(valid, take(masks.action_index), -1))
+        action_index=None if masks.action_index is None else jnp.where(valid, take(masks.action_index), -1),
+        rollout_log_ratio=take(masks.rollout_log_ratio))
     return positions, valid, compact, take(old_logp), take(ref_logp)
 
 
@@ -244,8 +245,12 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         return jax.lax.stop_gradient(out.reshape((sizes.trajectories,) + out.shape[2:]))
 
     def objective_view(mb: TrainBatch):
-        """(positions or None, masks, π_old, π_ref) as the loss reads them, compacted to ``scored`` positions."""
+        """(positions or None, masks, π_old, π_ref) as the loss reads them, compacted to ``scored`` positions.
+
+        ``masks.rollout_log_ratio`` (rl.rollout_correction) uses the precomputed π_old: fixed for the step."""
         masks, old_logp, ref_logp = _objective_view(mb)
+        if mb.sampler_logp is not None:
+            masks = masks._replace(rollout_log_ratio=next_token_targets(mb.old_logp - mb.sampler_logp))
         if not (size := scored(mb.input_ids)):
             return None, masks, old_logp, ref_logp
         positions, _, masks, old_logp, ref_logp = compact_view(masks, old_logp, ref_logp, size)
