@@ -30,7 +30,10 @@ MA_SEARCH_COUNTS = ("batch_written", "minibatch_executed")
 def default_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     # Advantages (SPEC §4).
-    c.advantage_estimator = "grpo"  # grpo | dr_grpo | rloo
+    c.advantage_estimator = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp (token-level, batch-normalised)
+    # REINFORCE++'s β: k1 KL to π_ref subtracted from the return per token (advantages.py). The same
+    # strength as kl_coef's default; the paper moves the KL into the reward, so pair it with kl_coef = 0.
+    c.reinforce_pp_kl_coef = 0.001
     c.advantage_eps = 1e-6
     c.unbiased_std = True  # reference: torch.std (unbiased)
     # Policy-gradient surrogate.
@@ -112,6 +115,7 @@ def validate(cfg) -> None:
         raise RLConfigError(f"rl.ratio_max = {cfg.ratio_max!r} must be 0 (off) or above 1 + rl.clip_high "
                          f"= {1.0 + cfg.clip_high}: below it the clamp would replace PPO's clip")
     _check_range(cfg, "kl_coef", 0.0)
+    _check_range(cfg, "reinforce_pp_kl_coef", 0.0)
     _check_range(cfg, "entropy_coef", 0.0)
     _check_range(cfg, "token_sum_norm_length", 0)
     _check_range(cfg, "llds_coef", 0.0)

@@ -42,7 +42,7 @@ from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
 from llds_jax.train.batch import TrainBatch, check_action_tokens, padded_length
 from llds_jax.train.state import TrainState, init_train_state, train_state_shardings
-from llds_jax.train.step import StepSizes, build_update_fns
+from llds_jax.train.step import StepSizes, build_update_fns, needs_reinforce_pp_reference
 
 _REDUCE_MINI_BATCHES = {"mean": np.mean, "max": np.max, "min": np.min, "sum": np.sum,
                         "first": lambda a: a[0], "last": lambda a: a[-1], "count": len}
@@ -111,7 +111,7 @@ class Learner:
         with jax.set_mesh(mesh):
             param_shardings = jax.tree.map(lambda x: x.sharding, params)
             ref = None
-            if config.rl.kl_coef > 0:
+            if config.rl.kl_coef > 0 or needs_reinforce_pp_reference(config.rl):
                 ref = params if ref_model is None else nnx.state(ref_model, nnx.Param)
             ref_dtype = None if config.model.ref_dtype == config.model.param_dtype else config.model.ref_dtype
 

@@ -61,7 +61,12 @@ from llds_jax.models import params_in_compute_dtype
 from llds_jax.models.logprobs import scored_positions, sequence_logprobs
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
-from llds_jax.rl.advantages import compute_advantages
+from llds_jax.rl.advantages import (
+    TOKEN_LEVEL_ESTIMATORS,
+    compute_advantages,
+    reinforce_pp_token_advantages,
+    row_summary,
+)
 from llds_jax.rl.objective import (
     LossMasks,
     ObjectiveTerms,
@@ -175,6 +180,18 @@ def _objective_view(mb: TrainBatch) -> tuple[LossMasks, jax.Array, jax.Array | N
     return masks, next_token_targets(mb.old_logp), ref
 
 
+def needs_reinforce_pp_reference(rl_cfg) -> bool:
+    """REINFORCE++ with β > 0 reads π_ref in its advantages even when the loss has no KL term."""
+    return rl_cfg.advantage_estimator == "reinforce_pp" and rl_cfg.reinforce_pp_kl_coef > 0
+
+
+def _advantage_view(advantages, positions):
+    """Token-level (REINFORCE++) advantages [N, T-1] cut to the compacted positions; [N] ones as they are."""
+    if advantages.ndim == 1 or positions is None:
+        return advantages
+    return jnp.take_along_axis(advantages, positions, axis=1)
+
+
 def _empty_terms(shapes: ObjectiveTerms) -> ObjectiveTerms:
     """The identity of ``accumulate_terms``: zero sums/denominators, ∓inf extrema."""
     full = lambda tree, value: jax.tree.map(lambda s: jnp.full(s.shape, value, s.dtype), tree)
@@ -185,7 +202,7 @@ def _empty_terms(shapes: ObjectiveTerms) -> ObjectiveTerms:
 class StepOutputs(NamedTuple):
     """What the update hands back besides the state and per-mini-batch metrics (for logging and diagnostics)."""
 
-    advantages: jax.Array  # float32 [N], row-sharded: computed inside the update from rewards and groups
+    advantages: jax.Array  # float32 [N], row-sharded: computed inside the update (REINFORCE++: row means)
     action_tokens: jax.Array  # float32 scalar: action tokens of the global batch
     tokens: jax.Array  # float32 scalar: real tokens of the global batch
 
@@ -263,16 +280,17 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         own = jax.lax.stop_gradient(logp)
         gap = jnp.max(jnp.where(masks.action_mask > 0, jnp.abs(own - precomputed_old), 0.0))
         old_logp = jnp.where(on_policy, own, precomputed_old)
-        policy_batch = PolicyBatch(logp=logp, old_logp=old_logp, ref_logp=ref_logp,
-                                   entropy=entropy, advantages=advantages, masks=masks)
+        policy_batch = PolicyBatch(logp=logp, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy,
+                                   advantages=_advantage_view(advantages, positions), masks=masks)
         loss, terms = micro_batch_loss(policy_batch, rl_cfg, constants, sizes.num_micro_batches)
         return loss, (terms, gap)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def one_update(state: TrainState, mini: TrainBatch, advantages, lr, on_policy, batch_mean_searches):
-        constants = batch_constants(advantages, objective_view(mini)[1], rl_cfg, llds_coef=state.llds_coef,
-                                    mean_searches=batch_mean_searches)
+        positions, mini_masks, _, _ = objective_view(mini)
+        constants = batch_constants(_advantage_view(advantages, positions), mini_masks, rl_cfg,
+                                    llds_coef=state.llds_coef, mean_searches=batch_mean_searches)
         micros = _split_rows((mini, advantages), sizes.num_micro_batches)
         zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
         # θ is fixed across the micro-batches: cast it once, not in every micro-batch's forward,
@@ -304,6 +322,15 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         advantages = compute_advantages(batch.rewards, batch.group_ids, batch.row_weight > 0,
                                         estimator=rl_cfg.advantage_estimator, eps=rl_cfg.advantage_eps,
                                         unbiased_std=rl_cfg.unbiased_std)
+        row_advantages = advantages
+        if rl_cfg.advantage_estimator in TOKEN_LEVEL_ESTIMATORS:  # REINFORCE++: per target token, [N, T-1]
+            if needs_reinforce_pp_reference(rl_cfg) and batch.ref_logp is None:
+                raise ValueError("rl.advantage_estimator = 'reinforce_pp' with reinforce_pp_kl_coef > 0 needs π_ref")
+            ref = None if batch.ref_logp is None else next_token_targets(batch.ref_logp)
+            advantages = reinforce_pp_token_advantages(
+                advantages, next_token_targets(batch.action_mask), next_token_targets(batch.old_logp), ref,
+                rl_cfg.reinforce_pp_kl_coef, batch.row_weight)
+            row_advantages = row_summary(advantages, next_token_targets(batch.action_mask))
         advantages = _constrain_rows(advantages, rules)
         minis = _split_rows((batch, advantages), sizes.num_mini_batches)
         on_policy = jnp.arange(sizes.num_mini_batches) == 0  # θ = θ_old only before the first update
@@ -315,7 +342,7 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         metrics["optim/lr"] = jnp.broadcast_to(lr, (sizes.num_mini_batches,))
         metrics["llds/lambda"] = jnp.broadcast_to(state.llds_coef, (sizes.num_mini_batches,))
         state = state.replace(step=state.step + 1)
-        outputs = StepOutputs(advantages, batch.action_mask.sum(), batch.attention_mask.sum(dtype=jnp.float32))
+        outputs = StepOutputs(_constrain_rows(row_advantages, rules), batch.action_mask.sum(), batch.attention_mask.sum(dtype=jnp.float32))
         return state, metrics, outputs
 
     token_sh = (batch_shardings.input_ids, batch_shardings.attention_mask, batch_shardings.action_mask)

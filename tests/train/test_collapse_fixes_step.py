@@ -1,4 +1,4 @@
-"""rl.rollout_correction through the real update step (tiny Decoder, compacted scored positions).
+"""Collapse fixes through the real update step (tiny Decoder, compacted scored positions): rl.rollout_correction, REINFORCE++.
 
 The vector-level formulas are pinned in tests/rl/test_rollout_correction.py; here: the sampler's
 log-probs reach the loss, weights of exactly 1 change nothing, a cap changes the loss without a
@@ -67,3 +67,22 @@ def test_a_batch_without_sampler_logprobs_is_refused_by_name(pi_old):
     learner = _learner("tis")
     with pytest.raises(ValueError, match="rollout_correction"):
         learner.update(TrainBatch.from_arrays(arrays, length=learner.seq_len))
+
+
+def test_reinforce_pp_runs_token_advantages_through_the_update():
+    """REINFORCE++ in the real step: per-row outputs are the row means of eqs. 8-10's token advantages.
+
+    Step 0 reads π_ref = π_old (the reference is the policy), so the KL-to-go is 0 and every action
+    token of a row carries (r − mean) / std over the batch's action tokens.
+    """
+    config = tiny_train_config(max_action_tokens_per_row=16)
+    config.rl.update({"advantage_estimator": "reinforce_pp", "kl_coef": 0.0, "reinforce_pp_kl_coef": 0.1})
+    learner = tiny_learner(config)
+    arrays = synthetic_rollout(seed=3)
+    metrics, extra = learner.update(TrainBatch.from_arrays(arrays, length=learner.seq_len))
+    mask = arrays["action_mask"][:, 1:]
+    tokens = np.repeat(arrays["rewards"], mask.sum(axis=1).astype(int))
+    want = (arrays["rewards"] - tokens.mean()) / tokens.std()
+    np.testing.assert_allclose(extra["advantages"], want, rtol=1e-5)
+    assert np.isfinite(metrics["loss/total"]) and metrics["grad/norm_preclip"] > 0
+    assert learner.compile_counts()["reference_logprobs"] <= 1
