@@ -38,6 +38,7 @@ from llds_jax.rollout.reward import exact_match
 from llds_jax.train.batch import TrainBatch
 from llds_jax.train.learner import Learner, logprob_gap
 from llds_jax.train.metrics import MetricsWriter
+from llds_jax.train.profiling import StepProfiler
 from llds_jax.train.step import StepSizes
 from llds_jax.train.utilisation import device_count, step_utilisation
 
@@ -126,7 +127,9 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
     multi_host = jax.process_count() > 1
     bar = tqdm(range(start_step, config.train.total_steps), desc="rl", unit="step", dynamic_ncols=True,
                initial=start_step, total=config.train.total_steps, disable=not distributed.is_main_process())
+    profiler = StepProfiler(config.train.get("profile_steps", ()), writer.workdir)  # train.profile_steps
     for step in bar:
+        profiler.begin(step)
         started = time.perf_counter()
         batch = next(prompts)
         share = host_prompt_share(learner, len(batch.records), config.rollout.n_samples)
@@ -163,6 +166,7 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
             rollout, advantage=extra["advantages"], reward=rewards, old_logprobs=extra["old_logp"],
             num_action_slots=slots, new_logprobs=new_logp)
         metrics.update(step_diagnostics(diag_batch))
+        profiler.end(step)
         metrics[keys.STEP_SECONDS] = time.perf_counter() - started
         metrics["data/epoch"] = float(batch.epoch)
         metrics = combine_over_hosts(metrics)
@@ -185,6 +189,7 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
         if stop == "stop" or (monitor is not None and report.action is Action.STOP):
             break
     bar.close()
+    profiler.close()
     return history
 
 
