@@ -215,7 +215,9 @@ def _abstract_train_state(config, decoder_cfg, mesh, rules):
 
     params = jax.tree.map(attach, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
-    ref = params if config.rl.kl_coef > 0 else None
+    from llds_jax.train.step import needs_reinforce_pp_reference  # noqa: PLC0415
+
+    ref = params if config.rl.kl_coef > 0 or needs_reinforce_pp_reference(config.rl) else None  # as Learner.create
     ref_dtype = None if config.model.ref_dtype == config.model.param_dtype else config.model.ref_dtype
     abstract = jax.eval_shape(lambda p, r: init_train_state(p, config.optim, config.seed, r, ref_dtype), params, ref)
     shardings = train_state_shardings(abstract, param_shardings, mesh, config.optim)
@@ -263,7 +265,8 @@ def make_plan(config, target: Target | None = None) -> Plan:
     rollout_rows, wave_note = _rollout_rows(config, section, decoder_cfg, target, devices, trajectories, dp_rows)
 
     graphdef, state, state_shardings = _abstract_train_state(config, decoder_cfg, mesh, rules)
-    batch = TrainBatch.abstract(trajectories, length, with_ref=state.ref_params is not None, mesh=mesh, rules=rules)
+    batch = TrainBatch.abstract(trajectories, length, with_ref=state.ref_params is not None, mesh=mesh, rules=rules,
+                                with_sampler=config.rl.rollout_correction != "none")
     cache = _abstract_cache(decoder_cfg, rollout_rows, int(config.rollout.max_context), mesh, rules)
     parameters = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     resident = {
