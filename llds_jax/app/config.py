@@ -95,7 +95,12 @@ def base_config() -> ml_collections.ConfigDict:
         warmup_sft_steps=0,        # format warm-up steps run before RL (see the sft section)
         save_every=100,
         keep_checkpoints=3,        # newest checkpoints kept; the lab's probe reads one every few steps (issue 43)
-        tensorboard=True,
+        tensorboard=True,          # False drops "tensorboard" from train.loggers (the older switch)
+        # Backends beside metrics.jsonl (always written): tensorboard | wandb | mlflow | jsonl (train/loggers.py).
+        loggers=("tensorboard",),
+        wandb_project="llds_jax", wandb_mode="offline",  # offline: no account or network; `wandb sync` later
+        mlflow_tracking_uri="", mlflow_experiment="llds_jax",  # "" = the file store <workdir>/mlruns
+        profile_steps=(),          # RL steps whose jax.profiler trace goes to <workdir>/profile (train/profiling.py)
         delta_diagnostics=True,    # one extra no-grad forward after the updates: Δ = logπ_new − logπ_old (LLD rate)
         delta_every=1,             # ... on every k-th RL step only (steps 0, k, 2k, ...): the forward costs ≈ 1/3 of an update
         samples_per_step=4,        # trajectories' text/answer/reward appended to <workdir>/samples.jsonl

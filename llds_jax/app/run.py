@@ -46,6 +46,7 @@ def _setup(config):
 
     from llds_jax.parallel.mesh import make_mesh
     from llds_jax.plan.run import check_fits_before_training, plan_as_json
+    from llds_jax.train.loggers import effective_loggers
     from llds_jax.train.metrics import MetricsWriter
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save step at INFO
@@ -66,7 +67,8 @@ def _setup(config):
     print(f"model {config.model.source} ({model.config.num_layers} layers, vocab {model.config.vocab_size}) and "
           f"{config.retrieval.method} retriever ready in {time.perf_counter() - clock:.1f}s on mesh "
           f"{dict(mesh.shape)}", flush=True)
-    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, console=None)
+    writer = MetricsWriter(workdir, console=None, loggers=effective_loggers(config.train), settings=config.train)
+    writer.log_config(config.to_dict())
     return workdir, mesh, model, tokenizer, retriever, writer
 
 

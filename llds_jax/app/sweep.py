@@ -6,6 +6,8 @@ A sweep config has the usual sections (ignored here) plus::
     sweep.grid = (("rl.llds_coef", (0.0, 0.01, 0.1)),   # (dotted override, values) pairs
                   ("rl.llds_gate", ("action", "response")))
     sweep.workdir_root = "runs/sweep_llds"              # run i writes <root>/<name of its overrides>
+    sweep.arms = (("grpo", (("rl.llds_coef", 0.0),)),   # optional: named override sets, each crossed
+                  ("tis", (("rl.rollout_correction", "tis"),)))  # with the grid; run dir <arm>+<grid name>
     sweep.launch = False                                # True: run them one after another here
     sweep.num_devices = 0                               # validate for this many devices (0 = this host's)
 
@@ -96,10 +98,14 @@ def _flag_value(value) -> str:
 def plan(config) -> list[tuple[str, list[str]]]:
     section = config.sweep
     runs = []
-    for overrides in expand_grid(section.grid):
-        workdir = str(Path(section.workdir_root) / run_name(overrides))
-        resolve_run(section.base_config, overrides, workdir, section.get("num_devices") or None)
-        runs.append((run_name(overrides), command(section.base_config, overrides, workdir)))
+    arms = section.get("arms") or (("", ()),)  # arms: methods that differ in several fields at once
+    for arm, arm_overrides in arms:
+        for point in expand_grid(section.grid):
+            overrides = {**dict(arm_overrides), **point}
+            name = "+".join(filter(None, (arm, run_name(point))))
+            workdir = str(Path(section.workdir_root) / name)
+            resolve_run(section.base_config, overrides, workdir, section.get("num_devices") or None)
+            runs.append((name, command(section.base_config, overrides, workdir)))
     return runs
 
 

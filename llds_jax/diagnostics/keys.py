@@ -100,6 +100,12 @@ TABLE: tuple[Metric, ...] = (
     Metric("logprob_gap/abs_mean", "nats/token", "mean |sampler log-prob − trainer π_old| on action tokens"),
     Metric("logprob_gap/abs_max", "nats/token", "max of the same", hosts="max"),
     Metric("logprob_gap/corr", "Pearson r", "correlation of sampler and trainer log-probs on action tokens"),
+    # -- rollout correction (rl.rollout_correction; host-side, logged even when it is "none") ----
+    Metric("rollout_corr/capped_frac", "fraction", "action tokens whose π_old/π_sampler weight (token or sequence "
+           "level per rl.rollout_correction; token TIS when none) exceeds rl.rollout_correction_cap"),
+    Metric("rollout_corr/masked_frac", "fraction", "action tokens masked IS removes from the loss (0 unless mis)"),
+    Metric("rollout_corr/weight_mean", "weight", "mean weight on the pg term over action tokens (0 where masked; "
+           "what token TIS would apply when none)"),
     # -- the update (per-mini-batch outputs of train.step, reduced by the learner) -------------
     Metric(LOSS_TOTAL, "loss", "pg + kl_coef·kl − entropy_coef·entropy + λ·llds", hosts="global",
            mini_batches="mean"),

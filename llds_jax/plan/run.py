@@ -215,7 +215,9 @@ def _abstract_train_state(config, decoder_cfg, mesh, rules):
 
     params = jax.tree.map(attach, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
-    ref = params if config.rl.kl_coef > 0 else None
+    from llds_jax.train.step import needs_reinforce_pp_reference  # noqa: PLC0415
+
+    ref = params if config.rl.kl_coef > 0 or needs_reinforce_pp_reference(config.rl) else None  # as Learner.create
     ref_dtype = None if config.model.ref_dtype == config.model.param_dtype else config.model.ref_dtype
     abstract = jax.eval_shape(lambda p, r: init_train_state(p, config.optim, config.seed, r, ref_dtype), params, ref)
     shardings = train_state_shardings(abstract, param_shardings, mesh, config.optim)
@@ -266,7 +268,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
     # Packed micro-batches: what a one-host run trains on; a run over several hosts keeps padded rows.
     packing = packing_for_run(config, mesh, rules) if hosts_of(devices) == 1 else None
     batch = TrainBatch.abstract(trajectories, length, with_ref=state.ref_params is not None, mesh=mesh, rules=rules,
-                                packing=packing)
+                                packing=packing, with_sampler=config.rl.rollout_correction != "none")
     cache = _abstract_cache(decoder_cfg, rollout_rows, int(config.rollout.max_context), mesh, rules)
     parameters = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     resident = {

@@ -12,6 +12,12 @@ reference. Conventions shared by every estimator, chosen so no batch can produce
 * Invalid rows (padding) are excluded from every statistic and get advantage 0.
 
 Everything is segment ops with `num_segments = N` (static), so it jits once per N.
+
+REINFORCE++ (Hu et al. 2025, arXiv:2501.03262, eqs. 8-10; OpenRLHF's ``reinforce`` estimator) is
+the one token-level estimator: no group baseline (so an all-equal group is *not* zeroed — its
+reward still differs from the batch's), the token-level KL to the reference subtracted from the
+return, and one normalisation over every action token of the global batch
+(:func:`reinforce_pp_token_advantages`, run by the update once π_old and π_ref exist).
 """
 
 from __future__ import annotations
@@ -88,6 +94,45 @@ def rloo_advantage(rewards: jax.Array, stats: GroupStats, eps: float) -> jax.Arr
     return scale * (rewards - stats.mean)
 
 
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+def reinforce_pp_return(rewards: jax.Array, stats: GroupStats, eps: float) -> jax.Array:
+    """REINFORCE++: the outcome reward itself, r(x, y); the KL and the batch normalisation come per token."""
+    del stats, eps
+    return rewards
+
+
+TOKEN_LEVEL_ESTIMATORS = frozenset({"reinforce_pp"})
+
+
+def reinforce_pp_token_advantages(
+    returns: jax.Array, action_mask: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | None,
+    kl_coef: float, row_weight: jax.Array,
+) -> jax.Array:
+    """REINFORCE++ token advantages [N, T] (paper eqs. 8-10), aligned with ``action_mask`` [N, T].
+
+    ``A_t = r − β Σ_{i ≥ t} KL_i`` with ``KL_i = log π_old(y_i) − log π_ref(y_i)`` (eq. 9, k1) on
+    action tokens (γ = 1: OpenRLHF's ``get_cumulative_returns`` over rewards that are −β·KL per
+    token plus r on the last), then ``(A − mean) / std`` over all action tokens of real rows
+    (eq. 10; OpenRLHF: biased variance, ``rsqrt(max(var, 1e-8))``). ``ref_logp`` None means β·KL = 0.
+    """
+    mask = (action_mask > 0).astype(jnp.float32) * row_weight.astype(jnp.float32)[:, None]
+    advantages = jnp.broadcast_to(returns.astype(jnp.float32)[:, None], mask.shape)
+    if ref_logp is not None and kl_coef > 0:
+        kl = (old_logp.astype(jnp.float32) - ref_logp.astype(jnp.float32)) * mask
+        kl_to_go = jnp.flip(jnp.cumsum(jnp.flip(kl, axis=-1), axis=-1), axis=-1)
+        advantages = advantages - kl_coef * kl_to_go
+    count = jnp.maximum(mask.sum(), 1.0)
+    mean = (advantages * mask).sum() / count
+    var = (((advantages - mean) ** 2) * mask).sum() / count
+    return jax.lax.stop_gradient((advantages - mean) * jax.lax.rsqrt(jnp.maximum(var, 1e-8)) * mask)
+
+
+def row_summary(token_advantages: jax.Array, action_mask: jax.Array) -> jax.Array:
+    """[N] mean token advantage over each row's action tokens (what per-row logs and diagnostics read)."""
+    mask = (action_mask > 0).astype(jnp.float32)
+    return (token_advantages * mask).sum(axis=-1) / jnp.maximum(mask.sum(axis=-1), 1.0)
+
+
 def compute_advantages(
     rewards: jax.Array,
     group_ids: jax.Array,
@@ -107,5 +152,6 @@ def compute_advantages(
     valid = valid.astype(bool)
     stats = group_stats(rewards, group_ids, valid, unbiased_std=unbiased_std)
     advantages = estimate(rewards, stats, eps)
-    advantages = jnp.where(_constant_group(rewards, group_ids, valid), 0.0, advantages)
+    if estimator not in TOKEN_LEVEL_ESTIMATORS:
+        advantages = jnp.where(_constant_group(rewards, group_ids, valid), 0.0, advantages)
     return jnp.where(valid, advantages, 0.0)

@@ -15,6 +15,7 @@ from llds_jax.rl.aggregation import AGGREGATIONS
 from llds_jax.rl.kl import KL_ESTIMATORS
 from llds_jax.rl.llds import LLDS_GATES
 from llds_jax.rl.policy_losses import POLICY_LOSSES
+from llds_jax.rl.rollout_correction import NAMES as ROLLOUT_CORRECTION_NAMES
 
 LOSS_SCOPES = ("mini_batch", "micro_batch")
 
@@ -30,7 +31,10 @@ MA_SEARCH_COUNTS = ("batch_written", "minibatch_executed")
 def default_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     # Advantages (SPEC §4).
-    c.advantage_estimator = "grpo"  # grpo | dr_grpo | rloo
+    c.advantage_estimator = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp (token-level, batch-normalised)
+    # REINFORCE++'s β: k1 KL to π_ref subtracted from the return per token (advantages.py). The same
+    # strength as kl_coef's default; the paper moves the KL into the reward, so pair it with kl_coef = 0.
+    c.reinforce_pp_kl_coef = 0.001
     c.advantage_eps = 1e-6
     c.unbiased_std = True  # reference: torch.std (unbiased)
     # Policy-gradient surrogate.
@@ -40,6 +44,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.ratio_max = 100.0  # rho = min(rho, ratio_max), no gradient above (official LLDS code: 100); 0 = off
     c.log_ratio_clamp = 0.0  # |log rho| clamp before exp (newer verl: 20); 0 = off (official LLDS code)
     c.dual_clip_c = 0.0  # dual-clip bound for A < 0 (verl clip_ratio_c = 3); 0 = off (Search-R1)
+    # Rollout correction with the sampler's log-probs (rollout_correction.py, verl's decoupled mode).
+    c.rollout_correction = "none"  # none | tis | seq_tis (truncated IS) | mis | seq_mis (masked IS)
+    c.rollout_correction_cap = 2.0  # C: weights truncated at C (tis), tokens/rows above C dropped (mis)
+    c.rollout_correction_lower = 0.0  # mis drops ratios below this too (verl's seq_mis preset: 0)
     # KL to the frozen reference and entropy bonus.
     c.kl_estimator = "low_var_kl"  # k1|kl, k2|mse, k3|low_var_kl, abs
     c.kl_coef = 0.001
@@ -99,6 +107,11 @@ def validate(cfg) -> None:
     _check_choice(cfg, "llds_denominator", LLDS_DENOMINATORS)
     _check_choice(cfg, "llds_preserve", LLDS_PRESERVE)
     _check_choice(cfg, "ma_search_count", MA_SEARCH_COUNTS)
+    _check_choice(cfg, "rollout_correction", ROLLOUT_CORRECTION_NAMES)
+    _check_range(cfg, "rollout_correction_lower", 0.0)
+    if not cfg.rollout_correction_cap > max(1.0, cfg.rollout_correction_lower):
+        raise RLConfigError(f"rl.rollout_correction_cap = {cfg.rollout_correction_cap!r} must be above 1 and above "
+                            f"rl.rollout_correction_lower = {cfg.rollout_correction_lower!r}")
     _check_range(cfg, "advantage_eps", 0.0)
     _check_range(cfg, "clip_low", 0.0, 1.0)
     _check_range(cfg, "clip_high", 0.0)
@@ -108,6 +121,7 @@ def validate(cfg) -> None:
         raise RLConfigError(f"rl.ratio_max = {cfg.ratio_max!r} must be 0 (off) or above 1 + rl.clip_high "
                          f"= {1.0 + cfg.clip_high}: below it the clamp would replace PPO's clip")
     _check_range(cfg, "kl_coef", 0.0)
+    _check_range(cfg, "reinforce_pp_kl_coef", 0.0)
     _check_range(cfg, "entropy_coef", 0.0)
     _check_range(cfg, "token_sum_norm_length", 0)
     _check_range(cfg, "llds_coef", 0.0)

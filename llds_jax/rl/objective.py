@@ -38,6 +38,7 @@ from llds_jax.rl.kl import KL_ESTIMATORS
 from llds_jax.rl.llds import answer_coefficient, llds_terms, preserved_rows
 from llds_jax.rl.metrics import TermSink, add_diagnostics
 from llds_jax.rl.policy_losses import POLICY_LOSSES
+from llds_jax.rl.rollout_correction import rollout_correction
 
 LOSS_KEYS = ("pg", "kl_ref", "entropy", "llds")
 # The loss terms under their metrics.jsonl names (llds_jax/diagnostics/keys.py).
@@ -52,6 +53,9 @@ class LossMasks(NamedTuple):
     action_index: jax.Array | None = None  # [B, T] int: 0 first action, 1 second, ...; -1 elsewhere
     row_weight: jax.Array | None = None  # [B] 1 real row, 0 padding row
     num_searches: jax.Array | None = None  # [B] searches per trajectory (adaptive MA)
+    # [B, T] log π_old − log π_sampler (rl.rollout_correction; None when it is "none"). Fixed for
+    # the rollout step: the step computes it from the precomputed π_old, never from mini-batch 1's own.
+    rollout_log_ratio: jax.Array | None = None
 
 
 class PolicyBatch(NamedTuple):
@@ -103,6 +107,17 @@ def _llds_denominator(token_mask: jax.Array, advantages: jax.Array, cfg) -> jax.
     return token_mask.sum()
 
 
+def _corrected(masks: LossMasks, cfg):
+    """(masks with masked-IS rejections removed from the action mask, the correction or None)."""
+    if cfg.rollout_correction == "none":
+        return masks, None
+    if masks.rollout_log_ratio is None:
+        raise ValueError(f"rl.rollout_correction = {cfg.rollout_correction!r} needs the sampler's log-probs "
+                         "(LossMasks.rollout_log_ratio)")
+    correction = rollout_correction(masks.rollout_log_ratio, masks.action_mask, cfg)
+    return masks._replace(action_mask=masks.action_mask * correction.keep.astype(masks.action_mask.dtype)), correction
+
+
 def batch_constants(
     advantages: jax.Array, masks: LossMasks, cfg, *, axis_name=None, llds_coef=None, mean_searches=None
 ) -> BatchConstants:
@@ -112,9 +127,16 @@ def batch_constants(
     `llds_coef` overrides `cfg.llds_coef` with a (possibly traced) scalar, so lambda can
     change between steps (e.g. a death-spiral monitor raising it) without recompiling.
     `mean_searches` overrides this mini-batch's mean (``rl.ma_search_count = batch_written``
-    averages over the whole rollout batch, as the official code does).
+    averages over the whole rollout batch, as the official code does). Masked-IS rejections
+    (``rl.rollout_correction``, from ``masks.rollout_log_ratio``) leave the denominators.
     """
     validate(cfg)
+    return _constants(advantages, _corrected(masks, cfg)[0], cfg, axis_name=axis_name,
+                      llds_coef=llds_coef, mean_searches=mean_searches)
+
+
+def _constants(advantages, masks: LossMasks, cfg, *, axis_name=None, llds_coef=None, mean_searches=None):
+    """`batch_constants` of masks that already went through the rollout correction."""
     row_weight = _row_weight(masks)
     mask = masks.action_mask.astype(jnp.float32)
     advantages = _token_advantages(advantages, mask.shape)
@@ -139,14 +161,14 @@ def objective_terms(batch: PolicyBatch, cfg, constants: BatchConstants | None = 
     always this batch's own, so that pooling terms over micro-batches adds them up correctly.
     """
     validate(cfg)
-    masks = batch.masks
+    masks, correction = _corrected(batch.masks, cfg)
     mask = masks.action_mask.astype(jnp.float32)
     row_weight = _row_weight(masks)
     token_mask = mask * row_weight[:, None]
     logp = batch.logp.astype(jnp.float32)
     old_logp = jax.lax.stop_gradient(batch.old_logp.astype(jnp.float32))
     advantages = _token_advantages(batch.advantages, mask.shape)
-    own = batch_constants(batch.advantages, masks, cfg)
+    own = _constants(batch.advantages, masks, cfg)
     shared = constants or own
     sink = TermSink({}, {}, {}, {})
 
@@ -154,6 +176,8 @@ def objective_terms(batch: PolicyBatch, cfg, constants: BatchConstants | None = 
         sink.add_ratio(key, *aggregate(values, mask, row_weight, cfg.aggregation, cfg.token_sum_norm_length))
 
     policy = POLICY_LOSSES.get(cfg.policy_loss)(logp, old_logp, advantages, mask, cfg)
+    if correction is not None:  # verl: pg_losses * rollout_is_weights (stop-gradient)
+        policy = policy._replace(loss=policy.loss * correction.weight)
     add_aggregated("pg", policy.loss)
     for key, values, coef in (
         ("kl_ref", batch.ref_logp, cfg.kl_coef),

@@ -65,6 +65,9 @@ class TrainBatch(NamedTuple):
     # The same trajectories packed several to a row (``train.packing``): what the decoder passes
     # read; the [N, T] arrays above stay the per-trajectory view the objective and diagnostics read.
     packed: PackedRows | None = None
+    # float32 [N, T]: the sampler's own log π(x_t | x_<t) on action tokens, carried only when
+    # rl.rollout_correction needs it (None otherwise: the default batch is unchanged).
+    sampler_logp: Any = None
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, Any], *, length: int) -> TrainBatch:
@@ -85,30 +88,38 @@ class TrainBatch(NamedTuple):
             if name == "group_ids" and len(value) and np.max(np.abs(np.asarray(value, np.int64))) > np.iinfo(np.int32).max:
                 raise ValueError(f"group_ids up to {np.max(np.abs(value))} do not fit int32; use dense prompt ids")
             out[name] = np.asarray(value).astype(dtype)
+        if arrays.get("sampler_logp") is not None:
+            out["sampler_logp"] = _pad_columns("sampler_logp", np.asarray(arrays["sampler_logp"], np.float32),
+                                               length, 0.0)
         for name, value in out.items():
             if len(value) != rows:
                 raise ValueError(f"rollout field {name!r} has {len(value)} rows, input_ids has {rows}")
         return cls(**out)
 
     @classmethod
-    def from_rollout(cls, rollout, rewards, *, length: int, ma_search_count: str = "batch_written") -> TrainBatch:
+    def from_rollout(cls, rollout, rewards, *, length: int, ma_search_count: str = "batch_written",
+                     with_sampler_logp: bool = False) -> TrainBatch:
         """Host record of a ``RolloutBatch`` (this host's rows) and its rewards.
 
         ``num_searches`` is the count adaptive LLDS-MA reads: ``batch_written`` (the official
         ``valid_search_mean``: every action that parsed as a search) or the searches executed.
+        ``with_sampler_logp`` carries ``rollout.sampler_logprobs`` (``rl.rollout_correction``).
         """
         searches = rollout.search_actions_written if ma_search_count == "batch_written" else rollout.searches
         return cls.from_arrays(dict(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
                                     action_mask=rollout.action_mask, answer_mask=rollout.answer_mask,
                                     action_index=rollout.action_index, num_searches=searches, rewards=rewards,
-                                    group_ids=rollout.group_ids), length=length)
+                                    group_ids=rollout.group_ids,
+                                    sampler_logp=rollout.sampler_logprobs if with_sampler_logp else None),
+                               length=length)
 
     @classmethod
     def abstract(cls, n: int, length: int, *, with_ref: bool, mesh=None, rules: ShardingRules | None = None,
-                 packing: PackingSizes | None = None) -> TrainBatch:
+                 packing: PackingSizes | None = None, with_sampler: bool = False) -> TrainBatch:
         """``ShapeDtypeStruct`` s of a device batch with π_old (and π_ref) filled; shardings when ``mesh`` is given.
 
-        ``packing``: with the packed rows of those shapes (``train.packing``)."""
+        ``packing``: with the packed rows of those shapes (``train.packing``); ``with_sampler``: with the
+        sampler's log-probs (``rl.rollout_correction``)."""
         def leaf(shape, dtype):
             sharding = None if mesh is None else batch_sharding(mesh, rules, len(shape), shape)
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -122,7 +133,8 @@ class TrainBatch(NamedTuple):
                                       packed, packed.shardings(mesh, rules))
         return cls(leaf(tok, jnp.int32), leaf(tok, jnp.bool_), leaf(tok, jnp.float32), leaf(tok, jnp.float32),
                    leaf(tok, jnp.int32), leaf(row, jnp.float32), leaf(row, jnp.float32), leaf(row, jnp.float32),
-                   leaf(row, jnp.int32), leaf(tok, jnp.float32), leaf(tok, jnp.float32) if with_ref else None, packed)
+                   leaf(row, jnp.int32), leaf(tok, jnp.float32), leaf(tok, jnp.float32) if with_ref else None, packed,
+                   leaf(tok, jnp.float32) if with_sampler else None)
 
     def shardings(self, mesh, rules: ShardingRules) -> TrainBatch:
         """The row sharding of every field of this (abstract or concrete) batch (packed rows: ``PackedRows.shardings``)."""

@@ -46,7 +46,7 @@ from llds_jax.parallel.rules import ShardingRules
 from llds_jax.train.batch import TrainBatch, check_action_tokens, padded_length
 from llds_jax.train.packing import PackingSizes, pack
 from llds_jax.train.state import TrainState, init_train_state, train_state_shardings
-from llds_jax.train.step import StepSizes, build_update_fns, packing_for_run
+from llds_jax.train.step import StepSizes, build_update_fns, needs_reinforce_pp_reference, packing_for_run
 
 _REDUCE_MINI_BATCHES = {"mean": np.mean, "max": np.max, "min": np.min, "sum": np.sum,
                         "first": lambda a: a[0], "last": lambda a: a[-1], "count": len}
@@ -128,7 +128,7 @@ class Learner:
         with jax.set_mesh(mesh):
             param_shardings = jax.tree.map(lambda x: x.sharding, params)
             ref = None
-            if config.rl.kl_coef > 0:
+            if config.rl.kl_coef > 0 or needs_reinforce_pp_reference(config.rl):
                 ref = params if ref_model is None else nnx.state(ref_model, nnx.Param)
             ref_dtype = None if config.model.ref_dtype == config.model.param_dtype else config.model.ref_dtype
 
@@ -141,7 +141,8 @@ class Learner:
         seq_len = padded_length(config)
         sizes = StepSizes.from_config(config)
         packing = packing_for_run(config, mesh, rules)
-        example = TrainBatch.abstract(sizes.trajectories, seq_len, with_ref=ref is not None, packing=packing)
+        example = TrainBatch.abstract(sizes.trajectories, seq_len, with_ref=ref is not None, packing=packing,
+                                      with_sampler=config.rl.rollout_correction != "none")
         batch_shardings = example.shardings(mesh, rules)
         fns = build_update_fns(graphdef, state_shardings, batch_shardings, mesh, config, rules, packing=packing)
         same = ref is not None and ref_model is None and ref_dtype is None
@@ -217,6 +218,10 @@ class Learner:
                              f"{self.seq_len}: build it with TrainBatch.from_rollout(..., length=learner.seq_len)")
         check_action_tokens(host.action_mask, StepSizes.from_config(self.config).scored_positions,
                             "train.max_action_tokens_per_row")
+        if (host.sampler_logp is None) != (self.batch_shardings.sampler_logp is None):
+            raise ValueError(f"rl.rollout_correction = {self.config.rl.rollout_correction!r}: the batch must "
+                             f"{'' if host.sampler_logp is None else 'not '}carry the sampler's log-probs "
+                             "(TrainBatch.from_rollout(..., with_sampler_logp=...))")
         host = host._replace(old_logp=None, ref_logp=None)
         if self.packing is not None:
             host = host._replace(packed=pack(host.input_ids, host.attention_mask, host.action_mask, self.packing))

@@ -32,11 +32,13 @@ from llds_jax.diagnostics import DeathSpiralMonitor, MonitorConfig, keys, step_d
 from llds_jax.diagnostics.from_rollout import response_batch_from_rollout
 from llds_jax.diagnostics.monitor import Action
 from llds_jax.parallel import distributed
+from llds_jax.rl import rollout_correction
 from llds_jax.rollout.multi_turn import run_rollouts
 from llds_jax.rollout.reward import em_rewards
 from llds_jax.train.batch import TrainBatch
 from llds_jax.train.learner import Learner, logprob_gap
 from llds_jax.train.metrics import MetricsWriter
+from llds_jax.train.profiling import StepProfiler
 from llds_jax.train.utilisation import computed_rows, device_count, step_utilisation
 
 
@@ -122,7 +124,9 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
     multi_host = jax.process_count() > 1
     bar = tqdm(range(start_step, config.train.total_steps), desc="rl", unit="step", dynamic_ncols=True,
                initial=start_step, total=config.train.total_steps, disable=not distributed.is_main_process())
+    profiler = StepProfiler(config.train.get("profile_steps", ()), writer.workdir)  # train.profile_steps
     for step in bar:
+        profiler.begin(step)
         started = time.perf_counter()
         batch = next(prompts)
         share = host_prompt_share(learner, len(batch.records), config.rollout.n_samples)
@@ -136,11 +140,14 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
         golden = [batch.records[g].golden_answers for g in rollout.group_ids]
         rewards = (reward_fn or em_rewards)(rollout.answers, golden)
         host_batch = TrainBatch.from_rollout(rollout, rewards, length=learner.seq_len,
-                                             ma_search_count=config.rl.ma_search_count)
+                                             ma_search_count=config.rl.ma_search_count,
+                                             with_sampler_logp=config.rl.rollout_correction != "none")
         metrics = rollout_metrics(rollout, rewards)
         update_metrics, extra = learner.update(learner.upload(host_batch))
         metrics.update(update_metrics)
         metrics.update(logprob_gap(rollout.sampler_logprobs, extra["old_logp"], rollout.action_mask))
+        metrics.update(rollout_correction.host_metrics(rollout.sampler_logprobs, extra["old_logp"],
+                                                       rollout.action_mask, config.rl))
         rows, length, scored, pairs = computed_rows(learner, extra["batch"], rollout.lengths)
         metrics.update(step_utilisation(
             learner.model_config, config, metrics=metrics, rollout_timings=rollout.timings, rows=rows, length=length,
@@ -156,6 +163,7 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
             rollout, advantage=extra["advantages"], reward=rewards, old_logprobs=extra["old_logp"],
             num_action_slots=slots, new_logprobs=new_logp)
         metrics.update(step_diagnostics(diag_batch))
+        profiler.end(step)
         metrics[keys.STEP_SECONDS] = time.perf_counter() - started
         metrics["data/epoch"] = float(batch.epoch)
         metrics = combine_over_hosts(metrics)
@@ -178,6 +186,7 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
         if stop == "stop" or (monitor is not None and report.action is Action.STOP):
             break
     bar.close()
+    profiler.close()
     return history
 
 

@@ -1,4 +1,4 @@
-"""Per-step metrics: ``<workdir>/metrics.jsonl``, TensorBoard event files, and one console line.
+"""Per-step metrics: ``<workdir>/metrics.jsonl``, the ``train.loggers`` backends, and one console line.
 
 ``metrics.jsonl`` is the contract with ``llds_jax.diagnostics.report``: one JSON object per
 line, flat ``/``-separated keys (every one listed in ``llds_jax.diagnostics.keys.TABLE``), plus
@@ -6,6 +6,7 @@ line, flat ``/``-separated keys (every one listed in ``llds_jax.diagnostics.keys
 as ``null`` so the file stays strict JSON (a non-finite loss is itself reported by the
 ``update/skipped`` counter). The file is appended to, so a resumed run continues it.
 
+The other backends (TensorBoard, W&B, MLflow: ``llds_jax.train.loggers``) receive the same rows.
 On several hosts only process 0 writes (the metrics it is given are already combined over
 hosts, ``llds_jax.train.loop.combine_over_hosts``); the others' writers are silent.
 """
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from llds_jax.diagnostics import keys
+from llds_jax.train.loggers import open_loggers
 
 # (key, short label, format) shown on the console, in this order, when present.
 CONSOLE_KEYS = (
@@ -65,10 +67,15 @@ def console_line(step: int, phase: str, metrics: Mapping[str, float | None]) -> 
 
 
 class MetricsWriter:
-    """Writes every step to JSONL (always), TensorBoard (if enabled) and a console callback."""
+    """Writes every step to JSONL (always), the named logger backends and a console callback."""
 
-    def __init__(self, workdir: str | Path, tensorboard: bool = True, console=print, enabled: bool | None = None):
-        """``enabled=None``: write only on process 0 of a multi-host run (always on one host)."""
+    def __init__(self, workdir: str | Path, tensorboard: bool = True, console=print, enabled: bool | None = None,
+                 loggers=None, settings=None):
+        """``enabled=None``: write only on process 0 of a multi-host run (always on one host).
+
+        ``loggers``: backend names (``loggers.effective_loggers(config.train)``); None = TensorBoard
+        if ``tensorboard``. ``settings``: what the backends read (``config.train``: W&B mode, MLflow URI).
+        """
         if enabled is None:
             from llds_jax.parallel.distributed import is_main_process
 
@@ -79,11 +86,14 @@ class MetricsWriter:
         self.path = self.workdir / "metrics.jsonl"
         self._file = open(self.path, "a", buffering=1) if enabled else None
         self._console = console if enabled else None
-        self._tb = None
-        if tensorboard and enabled:
-            from tensorboardX import SummaryWriter
+        if loggers is None:
+            loggers = ("tensorboard",) if tensorboard else ()
+        self._loggers = open_loggers(loggers, self.workdir, settings or {}) if enabled else []
 
-            self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """The run's config, once, to every backend (``config.json`` in the workdir is the file's own copy)."""
+        for logger in self._loggers:
+            logger.log_config(config)
 
     def write(self, step: int, metrics: Mapping[str, Any], phase: str = "rl") -> dict[str, float | None]:
         flat = {k: to_float(v) for k, v in flatten(metrics).items()}
@@ -91,10 +101,8 @@ class MetricsWriter:
         if self._file is None:
             return flat
         self._file.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            for key, value in flat.items():
-                if value is not None:
-                    self._tb.add_scalar(f"{phase}/{key}", value, int(step))
+        for logger in self._loggers:
+            logger.log(int(step), phase, flat)
         if self._console is not None:
             self._console(console_line(int(step), phase, flat))
         return flat
@@ -114,8 +122,9 @@ class MetricsWriter:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for logger in self._loggers:
+            logger.close()
+        self._loggers = []
 
     def __enter__(self):
         return self

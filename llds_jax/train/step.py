@@ -72,7 +72,12 @@ from llds_jax.models import params_in_compute_dtype
 from llds_jax.models.logprobs import scored_positions, sequence_logprobs
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
-from llds_jax.rl.advantages import compute_advantages
+from llds_jax.rl.advantages import (
+    TOKEN_LEVEL_ESTIMATORS,
+    compute_advantages,
+    reinforce_pp_token_advantages,
+    row_summary,
+)
 from llds_jax.rl.objective import (
     LossMasks,
     ObjectiveTerms,
@@ -191,7 +196,8 @@ def compact_view(masks: LossMasks, old_logp, ref_logp, size: int):
     compact = masks._replace(
         action_mask=jnp.where(valid, take(masks.action_mask), 0).astype(masks.action_mask.dtype),
         answer_mask=None if masks.answer_mask is None else jnp.where(valid, take(masks.answer_mask), 0),
-        action_index=None if masks.action_index is None else jnp.where(valid, take(masks.action_index), -1))
+        action_index=None if masks.action_index is None else jnp.where(valid, take(masks.action_index), -1),
+        rollout_log_ratio=take(masks.rollout_log_ratio))
     return positions, valid, compact, take(old_logp), take(ref_logp)
 
 
@@ -218,6 +224,18 @@ def _objective_view(mb: TrainBatch) -> tuple[LossMasks, jax.Array, jax.Array | N
     return masks, next_token_targets(mb.old_logp), ref
 
 
+def needs_reinforce_pp_reference(rl_cfg) -> bool:
+    """REINFORCE++ with β > 0 reads π_ref in its advantages even when the loss has no KL term."""
+    return rl_cfg.advantage_estimator == "reinforce_pp" and rl_cfg.reinforce_pp_kl_coef > 0
+
+
+def _advantage_view(advantages, positions):
+    """Token-level (REINFORCE++) advantages [N, T-1] cut to the compacted positions; [N] ones as they are."""
+    if advantages.ndim == 1 or positions is None:
+        return advantages
+    return jnp.take_along_axis(advantages, positions, axis=1)
+
+
 def _empty_terms(shapes: ObjectiveTerms) -> ObjectiveTerms:
     """The identity of ``accumulate_terms``: zero sums/denominators, ∓inf extrema."""
     full = lambda tree, value: jax.tree.map(lambda s: jnp.full(s.shape, value, s.dtype), tree)
@@ -228,7 +246,7 @@ def _empty_terms(shapes: ObjectiveTerms) -> ObjectiveTerms:
 class StepOutputs(NamedTuple):
     """What the update hands back besides the state and per-mini-batch metrics (for logging and diagnostics)."""
 
-    advantages: jax.Array  # float32 [N], row-sharded: computed inside the update from rewards and groups
+    advantages: jax.Array  # float32 [N], row-sharded: computed inside the update (REINFORCE++: row means)
     action_tokens: jax.Array  # float32 scalar: action tokens of the global batch
     tokens: jax.Array  # float32 scalar: real tokens of the global batch
 
@@ -318,8 +336,12 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         return jax.lax.stop_gradient(_constrain_rows(token_aligned(logp), rules))
 
     def objective_view(mb: TrainBatch):
-        """(positions or None, masks, π_old, π_ref) as the loss reads them, compacted to ``scored`` positions."""
+        """(positions or None, masks, π_old, π_ref) as the loss reads them, compacted to ``scored`` positions.
+
+        ``masks.rollout_log_ratio`` (rl.rollout_correction) uses the precomputed π_old: fixed for the step."""
         masks, old_logp, ref_logp = _objective_view(mb)
+        if mb.sampler_logp is not None:
+            masks = masks._replace(rollout_log_ratio=next_token_targets(mb.old_logp - mb.sampler_logp))
         if not (size := scored(mb.input_ids)):
             return None, masks, old_logp, ref_logp
         positions, _, masks, old_logp, ref_logp = compact_view(masks, old_logp, ref_logp, size)
@@ -332,19 +354,21 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         own = jax.lax.stop_gradient(logp)
         gap = jnp.max(jnp.where(masks.action_mask > 0, jnp.abs(own - precomputed_old), 0.0))
         old_logp = jnp.where(on_policy, own, precomputed_old)
-        policy_batch = PolicyBatch(logp=logp, old_logp=old_logp, ref_logp=ref_logp,
-                                   entropy=entropy, advantages=advantages, masks=masks)
+        policy_batch = PolicyBatch(logp=logp, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy,
+                                   advantages=_advantage_view(advantages, positions), masks=masks)
         loss, terms = micro_batch_loss(policy_batch, rl_cfg, constants, sizes.num_micro_batches)
         return loss, (terms, gap)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def packed_view(mb: TrainBatch):
-        """(masks, π_old, π_ref) of a mini-batch's trajectories, compacted to ``packed_scored`` positions
-        (always compacted: entry k of a row must be its k-th action target, the packed rows' order)."""
+        """(positions, masks, π_old, π_ref) of a mini-batch's trajectories, compacted to ``packed_scored``
+        positions (always compacted: entry k of a row must be its k-th action target, the packed rows' order)."""
         masks, old_logp, ref_logp = _objective_view(mb)
-        _, _, masks, old_logp, ref_logp = compact_view(masks, old_logp, ref_logp, packed_scored)
-        return masks, old_logp, ref_logp
+        if mb.sampler_logp is not None:  # rl.rollout_correction: fixed for the step, as objective_view
+            masks = masks._replace(rollout_log_ratio=next_token_targets(mb.old_logp - mb.sampler_logp))
+        positions, _, masks, old_logp, ref_logp = compact_view(masks, old_logp, ref_logp, packed_scored)
+        return positions, masks, old_logp, ref_logp
 
     def packed_micro_loss(params, rows, slot, where, view, advantages, constants, on_policy, num_micro):
         """One packed micro-batch's share of the loss, on the mini-batch's per-trajectory view.
@@ -358,7 +382,7 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         """
         ids, segments, positions = rows
         row, score_start, traj_slot = where
-        masks, precomputed_old, ref_logp = view
+        positions, masks, precomputed_old, ref_logp = view
         logp_rows, entropy_rows = forward_logprobs(graphdef, params, ids, None, temperature=temperature,
                                                    chunk_size=chunk, with_entropy=with_entropy, positions=positions,
                                                    segment_ids=segments)
@@ -372,8 +396,8 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         own = jax.lax.stop_gradient(logp)
         gap = jnp.max(jnp.where(present, jnp.abs(own - precomputed_old), 0.0))
         old_logp = jnp.where(on_policy, own, precomputed_old)
-        policy_batch = PolicyBatch(logp=logp, old_logp=old_logp, ref_logp=ref_logp,
-                                   entropy=entropy, advantages=advantages, masks=masks)
+        policy_batch = PolicyBatch(logp=logp, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy,
+                                   advantages=_advantage_view(advantages, positions), masks=masks)
         loss, terms = micro_batch_loss(policy_batch, rl_cfg, constants, num_micro)
         return loss, (terms, gap)
 
@@ -400,8 +424,9 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
 
     def one_update(state: TrainState, mini: TrainBatch, advantages, lr, on_policy, batch_mean_searches,
                    packed=None, packed_mini=None):
-        constants = batch_constants(advantages, objective_view(mini)[1], rl_cfg, llds_coef=state.llds_coef,
-                                    mean_searches=batch_mean_searches)
+        positions, mini_masks, _, _ = objective_view(mini)
+        constants = batch_constants(_advantage_view(advantages, positions), mini_masks, rl_cfg,
+                                    llds_coef=state.llds_coef, mean_searches=batch_mean_searches)
         zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
         # θ is fixed across the micro-batches: cast it once, not in every micro-batch's forward,
         # remat and backward; the gradients are the same (see params_in_compute_dtype).
@@ -441,6 +466,15 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         advantages = compute_advantages(batch.rewards, batch.group_ids, batch.row_weight > 0,
                                         estimator=rl_cfg.advantage_estimator, eps=rl_cfg.advantage_eps,
                                         unbiased_std=rl_cfg.unbiased_std)
+        row_advantages = advantages
+        if rl_cfg.advantage_estimator in TOKEN_LEVEL_ESTIMATORS:  # REINFORCE++: per target token, [N, T-1]
+            if needs_reinforce_pp_reference(rl_cfg) and batch.ref_logp is None:
+                raise ValueError("rl.advantage_estimator = 'reinforce_pp' with reinforce_pp_kl_coef > 0 needs π_ref")
+            ref = None if batch.ref_logp is None else next_token_targets(batch.ref_logp)
+            advantages = reinforce_pp_token_advantages(
+                advantages, next_token_targets(batch.action_mask), next_token_targets(batch.old_logp), ref,
+                rl_cfg.reinforce_pp_kl_coef, batch.row_weight)
+            row_advantages = row_summary(advantages, next_token_targets(batch.action_mask))
         advantages = _constrain_rows(advantages, rules)
         packed = batch.packed
         minis = _split_rows((batch._replace(packed=None), advantages), sizes.num_mini_batches)
@@ -458,7 +492,7 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         metrics["optim/lr"] = jnp.broadcast_to(lr, (sizes.num_mini_batches,))
         metrics["llds/lambda"] = jnp.broadcast_to(state.llds_coef, (sizes.num_mini_batches,))
         state = state.replace(step=state.step + 1)
-        outputs = StepOutputs(advantages, batch.action_mask.sum(), batch.attention_mask.sum(dtype=jnp.float32))
+        outputs = StepOutputs(_constrain_rows(row_advantages, rules), batch.action_mask.sum(), batch.attention_mask.sum(dtype=jnp.float32))
         return state, metrics, outputs
 
     token_sh = (batch_shardings.input_ids, batch_shardings.attention_mask, batch_shardings.action_mask)

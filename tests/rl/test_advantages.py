@@ -90,7 +90,7 @@ def test_two_prompts_with_different_ids_are_never_merged():
 
 
 def test_unknown_estimator_lists_known_ones():
-    with pytest.raises(ValueError, match="dr_grpo, grpo, rloo"):
+    with pytest.raises(ValueError, match="dr_grpo, grpo, reinforce_pp, rloo"):
         rl.compute_advantages(jnp.ones(2), jnp.zeros(2, jnp.int32), jnp.ones(2, bool), estimator="ppo")
 
 

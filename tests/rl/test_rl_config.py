@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llds_jax import rl
+from llds_jax.rl.rollout_correction import ROLLOUT_CORRECTIONS
 
 
 def test_defaults_are_the_reference_settings():
@@ -70,7 +71,8 @@ def test_validate_rejects_unknown_and_missing_fields():
 @pytest.mark.parametrize(
     "registry, expected",
     [
-        (rl.ADVANTAGE_ESTIMATORS, ["dr_grpo", "grpo", "rloo"]),
+        (rl.ADVANTAGE_ESTIMATORS, ["dr_grpo", "grpo", "reinforce_pp", "rloo"]),
+        (ROLLOUT_CORRECTIONS, ["mis", "seq_mis", "seq_tis", "tis"]),
         (rl.POLICY_LOSSES, ["gspo", "ppo"]),
         (rl.KL_ESTIMATORS, ["abs", "k1", "k2", "k3", "kl", "low_var_kl", "mse"]),
         (rl.AGGREGATIONS, ["seq-mean-token-mean", "seq-mean-token-sum", "token-mean", "token-sum-norm"]),

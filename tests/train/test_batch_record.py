@@ -173,6 +173,8 @@ def test_abstract_record_matches_the_uploaded_one(run, request):
     abstract = TrainBatch.abstract(16, learner.seq_len, with_ref=True, mesh=learner.mesh, rules=learner.rules,
                                    packing=learner.packing)
     assert (abstract.packed is None) == (run == "pinned_run") == (extra["batch"].packed is None)
+    # sampler_logp: carried only under rl.rollout_correction, so neither record has it here
+    assert abstract.sampler_logp is None and extra["batch"].sampler_logp is None
     wants = jax.tree_util.tree_leaves_with_path(abstract)
     gots = jax.tree.leaves(extra["batch"])
     assert len(wants) == len(gots)

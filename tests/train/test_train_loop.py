@@ -83,6 +83,35 @@ def test_run_leaves_checkpoint_export_eval_and_tensorboard(first_run, loop_confi
     assert summary["rl_steps"] == 2 and len(summary["reward_per_step"]) == 2
 
 
+def test_profile_of_step_1_is_written_and_no_other(first_run, loop_config):
+    from pathlib import Path
+
+    profile = Path(loop_config.workdir) / "profile"
+    assert list((profile / "step_1").rglob("*.xplane.pb")), f"no trace under {profile}"
+    assert sorted(p.name for p in profile.iterdir()) == ["step_1"]
+
+
+@pytest.mark.parametrize("backend", ["mlflow", "wandb"])
+def test_optional_loggers_hold_the_jsonl_keys_and_values(first_run, loop_config, backend):
+    """W&B (offline) and MLflow (file store) runs of this job: the same rows as metrics.jsonl, and the config."""
+    from pathlib import Path
+
+    from test_loggers_and_profiling import jsonl_history, mlflow_history, wandb_history
+
+    if backend not in loop_config.train.loggers:
+        pytest.skip(f"{backend} is the optional extra llds-jax[{backend}], not installed here")
+    history, config = (mlflow_history if backend == "mlflow" else wandb_history)(Path(loop_config.workdir))
+    expected = jsonl_history(first_run["rows"])
+    if backend == "mlflow":
+        expected = {key: sorted(points) for key, points in expected.items()}
+    assert set(history) == set(expected)
+    for key, want in expected.items():
+        got = history[key]
+        assert [step for step, _ in got] == [step for step, _ in want], key
+        assert [value for _, value in got] == pytest.approx([value for _, value in want], rel=1e-6), key
+    assert config["rl"]["llds_coef"] == loop_config.rl.llds_coef
+
+
 def test_every_logged_key_is_a_table_entry_of_its_phase(first_run):
     rows = first_run["rows"]
     assert {row["phase"] for row in rows} == {"sft", "rl", "eval"}

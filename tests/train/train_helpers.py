@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 
 from llds_jax.app.config import base_config
@@ -42,6 +44,9 @@ def tiny_loop_config(workdir: str, tokenizer_dir: str):
     c.retrieval.max_doc_tokens = 16
     c.eval.update(dict(data="bundled:nq_dev", limit=2, batch_size=2))
     c.monitor.enabled = True
+    t.profile_steps = (1,)  # test_train_loop: a jax.profiler trace of step 1 of this job
+    # The optional logger extras, where installed: test_train_loop compares them with metrics.jsonl.
+    t.loggers = ("tensorboard", *(name for name in ("wandb", "mlflow") if importlib.util.find_spec(name)))
     return c
 
 
