@@ -382,7 +382,7 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         """
         ids, segments, positions = rows
         row, score_start, traj_slot = where
-        positions, masks, precomputed_old, ref_logp = view
+        target_positions, masks, precomputed_old, ref_logp = view  # ``positions``: the packed rows' RoPE positions
         logp_rows, entropy_rows = forward_logprobs(graphdef, params, ids, None, temperature=temperature,
                                                    chunk_size=chunk, with_entropy=with_entropy, positions=positions,
                                                    segment_ids=segments)
@@ -397,7 +397,7 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         gap = jnp.max(jnp.where(present, jnp.abs(own - precomputed_old), 0.0))
         old_logp = jnp.where(on_policy, own, precomputed_old)
         policy_batch = PolicyBatch(logp=logp, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy,
-                                   advantages=_advantage_view(advantages, positions), masks=masks)
+                                   advantages=_advantage_view(advantages, target_positions), masks=masks)
         loss, terms = micro_batch_loss(policy_batch, rl_cfg, constants, num_micro)
         return loss, (terms, gap)
 
