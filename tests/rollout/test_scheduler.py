@@ -87,7 +87,7 @@ def _toy_trajectories(n=40):
                                 feedback=tuple(30 + i % 11 for _ in range(i % 3))) for i in range(n)]
 
 
-@pytest.mark.parametrize("kv_blocks", [None, 30])
+@pytest.mark.parametrize("kv_blocks", [None, 160])
 def test_engine_beats_waves_when_rows_come_in_several_waves_and_never_beats_the_bound(kv_blocks):
     """With several waves the barrier costs more than anything the engine adds. With one wave
     the engine may lose a little: an action ending mid-segment waits for the segment's end, and
