@@ -205,6 +205,10 @@ def _check_rollout(config) -> None:
             _positive(config, path)
     from llds_jax.rollout.config import ENGINES  # noqa: PLC0415  (as base_config imports the section)
 
+    devices = config.rollout.get("sampler_devices", 0)
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < -1:
+        raise TrainConfigError(f"rollout.sampler_devices={devices!r}: expected 0 (one device), -1 (every local "
+                               f"device) or a device count")
     engine = config.rollout.get("engine", "waves")
     if engine not in ENGINES:
         raise TrainConfigError(f"rollout.engine={engine!r}: expected one of {ENGINES}")

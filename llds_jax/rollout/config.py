@@ -35,6 +35,7 @@ def default_config() -> ml_collections.ConfigDict:
         # Both give the same trajectories (tests/rollout/test_engine.py).
         engine="waves",
         segment_tokens=8,          # continuous: decode steps per device call before the host looks at the slots
+        sampler_devices=0,         # continuous: local devices that hold rows (0 = one, -1 = all; weights replicated)
         kv_block_tokens=128,       # continuous: tokens per KV block (the blockwise kernel's key block)
         kv_blocks=0,               # continuous: KV pool in blocks (0 = every slot can hold max_context: no preemption)
         slot_tokens=512,           # engine memory plan: the expected length a slot is sized for (rollout/kv_plan.py)

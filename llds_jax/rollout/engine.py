@@ -31,6 +31,7 @@ from llds_jax.rollout import protocol
 from llds_jax.rollout.scheduler import Phase, Scheduler
 from llds_jax.rollout.trajectory import Trajectory
 from llds_jax.rollout.turns import apply_action, cut_feedback
+from llds_jax.sampling import placement
 from llds_jax.sampling.session import DecodeSession
 from llds_jax.sampling.slots import SlotSession
 
@@ -86,10 +87,13 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
     ``policy`` supplies the model, sampling knobs, key and pad id. Returns the schedule's
     counts (decode calls, appends, retrieval batches, preemptions, peak KV blocks).
     """
+    devices = placement.sampler_devices(int(config.get("sampler_devices", 0)))
     session = SlotSession((policy.graphdef, policy.params), policy.sampling, slots=slots,
                           max_action_tokens=int(config.max_action_tokens), key=policy.key,
                           max_tokens=int(config.max_context), pad_id=policy.pad_id,
-                          prefill_chunk=policy.prefill_chunk)
+                          prefill_chunk=policy.prefill_chunk,
+                          mesh=placement.sampler_mesh(devices) if len(devices) > 1 else None)
+    slots = session.usable_slots
     kv_blocks = int(config.get("kv_blocks", 0)) or None
     scheduler = Scheduler([len(t.prompt_ids) for t in trajectories], slots=slots,
                           block_size=int(config.get("kv_block_tokens", 128)), kv_blocks=kv_blocks,
@@ -170,7 +174,13 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
     finally:
         retrieval.close()
     return dict(counts, retrieval_batches=retrieval.batches, preemptions=scheduler.preemptions,
-                peak_kv_blocks=scheduler.peak_blocks, slots=slots)
+                peak_kv_blocks=scheduler.peak_blocks, slots=slots, sampler_devices=len(devices),
+                rows_per_device=_rows_per_device(session))
+
+
+def _rows_per_device(session: SlotSession) -> list[int]:
+    """Slots each sampler device holds (from the cache's own shards: what the device really has)."""
+    return [int(shard.data.shape[0]) for shard in session.cache.end.addressable_shards]
 
 
 def _end_actions(ended, session: SlotSession, scheduler: Scheduler, trajectories, slot_of, drawn, retrieval,

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from llds_jax.models import KVCache
-from llds_jax.sampling import decode_loop, stop_strings
+from llds_jax.sampling import decode_loop, placement, stop_strings
 from llds_jax.sampling.decode_loop import DecodeState, FinishReason, SamplingParams
 from llds_jax.sampling.generate import MIN_LENGTH_BUCKET, bucket
 from llds_jax.sampling.session import (
@@ -56,15 +56,25 @@ class SlotSession:
 
     ``model``: a ``Decoder`` or ``(graphdef, params)``; ``max_tokens``: a row's context cap
     (the cache never grows past :func:`~llds_jax.sampling.session.cache_slot_limit` of it);
-    ``prefill_chunk``: appends run at most this many columns per call (0: whole).
+    ``prefill_chunk``: appends run at most this many columns per call (0: whole); ``mesh``: a
+    process-local ``sampling.placement.sampler_mesh`` to spread the rows over (each device
+    holds ``slots / devices`` rows and a replica of the weights; None: the default device).
+    ``usable_slots`` is ``slots`` rounded up to a multiple of the devices; ``slots`` the rows
+    allocated (at least :data:`MIN_ROWS` per device).
     """
 
     def __init__(self, model, sampling: SamplingParams, *, slots: int, max_action_tokens: int, key: jax.Array,
-                 max_tokens: int, pad_id: int = 0, prefill_chunk: int = 0):
+                 max_tokens: int, pad_id: int = 0, prefill_chunk: int = 0, mesh: jax.sharding.Mesh | None = None):
         self.graphdef, self.params = nnx.split(model) if isinstance(model, nnx.Module) else model
+        self.mesh = mesh
+        devices = 1 if mesh is None else mesh.devices.size
+        if mesh is not None:
+            self.params = placement.replicate_params(self.params, mesh)
         self.config = nnx.merge(self.graphdef, self.params).config
         self.sampling, self.key, self.pad_id = sampling, key, int(pad_id)
-        self.slots = max(int(slots), MIN_ROWS)
+        self.usable_slots = -(-int(slots) // devices) * devices
+        self.slots = max(self.usable_slots, MIN_ROWS * devices)
+        self.rows_per_device = self.slots // devices
         self.width = bucket(max_action_tokens, MIN_LENGTH_BUCKET)
         self.max_tokens = int(max_tokens)
         self.slot_limit = cache_slot_limit(max_tokens)
@@ -75,13 +85,20 @@ class SlotSession:
         self.decoding = np.zeros((self.slots,), bool)
         self.partial = np.zeros((self.slots,), np.int32)      # tokens the current action has so far
         self.rows_end = np.zeros((self.slots,), np.int64)     # tokens in each slot's cache (host mirror of end)
-        self.cache = decode_loop.new_cache(self.config, self.slots, MIN_CACHE_SLOTS)
-        self.logits = jnp.zeros((self.slots, self.config.vocab_size), jnp.float32)
-        self.keys = decode_loop.row_keys(self.key, self.trajectory)
-        self.state = self._fresh_action_state()
+        with placement.on_mesh(mesh):
+            self.cache = self._rows(decode_loop.new_cache(self.config, self.slots, MIN_CACHE_SLOTS))
+            self.logits = self._rows(jnp.zeros((self.slots, self.config.vocab_size), jnp.float32))
+            self.keys = self._rows(decode_loop.row_keys(self.key, self.trajectory))
+            self.state = self._rows(self._fresh_action_state())
         self._keys_stale = False
         self._started: set[int] = set()  # slots whose action begins with the next decode call
         self._last: dict[int, SampledAction] = {}
+
+    def _rows(self, tree):
+        """``tree``'s arrays (leading axis: rows) split over the mesh's devices; as they are without a mesh."""
+        if self.mesh is None:
+            return jax.tree.map(jnp.asarray, tree)
+        return jax.device_put(tree, placement.row_sharding(self.mesh))
 
     def _fresh_action_state(self) -> dict[str, jax.Array]:
         return dict(tokens=jnp.full((self.slots, self.width), self.pad_id, jnp.int32),
@@ -98,7 +115,8 @@ class SlotSession:
         self.trajectory[slot], self.drawn[slot] = trajectory, drawn
         self.decoding[slot], self.budget[slot], self.rows_end[slot] = False, 0, 0
         self._keys_stale = True
-        self.cache = _empty_rows(self.cache, jnp.asarray(np.arange(self.slots) == slot))
+        with placement.on_mesh(self.mesh):
+            self.cache = _empty_rows(self.cache, self._rows(np.arange(self.slots) == slot))
 
     def _reserve(self, new_tokens: np.ndarray) -> None:
         needed = int((self.rows_end + new_tokens).max())
@@ -106,7 +124,8 @@ class SlotSession:
             raise ValueError(f"a slot needs {needed} cache slots; rows hold at most max_tokens={self.max_tokens}")
         if needed > self.cache.max_len:
             slots = min(max(bucket(needed, MIN_LENGTH_BUCKET), MIN_CACHE_SLOTS), self.slot_limit)
-            self.cache = decode_loop.grow_cache(self.cache, slots)
+            with placement.on_mesh(self.mesh):
+                self.cache = self._rows(decode_loop.grow_cache(self.cache, slots))
 
     # -- appends -----------------------------------------------------------------------------
     def append(self, chunks: dict[int, list[int]]) -> None:
@@ -132,13 +151,14 @@ class SlotSession:
         self.rows_end += mask.sum(axis=1)
 
     def _extend(self, ids: np.ndarray, mask: np.ndarray) -> None:
-        short = bucket(MIN_EXTEND_TOKENS // self.slots) - ids.shape[1]
-        if short > 0:  # the session's floor on a call's positions (session.MIN_EXTEND_TOKENS)
+        short = bucket(MIN_EXTEND_TOKENS // self.rows_per_device) - ids.shape[1]
+        if short > 0:  # the session's floor on a call's positions per device (session.MIN_EXTEND_TOKENS)
             ids = np.pad(ids, ((0, 0), (0, short)), constant_values=self.pad_id)
             mask = np.pad(mask, ((0, 0), (0, short)))
-        logits, self.cache = decode_loop.extend(self.graphdef, self.params, jnp.asarray(ids), jnp.asarray(mask),
-                                                self.cache)
-        self.logits = jnp.where(jnp.asarray(mask.any(axis=1))[:, None], logits, self.logits)
+        with placement.on_mesh(self.mesh):
+            logits, self.cache = decode_loop.extend(self.graphdef, self.params, self._rows(ids), self._rows(mask),
+                                                    self.cache)
+            self.logits = _take_rows(self._rows(mask.any(axis=1)), logits, self.logits)
 
     # -- actions -----------------------------------------------------------------------------
     def start_action(self, slot: int, budget: int) -> None:
@@ -163,13 +183,14 @@ class SlotSession:
         started[sorted(self._started)] = True
         self._started.clear()
         self._reserve(np.where(self.decoding, self.budget, 0))
-        if self._keys_stale:
-            self.keys = decode_loop.row_keys(self.key, self.trajectory)
-            self._keys_stale = False
-        state = DecodeState(cache=self.cache, logits=self.logits, keys=self.keys, drawn=jnp.asarray(self.drawn),
-                            step=jnp.zeros((), jnp.int32), **self.state)
-        state = decode_segment(self.graphdef, self.params, state, jnp.asarray(started), jnp.asarray(~self.decoding),
-                               jnp.asarray(self.budget), self.sampling, steps=int(steps), pad_id=self.pad_id)
+        with placement.on_mesh(self.mesh):
+            if self._keys_stale:
+                self.keys = self._rows(decode_loop.row_keys(self.key, self.trajectory))
+                self._keys_stale = False
+            state = DecodeState(cache=self.cache, logits=self.logits, keys=self.keys, drawn=self._rows(self.drawn),
+                                step=jnp.zeros((), jnp.int32), **self.state)
+            state = decode_segment(self.graphdef, self.params, state, self._rows(started), self._rows(~self.decoding),
+                                   self._rows(self.budget), self.sampling, steps=int(steps), pad_id=self.pad_id)
         self.cache, self.logits, self.keys = state.cache, state.logits, state.keys  # the inputs were donated
         self.state = dict(tokens=state.tokens, logprobs=state.logprobs, lengths=state.lengths, done=state.done,
                           finish=state.finish, stop_state=state.stop_state)
@@ -206,7 +227,8 @@ class SlotSession:
                 rewrite[slot] = [int(action.ids[kept - 1])]
         if not rewrite:
             return
-        self.cache = _forget_last_slots(self.cache, jnp.asarray(drop))
+        with placement.on_mesh(self.mesh):
+            self.cache = _forget_last_slots(self.cache, self._rows(drop))
         self.rows_end -= drop
         ids = np.full((self.slots, MIN_LENGTH_BUCKET), self.pad_id, np.int32)
         mask = np.zeros((self.slots, MIN_LENGTH_BUCKET), bool)
@@ -214,6 +236,11 @@ class SlotSession:
             ids[slot, 0], mask[slot, 0] = token, True
         self._extend(ids, mask)
         self.rows_end += mask.sum(axis=1)
+
+
+@jax.jit
+def _take_rows(rows: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+    return jnp.where(rows[:, None], new, old)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
