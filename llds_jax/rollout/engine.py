@@ -94,6 +94,10 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
                           prefill_chunk=policy.prefill_chunk,
                           mesh=placement.sampler_mesh(devices) if len(devices) > 1 else None)
     slots = session.usable_slots
+    # scheduler slot s -> session row: round-robin over the devices (each holds a contiguous block
+    # of rows), so every device gets rows even when the session allocated spare ones (MIN_ROWS)
+    per_device = session.rows_per_device
+    row_of = [(s % len(devices)) * per_device + s // len(devices) for s in range(slots)]
     kv_blocks = int(config.get("kv_blocks", 0)) or None
     scheduler = Scheduler([len(t.prompt_ids) for t in trajectories], slots=slots,
                           block_size=int(config.get("kv_block_tokens", 128)), kv_blocks=kv_blocks,
@@ -101,8 +105,8 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
     segment = int(config.get("segment_tokens", 8))
     retrieval = RetrievalThread(retriever, int(config.topk))
     drawn = [0] * len(trajectories)   # tokens trajectory i has drawn (its keys' counter), cut ids included
-    slot_of: dict[int, int] = {}
-    counts = dict(decode_calls=0, appends=0)
+    slot_of: dict[int, int] = {}      # trajectory -> the session row (slot) it holds
+    counts = dict(decode_calls=0, appends=0, busy_rows_per_device=[0] * len(devices))
 
     def preempted(victims: list[int]) -> None:
         for victim in victims:
@@ -120,8 +124,8 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
             for row, text in retrieval.poll():
                 feedback(row, text)
             for slot, row in scheduler.admit():
-                slot_of[row] = slot
-                session.reset(slot, row, drawn[row])
+                slot_of[row] = row_of[slot]
+                session.reset(slot_of[row], row, drawn[row])
             chunks = {}
             for row in scheduler.in_phase(Phase.APPEND):
                 if scheduler.entries[row].phase is not Phase.APPEND:
@@ -132,7 +136,7 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
                     if entry.tokens != trajectories[row].length:
                         raise AssertionError(f"scheduler counts {entry.tokens} tokens for trajectory {row}, "
                                              f"its record {trajectories[row].length}")
-                    chunks[entry.slot] = _history(trajectories[row])[entry.cached:]
+                    chunks[slot_of[row]] = _history(trajectories[row])[entry.cached:]
                     scheduler.appended(row)
             if chunks:
                 clock = time.perf_counter()
@@ -157,7 +161,9 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
                     preempted(scheduler.reserve(row, partial + min(segment, int(session.budget[slot]) - partial)))
             if session.any_decoding:
                 clock = time.perf_counter()
+                busy = session.decoding.reshape(len(devices), -1).sum(axis=1)
                 ended = session.decode(segment)
+                counts["busy_rows_per_device"] = [max(a, int(b)) for a, b in zip(counts["busy_rows_per_device"], busy)]
                 timings["decode_s"] += time.perf_counter() - clock
                 counts["decode_calls"] += 1
                 _end_actions(ended, session, scheduler, trajectories, slot_of, drawn, retrieval, vocab, tokenizer,

@@ -30,10 +30,12 @@ ROW_AXES = ("data", "fsdp")  # the mesh axes the logical "batch" axis maps to (p
 
 
 def sampler_devices(requested: int) -> list[jax.Device]:
-    """``rollout.sampler_devices``: 0 = the first local device (one replica), -1 = every local device, n = the first n."""
+    """``rollout.sampler_devices``: -1 = every local device, n = the first n, 0 = auto: every local
+    device when several processes share the job (the params are not this host's alone, so they
+    are replicated to its devices anyway), else one (the learner's arrays as they are)."""
     local = jax.local_devices()
     if requested == 0:
-        return local[:1]
+        return local if jax.process_count() > 1 else local[:1]
     if requested < 0:
         return local
     if requested > len(local):
