@@ -74,16 +74,30 @@ def shares(timings: dict[str, float]) -> dict[str, float]:
     return {k.removesuffix("_s"): v / total for k, v in timings.items() if k.endswith("_s") and k != "total_s"}
 
 
-def rollout_with_model(session, model, tokenizer, questions, retriever, cfg, repeats: int):
+def rollout_with_model(session, model, tokenizer, questions, retriever, cfg, repeats: int, engines=("waves",)):
+    """The rollout per ``rollout.engine`` in ``engines``, alternated per repeat (same key: same trajectories)."""
     last = {}
 
-    def run():
-        last["batch"] = run_rollouts(model, tokenizer, questions, retriever, cfg, key=jax.random.key(1))
+    def runner(engine):
+        config = cfg.copy_and_resolve_references()
+        config.engine = engine
 
-    times = _harness.alternate({_harness.OURS: run}, repeats)  # warm-up call compiles
-    batch = last["batch"]
+        def run():
+            last[engine] = run_rollouts(model, tokenizer, questions, retriever, config, key=jax.random.key(1))
+        return run
+
+    times = _harness.alternate({engine: runner(engine) for engine in engines}, repeats)  # warm-up call compiles
+    for engine in engines:
+        _record_rollout(session, f"rollout ({engine}), SmolLM2-135M + BM25", {engine: times[engine]}, last[engine])
+    if len(engines) > 1:
+        first = last[engines[0]]
+        session.settings["engines_same_ids"] = all(
+            np.array_equal(first.input_ids, last[e].input_ids) for e in engines[1:])
+
+
+def _record_rollout(session, name, times, batch):
     stats = batch.stats()
-    session.add_case("rollout, SmolLM2-135M + BM25", times, tokens=batch.size, unit="trajectories",
+    session.add_case(name, times, tokens=batch.size, unit="trajectories",
                      phase_shares=shares(batch.timings), turns=stats["rollout/turns"],
                      searches=stats["rollout/searches"], action_tokens=stats["rollout/action_tokens"],
                      decoded_tokens=int(batch.action_mask.sum()),
@@ -149,7 +163,7 @@ def _load_config(name: str):
     return module.get_config()
 
 
-def paper_schedule(reference: Path, segment: int, retrieval_steps: int) -> dict:
+def paper_schedule(reference: Path, segment: int | None, retrieval_steps: int) -> dict:
     """Waves + barrier vs the engine on one paper step, per target (see the module docstring).
 
     Waves: the rows the planner derives today (``rollout_rows_per_wave`` on the target's
@@ -167,6 +181,7 @@ def paper_schedule(reference: Path, segment: int, retrieval_steps: int) -> dict:
     for name, (config_file, hardware, devices, hosts) in PAPER_TARGETS.items():
         config = _load_config(config_file)
         rollout, model = config.rollout, decoder_config(config.model)
+        segment = int(rollout.segment_tokens) if segment is None else segment  # what the engine would run
         trajectories = config.train.prompts_per_step * rollout.n_samples
         lengths = load_reference(reference, trajectories, max_action_tokens=rollout.max_action_tokens,
                                  max_obs_tokens=rollout.max_obs_tokens, max_prompt_tokens=rollout.max_prompt_tokens)
@@ -197,12 +212,13 @@ def paper_schedule(reference: Path, segment: int, retrieval_steps: int) -> dict:
 
 def paper_schedule_main(args) -> None:
     targets = paper_schedule(Path(args.reference), args.segment, args.retrieval_steps)
-    settings = dict(reference=str(args.reference), segment_tokens=args.segment, retrieval_steps=args.retrieval_steps,
+    segment = {t["engine"]["segment"] for t in targets.values()}
+    settings = dict(reference=str(args.reference), segment_tokens=sorted(segment), retrieval_steps=args.retrieval_steps,
                     unit="decode steps (one token for every active row)")
     if args.json:
         print(json.dumps(dict(targets=targets, settings=settings)))
         return
-    print(f"one paper step, reference lengths {Path(args.reference).name}; engine segment {args.segment} tokens, "
+    print(f"one paper step, reference lengths {Path(args.reference).name}; engine segment {sorted(segment)} tokens, "
           f"retrieval {args.retrieval_steps} decode steps per batch")
     header = (f"{'target':<15} {'schedule':<17} {'slots':>6} {'decode':>7} {'bound':>6} {'eff':>6} "
               f"{'prefill':>8} {'retr.wait':>9} {'retr.batches':>12} {'preempt':>7}")
@@ -221,7 +237,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--paper-schedule", action="store_true", help="simulate one paper step's schedule and exit")
     parser.add_argument("--reference", default=str(REFERENCE_LENGTHS))
-    parser.add_argument("--segment", type=int, default=4, help="engine: decode steps per device call")
+    parser.add_argument("--segment", type=int, default=None,
+                        help="engine: decode steps per device call (default: the configs' rollout.segment_tokens)")
     parser.add_argument("--retrieval-steps", type=int, default=8, help="a retrieval batch's latency in decode steps")
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--n-samples", type=int, default=4)
@@ -234,6 +251,7 @@ def main():
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rollout-repeats", type=int, default=1, help="timed rollouts (after one warm-up)")
+    parser.add_argument("--engines", default="waves,continuous", help="rollout.engine values to time side by side")
     _harness.add_arguments(parser)
     args = parser.parse_args()
     if args.paper_schedule:
@@ -254,7 +272,8 @@ def main():
                     max_context=args.max_context))
     session.settings.update(temperature=cfg.temperature, top_p=cfg.top_p)
     session.log(f"{len(questions)} questions x {cfg.n_samples} samples, max_turns {cfg.max_turns} (+ final turn) ...")
-    rollout_with_model(session, model, tokenizer, questions, retriever, cfg, args.rollout_repeats)
+    rollout_with_model(session, model, tokenizer, questions, retriever, cfg, args.rollout_repeats,
+                       engines=tuple(args.engines.split(",")))
     rollout_scripted_search(session, tokenizer, questions, retriever, cfg, args.rollout_repeats)
     continuation_vs_reprefill(session, model, batch=len(questions) * cfg.n_samples, chunk=args.chunk,
                               histories=[int(h) for h in args.histories.split(",")], repeats=args.repeats)
