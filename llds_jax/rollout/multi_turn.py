@@ -44,7 +44,8 @@ from llds_jax.rollout.config import terminator_ids
 from llds_jax.rollout.engine import run_engine
 from llds_jax.rollout.trajectory import RolloutBatch, Trajectory, collate
 from llds_jax.rollout.turns import apply_action, cut_feedback
-from llds_jax.rollout.waves import wave_plan
+from llds_jax.rollout.waves import engine_slots, wave_plan
+from llds_jax.sampling import placement
 from llds_jax.sampling.decode_loop import SamplingParams
 from llds_jax.sampling.session import DecodeSession, SampledAction
 from llds_jax.sampling.token_bytes import vocab_bytes
@@ -119,8 +120,11 @@ def run_rollouts(policy, tokenizer, questions: Sequence[str], retriever, config,
         trajectories.extend(Trajectory(prompt_ids=list(prompt_ids), group_id=group) for _ in range(config.n_samples))
     rows_per_wave, batch = wave_plan(config, len(trajectories), getattr(policy, "config", None))
     if config.get("engine", "waves") == "continuous" and isinstance(policy, DecodeSession):
-        # as many slots as a wave has rows: each slot is a dense KV row, so the memory is the same
-        timings.update(run_engine(policy, trajectories, vocab, tokenizer, retriever, config, timings, slots=batch))
+        # one device: as many slots as a wave has rows (each slot is a dense KV row: the same memory);
+        # several sampler devices: each holds a wave's worth
+        devices = len(placement.sampler_devices(int(config.get("sampler_devices", 0))))
+        slots = batch if devices == 1 else engine_slots(config, len(trajectories), policy.config, devices)
+        timings.update(run_engine(policy, trajectories, vocab, tokenizer, retriever, config, timings, slots=slots))
     else:
         for first in range(0, len(trajectories), rows_per_wave):
             rows = list(range(first, min(first + rows_per_wave, len(trajectories))))

@@ -7,9 +7,10 @@ point of its own conversation, as JetStream's decode slots do:
     reset(slot, trajectory, drawn)  the slot now holds another trajectory (empty cache row)
     append({slot: ids})             feed ids to slots' caches: a prompt, a history (recompute), feedback
     start_action(slot, budget)      the slot decodes an action of at most ``budget`` tokens
-    decode(steps)                   up to ``steps`` tokens for every decoding slot, in one device call
-    finished()                      the slots whose action ended, with ids, log-probs, finish reason
-    cut(slot, kept)                 keep the first ``kept`` ids of the slot's last action
+    decode(steps)                   up to ``steps`` tokens for every decoding slot, in one device call;
+                                    returns the actions that ended: {slot: ids, log-probs, finish reason}
+    stop_action(slot)               abandon an unfinished action (preemption: redrawn later, same keys)
+    cut({slot: kept})               keep the first ``kept`` ids of each slot's last action
 
 A decode call ends after ``steps`` tokens or when no slot decodes: the host then sees which
 actions ended, appends feedback, admits new trajectories, and calls again. The per-action

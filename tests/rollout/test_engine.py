@@ -64,13 +64,14 @@ def test_engine_matches_the_turn_loop_bit_for_bit_at_any_slot_count(model, token
     assert batch.searches.sum() > 0 and batch.finished.any() and (batch.turns == 4).any()  # every path ran
 
 
-@pytest.mark.parametrize("slots, rows_per_device, busy", [(0, [4] * 4, [3, 3, 2, 2]), (3, [2] * 4, [1] * 4)])
+@pytest.mark.parametrize("slots, rows_per_device, busy", [(0, [3] * 4, [3, 3, 2, 2]), (3, [2] * 4, [1] * 4)])
 def test_four_local_devices_each_hold_rows_and_sample_the_same_trajectories(model, tokenizer, bm25, waves, slots,
                                                                              rows_per_device, busy):
     """Rows split over 4 of the 8 simulated CPU devices (weights replicated device to device):
     every device holds rows, and the batch is the one-device turn loop's, bit for bit. 3 slots
-    round up to 4 (one per device), allocated as 2 rows per device (``slots.MIN_ROWS``); 16 slots
-    for 10 trajectories decode 3, 3, 2 and 2 at once (slots are dealt round-robin)."""
+    round up to 4 (one per device), allocated as 2 rows per device (``slots.MIN_ROWS``); derived
+    slots (``waves.engine_slots``) are the 10 trajectories rounded up to 12, which decode 3, 3, 2
+    and 2 at once (slots are dealt round-robin)."""
     batch = engine(model, tokenizer, bm25, slots, sampler_devices=4)
     assert batch.timings["sampler_devices"] == 4 and batch.timings["rows_per_device"] == rows_per_device
     assert batch.timings["busy_rows_per_device"] == busy  # the most rows each device decoded in one call
