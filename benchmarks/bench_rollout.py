@@ -18,6 +18,14 @@ Three measurements, one process:
     .venv/bin/python benchmarks/bench_rollout.py --questions 8 --n-samples 4 --max-turns 3 \
         --max-action-tokens 64
 
+``--paper-schedule`` instead simulates the schedule of one paper step (no model, no timing:
+``llds_jax/rollout/schedule_sim.py`` driven by the engine's own scheduler) with Search-R1's
+3B reference lengths, waves + turn barrier against the engine, at the slot counts the
+planner's memory arithmetic derives for each target; ``--json`` prints
+``{"targets": {name: {"waves": {...}, "engine": {...}}}, "settings": {...}}``.
+
+    .venv/bin/python benchmarks/bench_rollout.py --paper-schedule [--json]
+
 Every measurement records wall and CPU seconds; append and re-prefill alternate per repeat.
 Refuses to run on a loaded machine unless ``--allow-noisy`` (benchmarks/_harness.py);
 ``--json`` prints one JSON object.
@@ -26,7 +34,9 @@ Refuses to run on a loaded machine unless ``--allow-noisy`` (benchmarks/_harness
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
 import time
 from pathlib import Path
 
@@ -45,7 +55,12 @@ from llds_jax.rollout.scripted_policy import ScriptedPolicy
 from llds_jax.sampling import bucket, decode_loop, vocab_bytes
 from llds_jax.utils.assets import smollm2_gguf_path
 
-BUNDLED = Path(__file__).resolve().parents[1] / "llds_jax" / "data" / "bundled"
+ROOT = Path(__file__).resolve().parents[1]
+BUNDLED = ROOT / "llds_jax" / "data" / "bundled"
+REFERENCE_LENGTHS = ROOT.parent / "shared" / "data" / "searchr1" / "reference_rollout_lengths.jsonl"
+# name -> (config file, hardware, devices, hosts): the paper step's targets.
+PAPER_TARGETS = {"qwen3b-v5e-64": ("qwen3b.py", "v5e", 64, 16), "qwen3b-8xh100": ("qwen3b.py", "H100", 8, 1),
+                 "qwen7b-8xh100": ("qwen7b.py", "H100", 8, 1)}
 
 
 def load_questions(path: Path, count: int) -> list[str]:
@@ -59,16 +74,30 @@ def shares(timings: dict[str, float]) -> dict[str, float]:
     return {k.removesuffix("_s"): v / total for k, v in timings.items() if k.endswith("_s") and k != "total_s"}
 
 
-def rollout_with_model(session, model, tokenizer, questions, retriever, cfg, repeats: int):
+def rollout_with_model(session, model, tokenizer, questions, retriever, cfg, repeats: int, engines=("waves",)):
+    """The rollout per ``rollout.engine`` in ``engines``, alternated per repeat (same key: same trajectories)."""
     last = {}
 
-    def run():
-        last["batch"] = run_rollouts(model, tokenizer, questions, retriever, cfg, key=jax.random.key(1))
+    def runner(engine):
+        config = cfg.copy_and_resolve_references()
+        config.engine = engine
 
-    times = _harness.alternate({_harness.OURS: run}, repeats)  # warm-up call compiles
-    batch = last["batch"]
+        def run():
+            last[engine] = run_rollouts(model, tokenizer, questions, retriever, config, key=jax.random.key(1))
+        return run
+
+    times = _harness.alternate({engine: runner(engine) for engine in engines}, repeats)  # warm-up call compiles
+    for engine in engines:
+        _record_rollout(session, f"rollout ({engine}), SmolLM2-135M + BM25", {engine: times[engine]}, last[engine])
+    if len(engines) > 1:
+        first = last[engines[0]]
+        session.settings["engines_same_ids"] = all(
+            np.array_equal(first.input_ids, last[e].input_ids) for e in engines[1:])
+
+
+def _record_rollout(session, name, times, batch):
     stats = batch.stats()
-    session.add_case("rollout, SmolLM2-135M + BM25", times, tokens=batch.size, unit="trajectories",
+    session.add_case(name, times, tokens=batch.size, unit="trajectories",
                      phase_shares=shares(batch.timings), turns=stats["rollout/turns"],
                      searches=stats["rollout/searches"], action_tokens=stats["rollout/action_tokens"],
                      decoded_tokens=int(batch.action_mask.sum()),
@@ -127,8 +156,90 @@ def continuation_vs_reprefill(session, model, batch: int, chunk: int, histories:
                          reprefill_over_append=times["re-prefill"].median_s / times["append"].median_s)
 
 
+def _load_config(name: str):
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), ROOT / "configs" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def paper_schedule(reference: Path, segment: int | None, retrieval_steps: int) -> dict:
+    """Waves + barrier vs the engine on one paper step, per target (see the module docstring).
+
+    Waves: the rows the planner derives today (``rollout_rows_per_wave`` on the target's
+    memory and data devices, as ``plan/run.py``). Engine: ``kv_plan.engine_memory`` slots and
+    KV blocks per device; on several hosts each host schedules its own contiguous rows.
+    """
+    from llds_jax.models.loading import decoder_config
+    from llds_jax.parallel.mesh import resolve_mesh_shape
+    from llds_jax.plan.config import HARDWARE
+    from llds_jax.rollout.kv_plan import engine_memory
+    from llds_jax.rollout.schedule_sim import load_reference, simulate_engine_groups, simulate_waves
+    from llds_jax.rollout.waves import rollout_rows_per_wave
+
+    out = {}
+    for name, (config_file, hardware, devices, hosts) in PAPER_TARGETS.items():
+        config = _load_config(config_file)
+        rollout, model = config.rollout, decoder_config(config.model)
+        segment = int(rollout.segment_tokens) if segment is None else segment  # what the engine would run
+        trajectories = config.train.prompts_per_step * rollout.n_samples
+        lengths = load_reference(reference, trajectories, max_action_tokens=rollout.max_action_tokens,
+                                 max_obs_tokens=rollout.max_obs_tokens, max_prompt_tokens=rollout.max_prompt_tokens)
+        shape = resolve_mesh_shape(config.mesh.shape, devices)
+        dp = shape[0] * shape[1]
+        device_bytes = int(HARDWARE[hardware][1])
+        rows = rollout_rows_per_wave(model, rollout, device_bytes, dp)
+        rows = max(dp, min(rows, trajectories) // dp * dp)  # as plan/run.py rounds it
+        memory = engine_memory(model, rollout, device_bytes, math.ceil(trajectories / dp))
+        group_devices = dp // hosts if dp >= hosts else 1
+        engine = simulate_engine_groups(
+            lengths, hosts, memory.slots_per_device * group_devices, segment=segment,
+            prefill_chunk=int(rollout.prefill_chunk), retrieval_steps=retrieval_steps,
+            max_tokens=int(rollout.max_context), kv_blocks=memory.kv_blocks_per_device * group_devices,
+            block_size=memory.block_tokens)
+        engine.update(slots_per_device=memory.slots_per_device, kv_blocks_per_device=memory.kv_blocks_per_device)
+        waves = simulate_waves(lengths, rows, prefill_chunk=int(rollout.prefill_chunk),
+                               retrieval_steps=retrieval_steps)
+        waves["rows_per_device"] = rows // dp
+        dense = simulate_engine_groups(  # the engine on today's dense rows (what runs until the cache is paged)
+            lengths, hosts, max(1, rows // hosts), segment=segment, prefill_chunk=int(rollout.prefill_chunk),
+            retrieval_steps=retrieval_steps, max_tokens=int(rollout.max_context))
+        out[name] = dict(waves=waves, engine=engine, engine_dense_rows=dense, trajectories=trajectories, data_devices=dp, hosts=hosts,
+                         mesh=list(shape), hardware=hardware,
+                         decode_steps_ratio=round(waves["decode_steps"] / engine["decode_steps"], 2))
+    return out
+
+
+def paper_schedule_main(args) -> None:
+    targets = paper_schedule(Path(args.reference), args.segment, args.retrieval_steps)
+    segment = {t["engine"]["segment"] for t in targets.values()}
+    settings = dict(reference=str(args.reference), segment_tokens=sorted(segment), retrieval_steps=args.retrieval_steps,
+                    unit="decode steps (one token for every active row)")
+    if args.json:
+        print(json.dumps(dict(targets=targets, settings=settings)))
+        return
+    print(f"one paper step, reference lengths {Path(args.reference).name}; engine segment {sorted(segment)} tokens, "
+          f"retrieval {args.retrieval_steps} decode steps per batch")
+    header = (f"{'target':<15} {'schedule':<17} {'slots':>6} {'decode':>7} {'bound':>6} {'eff':>6} "
+              f"{'prefill':>8} {'retr.wait':>9} {'retr.batches':>12} {'preempt':>7}")
+    print(header)
+    print("-" * len(header))
+    for name, target in targets.items():
+        for kind in ("waves", "engine_dense_rows", "engine"):
+            r = target[kind]
+            print(f"{name:<15} {kind:<17} {r['slots']:>6} {r['decode_steps']:>7} {r['lower_bound_steps']:>6} "
+                  f"{r['efficiency']:>6.3f} {r['prefill_chunks']:>8} {r['retrieval_wait_steps']:>9} "
+                  f"{r['retrieval_batches']:>12} {r.get('preemptions', 0):>7}")
+        print(f"{'':<15} waves/engine decode steps: {target['decode_steps_ratio']}x")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--paper-schedule", action="store_true", help="simulate one paper step's schedule and exit")
+    parser.add_argument("--reference", default=str(REFERENCE_LENGTHS))
+    parser.add_argument("--segment", type=int, default=None,
+                        help="engine: decode steps per device call (default: the configs' rollout.segment_tokens)")
+    parser.add_argument("--retrieval-steps", type=int, default=8, help="a retrieval batch's latency in decode steps")
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--n-samples", type=int, default=4)
     parser.add_argument("--max-turns", type=int, default=3)
@@ -140,8 +251,12 @@ def main():
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rollout-repeats", type=int, default=1, help="timed rollouts (after one warm-up)")
+    parser.add_argument("--engines", default="waves,continuous", help="rollout.engine values to time side by side")
     _harness.add_arguments(parser)
     args = parser.parse_args()
+    if args.paper_schedule:
+        paper_schedule_main(args)
+        return
     session = _harness.start("bench_rollout", args)
 
     start = time.perf_counter()
@@ -157,7 +272,8 @@ def main():
                     max_context=args.max_context))
     session.settings.update(temperature=cfg.temperature, top_p=cfg.top_p)
     session.log(f"{len(questions)} questions x {cfg.n_samples} samples, max_turns {cfg.max_turns} (+ final turn) ...")
-    rollout_with_model(session, model, tokenizer, questions, retriever, cfg, args.rollout_repeats)
+    rollout_with_model(session, model, tokenizer, questions, retriever, cfg, args.rollout_repeats,
+                       engines=tuple(args.engines.split(",")))
     rollout_scripted_search(session, tokenizer, questions, retriever, cfg, args.rollout_repeats)
     continuation_vs_reprefill(session, model, batch=len(questions) * cfg.n_samples, chunk=args.chunk,
                               histories=[int(h) for h in args.histories.split(",")], repeats=args.repeats)

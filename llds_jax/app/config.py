@@ -213,9 +213,21 @@ def _check_rollout(config) -> None:
                  "rollout.pad_to_multiple"):
         _positive(config, path)
     for path in ("rollout.top_k", "rollout.max_concurrent_rows", "rollout.cpu_memory_bytes",
-                 "rollout.prefill_chunk"):
+                 "rollout.prefill_chunk", "rollout.kv_blocks"):
         if path.split(".")[1] in config.rollout:
             _non_negative(config, path)
+    for path in ("rollout.segment_tokens", "rollout.kv_block_tokens", "rollout.slot_tokens", "rollout.prefill_rows"):
+        if path.split(".")[1] in config.rollout:
+            _positive(config, path)
+    from llds_jax.rollout.config import ENGINES  # noqa: PLC0415  (as base_config imports the section)
+
+    devices = config.rollout.get("sampler_devices", 0)
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < -1:
+        raise TrainConfigError(f"rollout.sampler_devices={devices!r}: expected 0 (one device), -1 (every local "
+                               f"device) or a device count")
+    engine = config.rollout.get("engine", "waves")
+    if engine not in ENGINES:
+        raise TrainConfigError(f"rollout.engine={engine!r}: expected one of {ENGINES}")
     _number_in(config, "rollout.temperature", 0.0)
     _number_in(config, "rollout.top_p", 0.0, 1.0)
     if "memory_fraction" in config.rollout:

@@ -392,8 +392,29 @@ def _rollout_rows(config, section, decoder_cfg, target, devices, trajectories: i
                   f"derived: rollout.memory_fraction={config.rollout.memory_fraction} of {device_bytes / GB:.0f} GB")
     rows = max(dp, min(rows, trajectories) // dp * dp)
     waves = -(-trajectories // rows)
-    return rows, (f"the rollout decodes {trajectories} trajectories in {waves} wave(s) of {rows} rows "
-                  f"({source}); KV cache {rows} rows x {context} slots")
+    note = (f"the rollout decodes {trajectories} trajectories in {waves} wave(s) of {rows} rows "
+            f"({source}); KV cache {rows} rows x {context} slots")
+    if config.rollout.get("engine", "waves") == "continuous":
+        note += (f"; rollout.engine=continuous runs {rows // dp} slots per device on these dense rows, no turn "
+                 f"barrier" + _paged_note(config, section, decoder_cfg, target, devices, trajectories, dp))
+    return rows, note
+
+
+def _paged_note(config, section, decoder_cfg, target, devices, trajectories: int, dp: int) -> str:
+    """What a KV cache that follows length would hold per device (``rollout/kv_plan.py``)."""
+    from llds_jax.rollout.kv_plan import engine_memory  # noqa: PLC0415
+    from llds_jax.rollout.waves import RolloutMemoryError  # noqa: PLC0415
+
+    device_bytes = HARDWARE[target.hardware][1] if target.hardware else device_memory_limit(section, devices)
+    if not device_bytes:
+        return ""
+    try:
+        memory = engine_memory(decoder_cfg, config.rollout, int(device_bytes), -(-trajectories // dp))
+    except RolloutMemoryError as error:
+        return f"; paged KV: {error}"
+    return (f"; with paged KV (rollout.slot_tokens={config.rollout.get('slot_tokens', 512)}) "
+            f"{memory.slots_per_device} slots and {memory.kv_blocks_per_device} KV blocks of "
+            f"{memory.block_tokens} tokens ({memory.kv_tokens_per_device} tokens) per device")
 
 
 def _attention_kernel(requested: str, platform: str, *, full_sequence: bool) -> str:

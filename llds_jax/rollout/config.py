@@ -30,7 +30,20 @@ def default_config() -> ml_collections.ConfigDict:
         memory_fraction=0.9,       # share of a device's memory the rollout may fill (vLLM's gpu_memory_utilization)
         cpu_memory_bytes=0,        # a CPU device's memory when deriving (0 = /proc/meminfo MemTotal / local devices)
         prefill_chunk=512,         # prompts are prefilled at most this many tokens at a time (0 = whole prompt)
+        # The schedule (llds_jax/rollout/engine.py): "waves" = turn-synchronous waves; "continuous" =
+        # slots that each advance their own trajectory, retrieval on a host thread, no turn barrier.
+        # Both give the same trajectories (tests/rollout/test_engine.py).
+        engine="waves",
+        segment_tokens=8,          # continuous: decode steps per device call before the host looks at the slots
+        sampler_devices=0,         # continuous: local devices that hold rows (0 = one, -1 = all; weights replicated)
+        kv_block_tokens=128,       # continuous: tokens per KV block (the blockwise kernel's key block)
+        kv_blocks=0,               # continuous: KV pool in blocks (0 = every slot can hold max_context: no preemption)
+        slot_tokens=512,           # engine memory plan: the expected length a slot is sized for (rollout/kv_plan.py)
+        prefill_rows=16,           # engine memory plan: rows one append call holds workspace for
     ))
+
+
+ENGINES = ("waves", "continuous")
 
 
 def terminator_ids(tokenizer, configured=()) -> tuple[int, ...]:

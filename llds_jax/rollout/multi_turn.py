@@ -39,11 +39,14 @@ import numpy as np
 from flax import nnx
 
 from llds_jax.rollout import protocol
-from llds_jax.rollout.action_stop import action_stop_table, kept_action_tokens
+from llds_jax.rollout.action_stop import action_stop_table
 from llds_jax.rollout.config import terminator_ids
+from llds_jax.rollout.engine import run_engine
 from llds_jax.rollout.trajectory import RolloutBatch, Trajectory, collate
-from llds_jax.rollout.waves import wave_plan
-from llds_jax.sampling.decode_loop import FinishReason, SamplingParams
+from llds_jax.rollout.turns import apply_action, cut_feedback
+from llds_jax.rollout.waves import engine_slots, wave_plan
+from llds_jax.sampling import placement
+from llds_jax.sampling.decode_loop import SamplingParams
 from llds_jax.sampling.session import DecodeSession, SampledAction
 from llds_jax.sampling.token_bytes import vocab_bytes
 
@@ -116,11 +119,18 @@ def run_rollouts(policy, tokenizer, questions: Sequence[str], retriever, config,
         prompt_ids = protocol.encode_prompt(tokenizer, question, config.max_prompt_tokens)
         trajectories.extend(Trajectory(prompt_ids=list(prompt_ids), group_id=group) for _ in range(config.n_samples))
     rows_per_wave, batch = wave_plan(config, len(trajectories), getattr(policy, "config", None))
-    for first in range(0, len(trajectories), rows_per_wave):
-        rows = list(range(first, min(first + rows_per_wave, len(trajectories))))
-        _run_wave(policy, [trajectories[row] for row in rows], rows, batch, vocab, tokenizer, retriever, config,
-                  timings)
-        timings["waves"] += 1
+    if config.get("engine", "waves") == "continuous" and isinstance(policy, DecodeSession):
+        # one device: as many slots as a wave has rows (each slot is a dense KV row: the same memory);
+        # several sampler devices: each holds a wave's worth
+        devices = len(placement.sampler_devices(int(config.get("sampler_devices", 0))))
+        slots = batch if devices == 1 else engine_slots(config, len(trajectories), policy.config, devices)
+        timings.update(run_engine(policy, trajectories, vocab, tokenizer, retriever, config, timings, slots=slots))
+    else:
+        for first in range(0, len(trajectories), rows_per_wave):
+            rows = list(range(first, min(first + rows_per_wave, len(trajectories))))
+            _run_wave(policy, [trajectories[row] for row in rows], rows, batch, vocab, tokenizer, retriever, config,
+                      timings)
+            timings["waves"] += 1
 
     for traj in trajectories:
         traj.done = True
@@ -161,7 +171,7 @@ def _run_wave(policy, trajectories: list[Trajectory], trajectory_ids: list[int],
             feedback = protocol.batch_search_feedback(retriever, [q for _, q in searches], config.topk)
             timings["retrieval_s"] += time.perf_counter() - clock
             for (row, _), text in zip(searches, feedback):
-                chunks[row] = _cut_feedback(tokenizer, text, trajectories[row], config)
+                chunks[row] = cut_feedback(tokenizer, text, trajectories[row], config)
                 trajectories[row].add_feedback(chunks[row], "search")
                 trajectories[row].searches += 1
         clock = time.perf_counter()
@@ -183,7 +193,7 @@ def _count_decode_work(sampled: list[SampledAction | None], context: list[int], 
 
 def _record_actions(trajectories: list[Trajectory], sampled: list[SampledAction | None], vocab, tokenizer, config,
                     search_allowed: bool) -> tuple[list[tuple[int, str]], list[list[int]], list[int | None]]:
-    """Record this turn's actions and apply the protocol to each.
+    """Record this turn's actions and apply the protocol to each (:func:`apply_action`).
 
     Returns the turn's search requests ``(row, query)``, the feedback chunks so far (the
     invalid-action message where due; search results are filled in by the caller) and, per
@@ -195,29 +205,8 @@ def _record_actions(trajectories: list[Trajectory], sampled: list[SampledAction 
     for row, (traj, action) in enumerate(zip(trajectories, sampled)):
         if action is None:
             continue
-        ids, logprobs, finish = action.ids, action.logprobs, action.finish
-        kept = kept_action_tokens(ids, vocab)
-        if kept < len(ids):  # the reference's cut at an undeciding </answer>
-            ids, logprobs, finish, cuts[row] = ids[:kept], logprobs[:kept], FinishReason.STOP_STRING, kept
-        record = traj.add_action(ids, logprobs, finish, vocab)
-        traj.truncated |= record.finish == FinishReason.CAP
-        parsed = protocol.parse_action(record.text)
-        traj.valid_actions += int(parsed.is_valid)
-        traj.search_actions_written += int(parsed.kind == "search")
-        if parsed.kind == "answer":
-            traj.done = traj.finished = True
-        elif not search_allowed:
-            traj.done = True  # the last turn: a search is not executed, the trajectory ends
-        elif parsed.kind == "search":
-            searches.append((row, parsed.content))
-        else:
-            chunks[row] = _cut_feedback(tokenizer, protocol.INVALID_ACTION_FEEDBACK, traj, config)
-            traj.add_feedback(chunks[row], "invalid")
+        outcome = apply_action(traj, action, vocab, tokenizer, config, search_allowed)
+        cuts[row], chunks[row] = outcome.cut, list(outcome.feedback)
+        if outcome.query is not None:
+            searches.append((row, outcome.query))
     return searches, chunks, cuts
-
-
-def _cut_feedback(tokenizer, text: str, traj: Trajectory, config) -> list[int]:
-    """Feedback ids cut to ``max_obs_tokens`` and to the room left in the context."""
-    ids = protocol.encode_feedback(tokenizer, text, config.max_obs_tokens)
-    room = max(0, config.max_context - traj.length)
-    return ids[:room]

@@ -43,6 +43,7 @@ from llds_jax.models import params_in_compute_dtype
 from llds_jax.parallel import distributed
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
 from llds_jax.parallel.rules import ShardingRules
+from llds_jax.sampling import placement
 from llds_jax.train.batch import TrainBatch, check_action_tokens, padded_length
 from llds_jax.train.packing import PackingSizes, pack
 from llds_jax.train.state import TrainState, init_train_state, train_state_shardings
@@ -179,20 +180,29 @@ class Learner:
 
         On several hosts the params span other hosts' devices, and a jitted sampler fed
         host-specific prompts cannot read them (that would be one SPMD program with different
-        inputs per host). So every host all-gathers the current params (a collective: call on
-        every host together) and samples from a copy on its first local device — one extra
-        params-sized transfer and copy per step, fine up to a few B params per host.
+        inputs per host). With the continuous engine (``rollout.engine``) every host gets a
+        replica on each of its sampler devices (``rollout.sampler_devices``, every local one by
+        default) device to device: cast on the sharded params, all-gathered over the
+        interconnect, wrapped as host-local arrays (``sampling.placement.replicate_params``;
+        nothing passes through host memory). The turn loop keeps the old path: the params
+        all-gathered into host memory and copied to the first local device.
 
         The params come in the compute dtype (bf16 on accelerators): cast once per step, not
-        per token inside the decode loop (``models.params_in_compute_dtype``).
+        per token inside the decode loop (``models.params_in_compute_dtype``). All hosts call
+        this together (collectives).
         """
         graphdef, params = self.policy()
+        compute = jnp.dtype(nnx.merge(graphdef, params).config.compute_dtype)
+        cast = any(x.dtype != compute for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating))
+        rollout = self.config.rollout
+        if jax.process_count() > 1 and rollout.get("engine", "waves") == "continuous":
+            if cast:
+                params = params_in_compute_dtype(params, compute.name)
+            mesh = placement.sampler_mesh(placement.sampler_devices(int(rollout.get("sampler_devices", 0))))
+            return graphdef, placement.replicate_params(params, mesh)
         if jax.process_count() > 1:
             params = jax.device_put(distributed.fetch_to_host(params), jax.local_devices()[0])
-        compute = jnp.dtype(nnx.merge(graphdef, params).config.compute_dtype)
-        if all(x.dtype == compute for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)):
-            return graphdef, params
-        return graphdef, params_in_compute_dtype(params, compute.name)
+        return (graphdef, params_in_compute_dtype(params, compute.name)) if cast else (graphdef, params)
 
     # -- one training step's update phase ---------------------------------------------------
     def host_rows(self) -> slice:

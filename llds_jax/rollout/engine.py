@@ -1,0 +1,214 @@
+"""The continuous rollout engine: every slot advances its own trajectory, no turn barrier.
+
+``multi_turn``'s waves decode a turn until the wave's longest action ends, then the whole
+wave waits for one retrieval and one append. Here (JetStream's orchestrator, vLLM's
+scheduler, verl's agent loop, in one host loop):
+
+* a fixed number of slots decode ``rollout.segment_tokens`` tokens per device call
+  (:class:`~llds_jax.sampling.slots.SlotSession`); an action spans as many calls as it needs;
+* when a slot's action ends it is recorded and parsed exactly as in the turn loop
+  (:func:`~llds_jax.rollout.turns.apply_action`: stop rule, cut, parse, counts, last turn);
+  a search query goes to the retrieval thread, which serves whatever is queued as one
+  batch while the device keeps decoding the other slots; the feedback is appended when it
+  returns; an invalid action's message is appended at once;
+* a finished slot takes the next pending trajectory, prefilled in ``prefill_chunk`` chunks;
+* :class:`~llds_jax.rollout.scheduler.Scheduler` owns slots, turns and KV blocks. With
+  ``rollout.kv_blocks`` set, a trajectory that finds the pool empty is preempted and
+  resumes from its ids (recompute); its unfinished action is redrawn with the same keys.
+
+What a trajectory samples does not depend on this schedule: trajectory ``i`` draws token
+``n`` with ``fold_in(fold_in(key, i), n)`` whatever slot, order or latency it meets, and its
+cache row is its own (``tests/rollout/test_engine.py`` compares slot counts, retrieval
+delays and the turn loop).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+from llds_jax.rollout import protocol
+from llds_jax.rollout.scheduler import Phase, Scheduler
+from llds_jax.rollout.trajectory import Trajectory
+from llds_jax.rollout.turns import apply_action, cut_feedback
+from llds_jax.sampling import placement
+from llds_jax.sampling.session import DecodeSession
+from llds_jax.sampling.slots import SlotSession
+
+
+class RetrievalThread:
+    """One host thread serving batched searches: whatever is queued when it is free goes as one batch."""
+
+    def __init__(self, retriever, topk: int):
+        self.retriever, self.topk = retriever, topk
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-retrieval")
+        self._queued: list[tuple[int, str]] = []
+        self._running: concurrent.futures.Future | None = None
+        self._running_rows: list[int] = []
+        self.batches = 0
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None or bool(self._queued)
+
+    def submit(self, row: int, query: str) -> None:
+        self._queued.append((row, query))
+        self._launch()
+
+    def _launch(self) -> None:
+        if self._running is None and self._queued:
+            rows, queries = zip(*self._queued)
+            self._queued = []
+            self._running_rows = list(rows)
+            self._running = self._pool.submit(protocol.batch_search_feedback, self.retriever, list(queries), self.topk)
+            self.batches += 1
+
+    def poll(self, wait: bool = False) -> list[tuple[int, str]]:
+        """Results of the running batch if it is done (``wait``: block until it is), then launch the next."""
+        if self._running is None or (not wait and not self._running.done()):
+            return []
+        texts = self._running.result()
+        rows, self._running, self._running_rows = self._running_rows, None, []
+        self._launch()
+        return list(zip(rows, texts))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _history(traj: Trajectory) -> list[int]:
+    return list(traj.prompt_ids) + [i for piece in traj.pieces for i in piece.ids]
+
+
+def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tokenizer, retriever, config,
+               timings: dict, *, slots: int) -> dict:
+    """Roll out ``trajectories`` (row ``i`` samples as trajectory ``i``) over ``slots`` slots, in place.
+
+    ``policy`` supplies the model, sampling knobs, key and pad id. Returns the schedule's
+    counts (decode calls, appends, retrieval batches, preemptions, peak KV blocks).
+    """
+    devices = placement.sampler_devices(int(config.get("sampler_devices", 0)))
+    session = SlotSession((policy.graphdef, policy.params), policy.sampling, slots=slots,
+                          max_action_tokens=int(config.max_action_tokens), key=policy.key,
+                          max_tokens=int(config.max_context), pad_id=policy.pad_id,
+                          prefill_chunk=policy.prefill_chunk,
+                          mesh=placement.sampler_mesh(devices) if len(devices) > 1 else None)
+    slots = session.usable_slots
+    # scheduler slot s -> session row: round-robin over the devices (each holds a contiguous block
+    # of rows), so every device gets rows even when the session allocated spare ones (MIN_ROWS)
+    per_device = session.rows_per_device
+    row_of = [(s % len(devices)) * per_device + s // len(devices) for s in range(slots)]
+    kv_blocks = int(config.get("kv_blocks", 0)) or None
+    scheduler = Scheduler([len(t.prompt_ids) for t in trajectories], slots=slots,
+                          block_size=int(config.get("kv_block_tokens", 128)), kv_blocks=kv_blocks,
+                          max_tokens=int(config.max_context))
+    segment = int(config.get("segment_tokens", 8))
+    retrieval = RetrievalThread(retriever, int(config.topk))
+    drawn = [0] * len(trajectories)   # tokens trajectory i has drawn (its keys' counter), cut ids included
+    slot_of: dict[int, int] = {}      # trajectory -> the session row (slot) it holds
+    counts = dict(decode_calls=0, appends=0, busy_rows_per_device=[0] * len(devices))
+
+    def preempted(victims: list[int]) -> None:
+        for victim in victims:
+            session.stop_action(slot_of.pop(victim))
+
+    def feedback(row: int, text: str) -> None:
+        traj = trajectories[row]
+        chunk = cut_feedback(tokenizer, text, traj, config)
+        traj.add_feedback(chunk, "search")
+        traj.searches += 1
+        scheduler.feedback_arrived(row, len(chunk))
+
+    try:
+        while not scheduler.finished:
+            for row, text in retrieval.poll():
+                feedback(row, text)
+            for slot, row in scheduler.admit():
+                slot_of[row] = row_of[slot]
+                session.reset(slot_of[row], row, drawn[row])
+            chunks = {}
+            for row in scheduler.in_phase(Phase.APPEND):
+                if scheduler.entries[row].phase is not Phase.APPEND:
+                    continue
+                preempted(scheduler.reserve(row, 0))
+                entry = scheduler.entries[row]
+                if entry.phase is Phase.APPEND:
+                    if entry.tokens != trajectories[row].length:
+                        raise AssertionError(f"scheduler counts {entry.tokens} tokens for trajectory {row}, "
+                                             f"its record {trajectories[row].length}")
+                    chunks[slot_of[row]] = _history(trajectories[row])[entry.cached:]
+                    scheduler.appended(row)
+            if chunks:
+                clock = time.perf_counter()
+                session.append(chunks)
+                timings["append_s"] += time.perf_counter() - clock
+                counts["appends"] += 1
+            for row in scheduler.in_phase(Phase.DECODE):
+                slot, traj = slot_of[row], trajectories[row]
+                if session.decoding[slot]:
+                    continue
+                budget = min(int(config.max_action_tokens), int(config.max_context) - traj.length)
+                if budget <= 0:
+                    traj.done = traj.truncated = True
+                    scheduler.end(row)
+                    slot_of.pop(row)
+                    continue
+                session.start_action(slot, budget)
+            for row in scheduler.in_phase(Phase.DECODE):
+                if scheduler.entries[row].phase is Phase.DECODE:
+                    slot = slot_of[row]
+                    partial = int(session.partial[slot])
+                    preempted(scheduler.reserve(row, partial + min(segment, int(session.budget[slot]) - partial)))
+            if session.any_decoding:
+                clock = time.perf_counter()
+                busy = session.decoding.reshape(len(devices), -1).sum(axis=1)
+                ended = session.decode(segment)
+                counts["busy_rows_per_device"] = [max(a, int(b)) for a, b in zip(counts["busy_rows_per_device"], busy)]
+                timings["decode_s"] += time.perf_counter() - clock
+                counts["decode_calls"] += 1
+                _end_actions(ended, session, scheduler, trajectories, slot_of, drawn, retrieval, vocab, tokenizer,
+                             config)
+            elif retrieval.busy:
+                clock = time.perf_counter()
+                results = retrieval.poll(wait=True)
+                timings["retrieval_s"] += time.perf_counter() - clock
+                for row, text in results:
+                    feedback(row, text)
+            elif not scheduler.in_phase(Phase.APPEND) and not scheduler.finished:
+                raise RuntimeError(f"rollout engine stalled: {len(scheduler.pending)} pending, "
+                                   f"{scheduler.used_blocks}/{scheduler.kv_blocks} KV blocks in use")
+    finally:
+        retrieval.close()
+    return dict(counts, retrieval_batches=retrieval.batches, preemptions=scheduler.preemptions,
+                peak_kv_blocks=scheduler.peak_blocks, slots=slots, sampler_devices=len(devices),
+                rows_per_device=_rows_per_device(session))
+
+
+def _rows_per_device(session: SlotSession) -> list[int]:
+    """Slots each sampler device holds (from the cache's own shards: what the device really has)."""
+    return [int(shard.data.shape[0]) for shard in session.cache.end.addressable_shards]
+
+
+def _end_actions(ended, session: SlotSession, scheduler: Scheduler, trajectories, slot_of, drawn, retrieval,
+                 vocab, tokenizer, config) -> None:
+    """Record the actions that ended this call (slot order), cut them, and move each trajectory on."""
+    owner = {slot: row for row, slot in slot_of.items()}
+    cuts = {}
+    for slot, action in sorted(ended.items()):
+        row = owner[slot]
+        traj = trajectories[row]
+        drawn[row] += len(action.ids)
+        outcome = apply_action(traj, action, vocab, tokenizer, config,
+                               search_allowed=traj.turns < int(config.max_turns))
+        if outcome.cut is not None and not traj.done:  # a finished slot's row is emptied on its next admission
+            cuts[slot] = outcome.cut
+        if traj.done:
+            scheduler.action_ended(row, outcome.kept_tokens, "done")
+            slot_of.pop(row)
+        elif outcome.query is not None:
+            scheduler.action_ended(row, outcome.kept_tokens, "search")
+            retrieval.submit(row, outcome.query)
+        else:
+            scheduler.action_ended(row, outcome.kept_tokens, "feedback", len(outcome.feedback))
+    if cuts:
+        session.cut(cuts)
