@@ -367,7 +367,8 @@ def _step_time(config, section, decoder_cfg, target, devices, rollout_rows: int,
     return predict_step_time(config, decoder_cfg, platform=platform, peak=peak, devices=len(devices), hosts=hosts,
                              rows_per_wave=rows_per_wave, train_rows=trajectories, train_length=length,
                              scored_per_row=StepSizes.from_config(config).scored_positions, state_bytes=state_bytes,
-                             packing=packing)
+                             packing=packing, device_bytes=HARDWARE[target.hardware][1] if target.hardware
+                             else device_memory_limit(section, devices))
 
 
 def _rollout_rows(config, section, decoder_cfg, target, devices, trajectories: int, dp: int) -> tuple[int, str]:

@@ -127,6 +127,33 @@ def waves_schedule(trajectories: list[TrajectoryLengths], rows_per_wave: int, ma
     return Schedule("waves", steps, bound, decode_tokens, key_reads, prefill_tokens, prefill_pairs, calls, slots)
 
 
+def engine_schedule(config, model_cfg, trajectories: list[TrajectoryLengths], *, device_bytes: float,
+                    sampler_devices: int, paged: bool, retrieval_steps: int, waves_rows: int) -> Schedule:
+    """The continuous engine's schedule (``rollout.schedule_sim.simulate_engine``: the engine's own
+    ``Scheduler``) of one host's trajectories over its ``sampler_devices``: slots of dense
+    ``max_context`` rows as the engine runs today (each device holds a wave's rows per device,
+    ``waves_rows``), or the paged-KV plan's (``rollout.kv_plan.engine_memory``) with its block pool."""
+    from llds_jax.rollout.kv_plan import engine_memory  # noqa: PLC0415
+    from llds_jax.rollout.schedule_sim import ReferenceTrajectory, simulate_engine  # noqa: PLC0415
+
+    rollout = config.rollout
+    kv_blocks, block = None, int(rollout.get("kv_block_tokens", 128))
+    if paged:
+        memory = engine_memory(model_cfg, rollout, int(device_bytes), -(-len(trajectories) // sampler_devices))
+        slots, kv_blocks, block = memory.slots_per_device * sampler_devices, memory.kv_blocks_per_device * sampler_devices, memory.block_tokens
+    else:
+        slots = min(len(trajectories), waves_rows * sampler_devices)
+    run = simulate_engine([ReferenceTrajectory(t.prompt, t.actions, t.feedback) for t in trajectories], slots,
+                          segment=int(rollout.get("segment_tokens", 8)), prefill_chunk=int(rollout.prefill_chunk) or 512,
+                          retrieval_steps=retrieval_steps, max_tokens=int(rollout.max_context), kv_blocks=kv_blocks,
+                          block_size=block)
+    waves = waves_schedule(trajectories, max(1, len(trajectories)), int(rollout.max_turns))  # the work, not the order
+    return dataclasses.replace(waves, name="engine, paged plan" if paged else "engine, dense rows",
+                               decode_steps=int(run["decode_steps"]) + int(run["retrieval_wait_steps"]),
+                               lower_bound_steps=int(run["lower_bound_steps"]),
+                               retrieval_calls=int(run["retrieval_batches"]), slots=slots)
+
+
 @dataclasses.dataclass
 class StepTime:
     """Predicted seconds per phase (``seconds``; ``total`` included), the assumptions, the inputs."""
@@ -135,10 +162,16 @@ class StepTime:
     assumptions: dict[str, str]
     schedule: Schedule
     details: dict[str, float]
+    # Every rollout schedule predicted (waves; the continuous engine on dense rows and on the paged
+    # plan): its schedule and the step's seconds with it. ``seconds`` is the configured engine's.
+    by_schedule: dict[str, tuple[Schedule, dict[str, float]]] = dataclasses.field(default_factory=dict)
 
     def as_json(self) -> dict:
         return {"step_time_s": dict(self.seconds), "assumptions": dict(self.assumptions),
                 "schedule": dataclasses.asdict(self.schedule) | {"efficiency": self.schedule.efficiency},
+                "step_time_s_by_schedule": {name: dict(sec) for name, (_, sec) in self.by_schedule.items()},
+                "schedules": {name: dataclasses.asdict(sch) | {"efficiency": sch.efficiency}
+                              for name, (sch, _) in self.by_schedule.items()},
                 "details": dict(self.details), "anchors": {name: value for name, value in ANCHORS}}
 
 
@@ -158,7 +191,7 @@ def training_rows(trajectories: list[TrajectoryLengths], packing, length: int) -
 def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, devices: int, hosts: int,
                       rows_per_wave: int, train_rows: int, train_length: int, scored_per_row: int,
                       state_bytes: float, lengths: list[TrajectoryLengths] | None = None,
-                      length_label: str = "", packing=None) -> StepTime:
+                      length_label: str = "", packing=None, device_bytes: float | None = None) -> StepTime:
     """Seconds of one step of ``config`` on ``devices`` chips of ``peak`` over ``hosts`` hosts.
 
     ``rows_per_wave``: the rollout's wave size per host (all of a host's trajectories decode on
@@ -166,7 +199,8 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     ``Learner.sampler_policy`` does today); ``train_rows`` × ``train_length``: the batch the
     trainer's programs compute padded; ``packing`` (``train.packing.PackingSizes``): the passes run
     packed rows instead, sized on the step's own trajectories; ``state_bytes``: the train state a
-    checkpoint writes; ``lengths`` (named ``length_label``) replace ``plan.length_source``.
+    checkpoint writes; ``lengths`` (named ``length_label``) replace ``plan.length_source``;
+    ``device_bytes``: one chip's memory, for the continuous engine's paged-KV plan (None: no such column).
     """
     section = config.plan
     efficiency = {kind: EFFICIENCY.get(platform, EFFICIENCY["cpu"])[kind] for kind in ("matmul", "hbm")}
@@ -180,18 +214,44 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     schedule = waves_schedule(drawn, max(1, min(rows_per_wave, per_host)), int(config.rollout.max_turns))
 
     compute_bytes = 2 if model_cfg.dtype in ("bfloat16", "float16") else 4
-    decode_bytes = flops.decode_bytes(model_cfg, schedule.decode_steps, schedule.key_reads / sampler_devices,
-                                      compute_bytes, compute_bytes)
-    decode_flops = flops.decode_flops(model_cfg, schedule.decode_tokens, schedule.key_reads) / sampler_devices
     overhead, overhead_why = DECODE_STEP_OVERHEAD.get(platform, DECODE_STEP_OVERHEAD["cpu"])
     if float(section.get("decode_step_overhead_s", -1.0)) >= 0:
         overhead, overhead_why = float(section.decode_step_overhead_s), "plan.decode_step_overhead_s"
-    decode_s = (max(decode_bytes / (peak.bytes_per_s * hbm), decode_flops / (peak.flops * matmul))
-                + overhead * schedule.decode_steps)
-    prefill_flops = (2.0 * model_cfg.num_layers * flops.layer_weights(model_cfg) * schedule.prefill_tokens
-                     + flops.attention_flops(model_cfg, schedule.prefill_pairs))
-    prefill_s = prefill_flops / (peak.flops * matmul * sampler_devices)
-    retrieval_s = schedule.retrieval_calls * float(section.get("retrieval_s", 0.5))
+
+    def rollout_seconds(sch: Schedule, samplers: int, retrieval_on_path: bool) -> dict[str, float]:
+        """Decode at the bytes (or FLOPs) bound of its steps; prefill at the matmul rate; retrieval on
+        the critical path for the waves (the engine waits only where its steps say so)."""
+        read = flops.decode_bytes(model_cfg, sch.decode_steps, sch.key_reads / samplers, compute_bytes, compute_bytes)
+        work = flops.decode_flops(model_cfg, sch.decode_tokens, sch.key_reads) / samplers
+        decode = max(read / (peak.bytes_per_s * hbm), work / (peak.flops * matmul)) + overhead * sch.decode_steps
+        prefill = (2.0 * model_cfg.num_layers * flops.layer_weights(model_cfg) * sch.prefill_tokens
+                   + flops.attention_flops(model_cfg, sch.prefill_pairs)) / (peak.flops * matmul * samplers)
+        retrieval = sch.retrieval_calls * float(section.get("retrieval_s", 0.5)) if retrieval_on_path else 0.0
+        return {"rollout_decode": decode, "rollout_prefill": prefill, "rollout_retrieval": retrieval,
+                "decode_bytes": read, "decode_flops": work}
+
+    rollouts = {"waves": (schedule, rollout_seconds(schedule, sampler_devices, True))}
+    per_step = rollouts["waves"][1]["rollout_decode"] / max(schedule.decode_steps, 1)
+    retrieval_steps = math.ceil(float(section.get("retrieval_s", 0.5)) / max(per_step, 1e-9))
+    local = max(1, devices // hosts)
+    engine_devices = {-1: local, 0: 1}.get(int(config.rollout.get("sampler_devices", 0)),
+                                           int(config.rollout.get("sampler_devices", 0)))
+    waves_rows_per_device = max(1, min(rows_per_wave, per_host) // sampler_devices)
+    for paged in (False, True):
+        if paged and not device_bytes:
+            continue
+        try:
+            sch = engine_schedule(config, model_cfg, drawn, device_bytes=device_bytes or 0,
+                                  sampler_devices=min(engine_devices, local), paged=paged,
+                                  retrieval_steps=retrieval_steps, waves_rows=waves_rows_per_device)
+        except (ValueError, RuntimeError):  # not one trajectory fits the paged pool: no such column
+            continue
+        rollouts[sch.name] = (sch, rollout_seconds(sch, min(engine_devices, local), False))
+    configured = "waves" if config.rollout.get("engine", "waves") == "waves" else "engine, dense rows"
+    schedule, rollout_part = rollouts[configured]
+    decode_s, prefill_s, retrieval_s = (rollout_part[k] for k in ("rollout_decode", "rollout_prefill",
+                                                                  "rollout_retrieval"))
+    decode_bytes, decode_flops = rollout_part["decode_bytes"], rollout_part["decode_flops"]
 
     if packing is not None:  # the whole step's trajectories (every host's: packing runs on one host)
         step_trajectories = step_lengths(config, lengths if lengths is not None else
@@ -215,8 +275,14 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
         "delta": forward / mesh_rate / delta_every if delta_every else 0.0,
         "checkpoint": state_bytes / checkpoint_rate / save_every if save_every else 0.0,
     }
-    seconds["rollout"] = decode_s + prefill_s + retrieval_s
-    seconds["total"] = sum(v for k, v in seconds.items() if k != "rollout")
+    def totals(part: dict[str, float]) -> dict[str, float]:
+        out = {**seconds, **{k: v for k, v in part.items() if k.startswith("rollout_")}}
+        out["rollout"] = out["rollout_decode"] + out["rollout_prefill"] + out["rollout_retrieval"]
+        out["total"] = sum(v for k, v in out.items() if k not in ("rollout", "total"))
+        return out
+
+    by_schedule = {name: (sch, totals(part)) for name, (sch, part) in rollouts.items()}
+    seconds = by_schedule[configured][1]
     assumptions = {
         "peak": peak.source,
         "matmul_efficiency": f"{matmul:.2f} of peak FLOP/s (update, log-probs, Δ, prefill): "
@@ -230,16 +296,18 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
         "lengths": f"{len(drawn)} trajectories per host drawn from "
                    f"{length_label or section.get('length_source', '') or 'Search-R1 3B reference lengths (bundled)'}"
                    ", cut by the rollout caps",
-        "sampler": f"{sampler_devices} sampling device(s) per host x {hosts} host(s); "
-                   f"waves of {schedule.slots} rows",
+        "sampler": f"waves: {sampler_devices} sampling device(s) per host x {hosts} host(s), waves of "
+                   f"{rollouts['waves'][0].slots} rows; engine: {min(engine_devices, local)} device(s) per host "
+                   f"(rollout.sampler_devices), retrieval {retrieval_steps} decode steps a batch on a host thread; "
+                   f"configured: rollout.engine={config.rollout.get('engine', 'waves')!r}",
         "training_batch": f"{train_rows} {'packed' if packing is not None else 'padded'} rows x {train_length} "
                           "tokens computed per pass",
         "overlap": "none: phases run one after another, as the trainer runs them",
     }
-    details = {"decode_bytes": decode_bytes, "decode_flops": decode_flops, "prefill_flops": prefill_flops,
+    details = {"decode_bytes": decode_bytes, "decode_flops": decode_flops,
                "update_flops": update_flops, "forward_flops": forward, "logprob_passes": passes,
                "trajectories_per_host": per_host, "mean_trajectory_tokens": sum(t.total for t in drawn) / len(drawn)}
-    return StepTime(seconds, assumptions, schedule, details)
+    return StepTime(seconds, assumptions, schedule, details, by_schedule)
 
 
 PHASE_ORDER = ("rollout_decode", "rollout_prefill", "rollout_retrieval", "rollout", "logprobs", "update", "delta",
@@ -247,13 +315,18 @@ PHASE_ORDER = ("rollout_decode", "rollout_prefill", "rollout_retrieval", "rollou
 
 
 def format_step_time(step: StepTime) -> str:
-    """The plan's step-time section: seconds per phase, the schedule, the assumptions, the anchors."""
-    s = step.schedule
-    lines = ["", "step time, predicted (seconds per RL step)"]
-    lines += [f"  {phase:<20}{step.seconds[phase]:10.2f}" for phase in PHASE_ORDER]
-    lines += [f"  rollout schedule    : {s.name}, {s.slots} slots: {s.decode_steps} decode steps vs a lower bound "
-              f"of {s.lower_bound_steps} (efficiency {s.efficiency:.2f}); {s.retrieval_calls} retriever calls",
-              "  assumptions:"]
+    """The plan's step-time section: seconds per phase under each rollout schedule, the schedules,
+    the assumptions, the anchors."""
+    names = list(step.by_schedule) or [step.schedule.name]
+    columns = {name: step.by_schedule[name][1] for name in names} if step.by_schedule else {names[0]: step.seconds}
+    lines = ["", f"step time, predicted (seconds per RL step; the run uses {step.schedule.name!r})",
+             f"  {'phase':<20}" + "".join(f"{name:>22}" for name in names)]
+    lines += [f"  {phase:<20}" + "".join(f"{columns[name][phase]:22.2f}" for name in names) for phase in PHASE_ORDER]
+    for name in names:
+        s = step.by_schedule[name][0] if step.by_schedule else step.schedule
+        lines.append(f"  {name + ':':<22}{s.slots} slots, {s.decode_steps} decode steps vs a lower bound of "
+                     f"{s.lower_bound_steps} (efficiency {s.efficiency:.2f}); {s.retrieval_calls} retriever calls")
+    lines += ["  assumptions:"]
     lines += [f"    {name:<18}: {text}" for name, text in step.assumptions.items()]
     lines += ["  published step times of the paper's job elsewhere:"]
     lines += [f"    {name:<66}: {value}" for name, value in ANCHORS]

@@ -99,3 +99,23 @@ def test_mode_plan_writes_the_step_time_as_json(tmp_path):
     assert set(plan["step_time_s"]) >= {"rollout", "logprobs", "update", "delta", "checkpoint", "total"}
     assert plan["step_time_s"]["total"] > plan["step_time_s"]["update"] > 0
     assert "matmul_efficiency" in plan["assumptions"]
+
+
+def test_the_plan_puts_the_waves_and_the_engine_side_by_side(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "llds_jax.main", "--mode=plan", "--config=configs/qwen7b.py", "--config.plan.devices=8",
+         "--config.plan.phases=()", "--config.plan.device_memory_bytes=80000000000", f"--config.plan.json_out={out}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(out.read_text())
+    by = plan["step_time_s_by_schedule"]
+    assert set(by) == {"waves", "engine, dense rows", "engine, paged plan"}
+    assert plan["step_time_s"] == by["waves"]  # the configured rollout.engine
+    schedules = plan["schedules"]
+    # no turn barrier: fewer decode steps than the waves; the paged plan holds more slots than dense rows
+    assert schedules["engine, dense rows"]["decode_steps"] < schedules["waves"]["decode_steps"]
+    assert schedules["engine, paged plan"]["slots"] > schedules["engine, dense rows"]["slots"]
+    assert by["engine, dense rows"]["rollout_retrieval"] == 0  # retrieval runs on a host thread
+    # the training passes do not depend on the rollout's schedule
+    assert {by[name]["update"] for name in by} == {by["waves"]["update"]}
