@@ -87,28 +87,27 @@ def test_each_phase_is_its_count_over_the_stated_rate():
     assert {"peak", "matmul_efficiency", "hbm_efficiency", "retrieval", "lengths"} <= set(step.assumptions)
 
 
-def test_mode_plan_writes_the_step_time_as_json(tmp_path):
+def _plan_json(tmp_path, config: str) -> tuple[str, dict]:
+    """``--mode=plan`` as a real process: the step time alone on 8 devices of 80 GB; (stdout, its JSON)."""
     out = tmp_path / "plan.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "llds_jax.main", "--mode=plan", "--config=configs/qwen3b.py", "--config.plan.devices=8",
+        [sys.executable, "-m", "llds_jax.main", "--mode=plan", f"--config={config}", "--config.plan.devices=8",
          "--config.plan.phases=()", "--config.plan.device_memory_bytes=80000000000", f"--config.plan.json_out={out}"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "step time, predicted" in proc.stdout and "36-54 s" in proc.stdout
-    plan = json.loads(out.read_text())
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_mode_plan_writes_the_step_time_as_json(tmp_path):
+    stdout, plan = _plan_json(tmp_path, "configs/qwen3b.py")
+    assert "step time, predicted" in stdout and "36-54 s" in stdout
     assert set(plan["step_time_s"]) >= {"rollout", "logprobs", "update", "delta", "checkpoint", "total"}
     assert plan["step_time_s"]["total"] > plan["step_time_s"]["update"] > 0
     assert "matmul_efficiency" in plan["assumptions"]
 
 
 def test_the_plan_puts_the_waves_and_the_engine_side_by_side(tmp_path):
-    out = tmp_path / "plan.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "llds_jax.main", "--mode=plan", "--config=configs/qwen7b.py", "--config.plan.devices=8",
-         "--config.plan.phases=()", "--config.plan.device_memory_bytes=80000000000", f"--config.plan.json_out={out}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    plan = json.loads(out.read_text())
+    _, plan = _plan_json(tmp_path, "configs/qwen7b.py")
     by = plan["step_time_s_by_schedule"]
     assert set(by) == {"waves", "engine, dense rows", "engine, paged plan"}
     assert plan["step_time_s"] == by["waves"]  # the configured rollout.engine
