@@ -91,8 +91,9 @@ def step_lengths(config, lengths: list[TrajectoryLengths], count: int, seed: int
                 room -= feedback[-1]
             if room <= 0:
                 break
-        out.append(TrajectoryLengths(min(t.prompt, int(rollout.max_prompt_tokens)), tuple(actions), tuple(feedback),
-                                     tuple(searched)))
+        keep = max(0, len(actions) - 1)  # feedback only between actions: a context that ran out ends the trajectory
+        out.append(TrajectoryLengths(min(t.prompt, int(rollout.max_prompt_tokens)), tuple(actions), tuple(feedback[:keep]),
+                                     tuple(searched[:keep])))
     return out
 
 
