@@ -1,4 +1,4 @@
-"""The lab's death-spiral setting (docs/lab/log.md, "Group size 8 at lr 3e-4"), GRPO arm.
+"""The lab's death-spiral setting (the dated lab log, "Group size 8 at lr 3e-4": git show 575e402:docs/lab/log.md), GRPO arm.
 
     python -m llds_jax.main --config=configs/lab_spiral.py                           # GRPO, seed 0, 300 steps
     python -m llds_jax.main --config=configs/lab_spiral.py --config.rl.llds_coef=0.1  # LLDS arm
