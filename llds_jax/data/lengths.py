@@ -43,6 +43,10 @@ class TrajectoryLengths:
         return k < len(self.feedback) and (self.searched is None or bool(self.searched[k]))
 
     @property
+    def decode_tokens(self) -> int:
+        return sum(self.actions)
+
+    @property
     def total(self) -> int:
         return self.prompt + sum(self.actions) + sum(self.feedback)
 

@@ -135,7 +135,7 @@ def engine_schedule(config, model_cfg, trajectories: list[TrajectoryLengths], *,
     ``max_context`` rows as the engine runs today (each device holds a wave's rows per device,
     ``waves_rows``), or the paged-KV plan's (``rollout.kv_plan.engine_memory``) with its block pool."""
     from llds_jax.rollout.kv_plan import engine_memory  # noqa: PLC0415
-    from llds_jax.rollout.schedule_sim import ReferenceTrajectory, simulate_engine  # noqa: PLC0415
+    from llds_jax.rollout.schedule_sim import simulate_engine  # noqa: PLC0415
 
     rollout = config.rollout
     kv_blocks, block = None, int(rollout.get("kv_block_tokens", 128))
@@ -144,7 +144,7 @@ def engine_schedule(config, model_cfg, trajectories: list[TrajectoryLengths], *,
         slots, kv_blocks, block = memory.slots_per_device * sampler_devices, memory.kv_blocks_per_device * sampler_devices, memory.block_tokens
     else:
         slots = min(len(trajectories), waves_rows * sampler_devices)
-    run = simulate_engine([ReferenceTrajectory(t.prompt, t.actions, t.feedback) for t in trajectories], slots,
+    run = simulate_engine(trajectories, slots,
                           segment=int(rollout.get("segment_tokens", 8)), prefill_chunk=int(rollout.prefill_chunk) or 512,
                           retrieval_steps=retrieval_steps, max_tokens=int(rollout.max_context), kv_blocks=kv_blocks,
                           block_size=block)

@@ -23,26 +23,16 @@ for the retriever (``retrieval_wait_steps``) are reported beside them.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from llds_jax.data.lengths import TrajectoryLengths
 from llds_jax.rollout.scheduler import Phase, Scheduler
 
-
-@dataclasses.dataclass(frozen=True)
-class ReferenceTrajectory:
-    """Token counts of one trajectory: its prompt, its actions, and the feedback after each action but the last."""
-
-    prompt: int
-    actions: tuple[int, ...]
-    feedback: tuple[int, ...]
-
-    @property
-    def decode_tokens(self) -> int:
-        return sum(self.actions)
+# One trajectory's token counts (prompt, actions, feedback between actions): the project's one record of them.
+ReferenceTrajectory = TrajectoryLengths
 
 
 def load_reference(path: str | Path, count: int, *, max_action_tokens: int, max_obs_tokens: int,
