@@ -19,7 +19,7 @@ step() {  # step NAME CMD...: run it, remember a failure (pytest's 5 = "nothing 
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then failed+=("$name (exit $rc)"); fi
 }
 
-step lint .venv/bin/ruff check llds_jax tests benchmarks configs
+step lint .venv/bin/ruff check llds_jax tests benchmarks tools configs
 # --dist loadscope: a module's tests go to one worker, so a module-scoped fixture (a tiny training run,
 # a rollout in three wave sizes, a real-weights load) is built once, not once per worker that gets one
 # of its tests (docs/decisions.md, CI).

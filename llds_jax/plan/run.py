@@ -53,6 +53,7 @@ from flax import nnx
 from llds_jax.app.config import mesh_shape, validate, validate_sections
 from llds_jax.models.attention import CACHED_BLOCK, DEFAULT_BLOCK, QUERY_BLOCK, query_piece
 from llds_jax.models.loading import decoder_config
+from llds_jax.plan.aot import TooLargeToCompile, abstract_cache, abstract_train_state, compile_ahead
 from llds_jax.plan.config import CHECK_MODES, GB, HARDWARE, USABLE_FRACTION, default_plan_config
 from llds_jax.plan.step_time import StepTime, format_step_time, predict_step_time
 from llds_jax.plan.targets import NeedsFreshProcess, PlanError, Target, resolve_target
@@ -133,24 +134,14 @@ class CompiledProgram:
 
 
 def compile_program(name: str, jitted, *abstract_args, platform: str = "cpu") -> CompiledProgram:
-    """AOT-compile; XLA:TPU's refusal for lack of HBM is kept and the numbers compiled anyway."""
+    """AOT-compile (``aot.compile_ahead``) and keep XLA's memory analysis; XLA:TPU's refusal for lack of HBM
+    is kept and the numbers compiled anyway."""
     start = time.perf_counter()
-    lowered = jitted.lower(*abstract_args)
-    refused = ""
     try:
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as err:
-        if platform != "tpu" or "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        refused = " ".join(str(err).split())[:240]
-        try:
-            compiled = lowered.compile(compiler_options={"xla_tpu_no_crash_on_oom": True})
-        except jax.errors.JaxRuntimeError as again:  # one buffer alone is larger than the HBM
-            if "RESOURCE_EXHAUSTED" not in str(again):
-                raise
-            refused += " | " + " ".join(str(again).split())[:240]
-            return CompiledProgram(name, bytes_per_device(abstract_args), 0, 0, _bytes_named(f"{err} {again}"), 0,
-                                   time.perf_counter() - start, refused, lower_bound=True)
+        compiled, refused = compile_ahead(jitted, *abstract_args, platform=platform)
+    except TooLargeToCompile as too_large:  # one buffer alone is larger than the HBM
+        return CompiledProgram(name, bytes_per_device(abstract_args), 0, 0, _bytes_named(" ".join(too_large.messages)),
+                               0, time.perf_counter() - start, str(too_large), lower_bound=True)
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     if stats is None:
@@ -202,39 +193,6 @@ _ARGUMENTS_OF = {
 }
 
 
-def _abstract_train_state(config, decoder_cfg, mesh, rules):
-    from llds_jax.models import Decoder  # noqa: PLC0415
-    from llds_jax.train.state import init_train_state, train_state_shardings  # noqa: PLC0415
-
-    model = nnx.eval_shape(lambda: Decoder(decoder_cfg, rngs=nnx.Rngs(0)))
-    graphdef, params = nnx.split(model, nnx.Param)
-
-    def attach(var):
-        sharding = rules.sharding(var.get_metadata()["logical_axes"], mesh, var.shape)
-        return var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=sharding))
-
-    params = jax.tree.map(attach, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    param_shardings = jax.tree.map(lambda x: x.sharding, params)
-    from llds_jax.train.step import needs_reinforce_pp_reference  # noqa: PLC0415
-
-    ref = params if config.rl.kl_coef > 0 or needs_reinforce_pp_reference(config.rl) else None  # as Learner.create
-    ref_dtype = None if config.model.ref_dtype == config.model.param_dtype else config.model.ref_dtype
-    abstract = jax.eval_shape(lambda p, r: init_train_state(p, config.optim, config.seed, r, ref_dtype), params, ref)
-    shardings = train_state_shardings(abstract, param_shardings, mesh, config.optim)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
-    return graphdef, state, shardings
-
-
-def _abstract_cache(decoder_cfg, batch: int, max_len: int, mesh, rules):
-    from llds_jax.models import cache_shardings, init_cache  # noqa: PLC0415
-
-    with jax.set_mesh(mesh):
-        shapes = jax.eval_shape(lambda: init_cache(decoder_cfg, batch, max_len))
-    shardings = cache_shardings(decoder_cfg, batch, max_len, mesh, rules)
-    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                        shapes, shardings)
-
-
 def make_plan(config, target: Target | None = None) -> Plan:
     """Compile the configured phases for the planned mesh and account per-device memory.
 
@@ -264,12 +222,12 @@ def make_plan(config, target: Target | None = None) -> Plan:
     dp_rows = shape[0] * shape[1]
     rollout_rows, wave_note = _rollout_rows(config, section, decoder_cfg, target, devices, trajectories, dp_rows)
 
-    graphdef, state, state_shardings = _abstract_train_state(config, decoder_cfg, mesh, rules)
+    graphdef, state, state_shardings = abstract_train_state(config, decoder_cfg, mesh, rules)
     # Packed micro-batches: what a one-host run trains on; a run over several hosts keeps padded rows.
     packing = packing_for_run(config, mesh, rules) if hosts_of(devices) == 1 else None
     batch = TrainBatch.abstract(trajectories, length, with_ref=state.ref_params is not None, mesh=mesh, rules=rules,
                                 packing=packing, with_sampler=config.rl.rollout_correction != "none")
-    cache = _abstract_cache(decoder_cfg, rollout_rows, int(config.rollout.max_context), mesh, rules)
+    cache = abstract_cache(decoder_cfg, rollout_rows, int(config.rollout.max_context), mesh, rules)
     parameters = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     resident = {
         "params": bytes_per_device(state.params),

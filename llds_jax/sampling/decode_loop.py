@@ -171,7 +171,7 @@ def decode_program(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array,
                    *, width: int, pad_id: jax.Array | int = 0):
     """``decode``'s parts, to trace inside a jit: (the initial :class:`DecodeState`, the
     one-token step ``DecodeState -> DecodeState``). The per-call work (layer weight slices)
-    happens here, once; ``benchmarks/roofline.py`` runs the step k times in a row to charge
+    happens here, once; the roofline report runs the step k times in a row to charge
     per-token work apart from it."""
     model = nnx.merge(graphdef, params)
     layer_weights = model.layer_weights()  # sliced once, outside the loop (see Decoder.layer_weights)

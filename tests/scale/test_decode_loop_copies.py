@@ -1,5 +1,5 @@
 """The decode loop must not copy the KV cache (issue 15: decode cost follows the live bytes, not
-the cache's size), through the same program builder as ``benchmarks/roofline.py``.
+the cache's size), compiled through the planner's AOT front-end (``plan.aot``).
 
 XLA:TPU, compiled for a v5e from this CPU host: with the Pallas decode kernel (attention "auto"
 on TPU) the loop body holds no cache-sized op, and with the plain-XLA blockwise kernel it holds
@@ -9,45 +9,23 @@ held as one buffer per layer, every visited block is sliced out (copied) for its
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-from pathlib import Path
-
 import pytest
 
+from llds_jax.models.testing import tiny_config
 from llds_jax.plan.targets import target_installed
+from tests.hlo_helpers import compiled_decode_loop, ops_outside_fusions, while_bodies
 
-_BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SLOTS, BATCH = 256, 8
-
-
-def _roofline():
-    if "roofline" not in sys.modules:
-        sys.path.insert(0, str(_BENCHMARKS))  # roofline imports its sibling _hlo_reading
-        spec = importlib.util.spec_from_file_location("roofline", _BENCHMARKS / "roofline.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["roofline"] = module  # dataclasses look their module up while the file executes
-        spec.loader.exec_module(module)
-    return sys.modules["roofline"]
 
 
 def _cache_ops_in_loop_body(attention: str, target: str = "tpu", slots_per_op: int = SLOTS,
                             dtype: str = "bfloat16") -> tuple[list[str], str]:
     """The ops in the decode loop's bodies whose result is a ``slots_per_op``-slot cache buffer."""
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: claim no chip
-    from llds_jax.sampling.decode_loop import decode
-
-    roofline = _roofline()
-    config = roofline.MODELS["tiny"](dtype=dtype, param_dtype="float32", scan_layers=False, attention=attention)
-    device, _ = roofline.target_device(target)
-    mesh, _, args, _ = roofline.build_program("decode", config, device, batch=BATCH, slots=SLOTS)
-    compiled, _ = roofline.compile_for(decode, args, dict(width=16), mesh, device.platform)
-    hlo = compiled.as_text()
+    config = tiny_config("qwen2", dtype=dtype, param_dtype="float32", scan_layers=False, attention=attention)
+    hlo = compiled_decode_loop(config, target, batch=BATCH, slots=SLOTS, width=16)
     cache_shape = f"[{BATCH},{config.num_kv_heads},{slots_per_op},{config.head_dim}]"
-    bodies = roofline.while_bodies(hlo)
-    found = [f"{op['opcode']} {op['name']} {op['shape']} ({op['op_name']})"
-             for op in roofline.largest_ops(hlo, top=10**6)
+    bodies = while_bodies(hlo)
+    found = [f"{op['opcode']} {op['name']} {op['shape']} ({op['op_name']})" for op in ops_outside_fusions(hlo)
              if op["computation"] in bodies and op["shape"].endswith(cache_shape) and op["opcode"] != "custom-call"]
     return found, hlo
 

@@ -109,7 +109,7 @@ def cache_block(backend: str, platform: str) -> int:
     XLA:CPU's blockwise decode reads a one-buffer cache through per-block copies (its GEMMs read
     whole buffers), so there the cache is held as one buffer per ``CACHED_BLOCK`` key block
     (``block_cache_attention``). The TPU decode kernel DMAs blocks out of one buffer, and XLA:GPU's
-    decode is within 1.5x of its ideal bytes with one (``benchmarks/roofline.py``), so they keep it.
+    decode is within 1.5x of its ideal bytes with one (the roofline report), so they keep it.
     """
     return CACHED_BLOCK if platform == "cpu" and backend == "xla_blockwise" else 0
 

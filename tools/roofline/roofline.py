@@ -2,9 +2,9 @@
 against the work they must do, on XLA:CPU (this host) and the compile-only XLA:TPU v5e and
 XLA:GPU H100 targets that ``--mode=plan`` uses (issue 15, item 2).
 
-    python benchmarks/roofline.py                                  # SmolLM2-135M + Qwen2.5-3B, cpu/tpu/gpu
-    python benchmarks/roofline.py --model smollm2-135m --target cpu --json
-    python benchmarks/roofline.py --model qwen2.5-3b --target tpu --program decode --batch 16
+    python tools/roofline/roofline.py                                  # SmolLM2-135M + Qwen2.5-3B, cpu/tpu/gpu
+    python tools/roofline/roofline.py --model smollm2-135m --target cpu --json
+    python tools/roofline/roofline.py --model qwen2.5-3b --target tpu --program decode --batch 16
 
 No weights exist: every argument is a ``jax.ShapeDtypeStruct`` on a one-device mesh of the
 target, and each program is the project's own jitted function, lowered and compiled ahead of time:
@@ -263,12 +263,6 @@ def _timed(fn) -> float:
 
 
 # ------------------------------------------------------------------ programs
-def _plan_helpers():
-    from llds_jax.plan import run as plan_run
-
-    return plan_run
-
-
 def _trainer_config(batch: int, length: int, compute: str, params: str, remat: str, scored: int = 0):
     """The trainer's config with every loop of the update at one trip (see the module docstring)."""
     from llds_jax.app.config import base_config
@@ -289,16 +283,16 @@ def build_program(program: str, decoder_cfg: DecoderConfig, device, *, batch: in
 
     from llds_jax.parallel.mesh import make_mesh
     from llds_jax.parallel.rules import DEFAULT as rules
+    from llds_jax.plan.aot import abstract_cache, abstract_train_state
     from llds_jax.train.batch import TrainBatch
     from llds_jax.train.step import build_update_fns
 
-    plan_run = _plan_helpers()
     mesh = make_mesh((1, 1, 1), [device])
     config = _trainer_config(batch, length or 2, decoder_cfg.dtype, decoder_cfg.param_dtype, remat, scored)
     # Not under set_mesh: building the optimizer runs eager ops, which a compile-only mesh cannot.
-    graphdef, state, state_shardings = plan_run._abstract_train_state(config, decoder_cfg, mesh, rules)
+    graphdef, state, state_shardings = abstract_train_state(config, decoder_cfg, mesh, rules)
     if program == "decode":
-        cache = plan_run._abstract_cache(decoder_cfg, batch, slots, mesh, rules)
+        cache = abstract_cache(decoder_cfg, batch, slots, mesh, rules)
         args = (graphdef, *decode_arguments(decoder_cfg, state, cache, mesh, batch))
         return mesh, decode_steps, args, dict(tokens=1, sampling_mode=sampling_mode)
     batch_abs = TrainBatch.abstract(batch, length, with_ref=state.ref_params is not None, mesh=mesh, rules=rules)
@@ -313,19 +307,14 @@ def build_program(program: str, decoder_cfg: DecoderConfig, device, *, batch: in
 
 
 def compile_for(jitted, args, kwargs, mesh, platform: str):
-    """Lower and compile; XLA:TPU's refusal for lack of HBM (a 3B update on one 16 GB chip) is
-    noted and the program compiled anyway, as ``--mode=plan`` does: costs do not depend on fit."""
+    """Lower and compile through the planner's own step (``plan.aot.compile_ahead``): XLA:TPU's refusal
+    for lack of HBM (a 3B update on one 16 GB chip) is noted and the program compiled anyway, as
+    ``--mode=plan`` does: costs do not depend on fit."""
+    from llds_jax.plan.aot import compile_ahead
+
     with jax.set_mesh(mesh):
-        lowered = jitted.lower(*args, **kwargs)
-    note = ""
-    try:
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as err:
-        if platform != "tpu" or "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        compiled = lowered.compile(compiler_options={"xla_tpu_no_crash_on_oom": True})
-        note = "does not fit one v5e chip's HBM (compiled with xla_tpu_no_crash_on_oom)"
-    return compiled, note
+        compiled, refused = compile_ahead(jitted, *args, platform=platform, **kwargs)
+    return compiled, "does not fit one v5e chip's HBM (compiled with xla_tpu_no_crash_on_oom)" if refused else ""
 
 
 # ------------------------------------------------------------------ the report
@@ -531,7 +520,7 @@ def run(args) -> dict:
             if dep := slot_dependence(mine, shapes, args.batch):
                 dependence[f"{model} {target}"] = dep
     return dict(date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-                command=" ".join(["python benchmarks/roofline.py", *sys.argv[1:]]), jax=jax.__version__,
+                command=" ".join(["python tools/roofline/roofline.py", *sys.argv[1:]]), jax=jax.__version__,
                 chips={k: dataclasses.asdict(v) for k, v in chips.items()}, compilers=compilers, models=model_info,
                 rows=[dict(dataclasses.asdict(r), bytes_ratio=r.bytes_ratio, flops_ratio=r.flops_ratio,
                           bytes_ratio_run=r.bytes_ratio_run) for r in rows],

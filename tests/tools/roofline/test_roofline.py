@@ -1,30 +1,23 @@
-"""benchmarks/roofline.py: the ideal-work arithmetic against hand-computed numbers and the real
+"""tools/roofline/roofline.py: the ideal-work arithmetic against hand-computed numbers and the real
 parameter tree, the HLO readers against programs the real compilers produced, and the report
 end to end for a tiny model on XLA:CPU, XLA:TPU v5e and XLA:GPU H100 (compile-only)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
+import _xla_charges  # tools/roofline, on sys.path by this folder's conftest.py
 import jax
 import jax.numpy as jnp
 import pytest
+import roofline
 from flax import nnx
 
 from llds_jax.models import Decoder
 from llds_jax.models.attention import CACHED_BLOCK
 from llds_jax.models.testing import TINY_FAMILIES, tiny_config
 from llds_jax.plan.targets import target_installed
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "roofline.py"
-_SPEC = importlib.util.spec_from_file_location("roofline", _PATH)
-roofline = importlib.util.module_from_spec(_SPEC)
-sys.modules["roofline"] = roofline  # dataclasses look their module up while the file executes
-_SPEC.loader.exec_module(roofline)
 
 needs_tpu = pytest.mark.skipif(bool(target_installed("tpu")), reason=target_installed("tpu") or "installed")
 needs_gpu = pytest.mark.skipif(bool(target_installed("gpu")), reason=target_installed("gpu") or "installed")
@@ -146,7 +139,7 @@ def test_known_trip_loops_get_their_other_trips_added_times_the_loops_around_the
 def test_xla_charges_a_lookup_the_whole_table_and_an_in_place_cache_write_the_whole_cache():
     """The two cost-model rules ``_xla_charges`` subtracts, measured on XLA:CPU. If XLA stops
     charging either, the roofline's "without what XLA charges" line changes: this fails first."""
-    charges = sys.modules["_xla_charges"]
+    charges = _xla_charges
     cpu = jax.devices("cpu")[0]
     vocab, hidden, batch = 1000, 64, 8
     table, rows, ids = vocab * hidden * 4, batch * hidden * 4, batch * 4
@@ -168,7 +161,7 @@ custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(decode_steps)/do
 
 
 def test_cublas_calls_are_added_back_as_their_operands_and_result_without_the_workspace():
-    charges = sys.modules["_xla_charges"]
+    charges = _xla_charges
     expected = 8 * 256 * 2048 * 2 + 8 * 8 * 256 * 2 + 8 * 2048 * 8 * 4
     assert charges.gemm_call_bytes(_GEMM_HLO.replace("\\\n", "")) == expected
 

@@ -1,4 +1,4 @@
-"""benchmarks/_tpu_hbm.py: HBM bytes of one XLA:TPU decode token. The charging rules on a small
+"""tools/roofline/_tpu_hbm.py: HBM bytes of one XLA:TPU decode token. The charging rules on a small
 module written in the syntax libtpu prints (memory spaces in the layouts, ``slice-start`` with
 its source in a nested tuple, ``copy-start`` as (destination, source, context)), the kernel's
 DMAs from its block schedule by hand, and the whole model on real decode loops compiled for a
@@ -6,18 +6,12 @@ v5e from this CPU host (compile-only)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
+import _tpu_hbm  # tools/roofline, on sys.path by this folder's conftest.py
 import pytest
 
 from llds_jax.plan.targets import target_installed
-
-_BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(_BENCHMARKS))
-import _tpu_hbm  # noqa: E402
 
 needs_tpu = pytest.mark.skipif(bool(target_installed("tpu")), reason=target_installed("tpu") or "installed")
 
@@ -250,12 +244,9 @@ LAYERS, BATCH, LIVE, SMALL, LARGE = 8, 8, 256, 1024, 4096
 
 
 def _roofline():
-    if "roofline" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("roofline", _BENCHMARKS / "roofline.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["roofline"] = module  # dataclasses look their module up while the file executes
-        spec.loader.exec_module(module)
-    return sys.modules["roofline"]
+    import roofline  # noqa: PLC0415  (on first use: it measures nothing at import, but pulls in the planner)
+
+    return roofline
 
 
 @pytest.fixture(scope="module")

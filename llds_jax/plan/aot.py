@@ -1,0 +1,79 @@
+"""The ahead-of-time front-end: abstract inputs carrying the run's shardings, and one compile step.
+
+``--mode=plan`` and the HLO-reading tool (``tools/roofline``) both compile the project's own jitted
+programs against ``jax.ShapeDtypeStruct`` arguments on a mesh of real or compile-only devices. They
+share these functions so that what the tool reads is what the planner measures: the same abstract
+train state (as ``Learner.create`` would build it), the same KV cache, and the same handling of
+XLA:TPU's refusal of a program that overflows one chip's HBM.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+
+class TooLargeToCompile(Exception):
+    """XLA:TPU refused the program even with ``xla_tpu_no_crash_on_oom``: one buffer alone exceeds the HBM.
+    ``messages`` are both refusals in full (they name the sizes)."""
+
+    def __init__(self, *messages: str):
+        super().__init__(" | ".join(" ".join(m.split())[:240] for m in messages))
+        self.messages = messages
+
+
+def compile_ahead(jitted, *abstract_args, platform: str = "cpu", **static):
+    """Lower ``jitted`` on abstract arguments (under the caller's mesh) and compile it.
+
+    Returns ``(executable, refusal)``. XLA:TPU's refusal for lack of HBM does not stop it: the
+    program is compiled again with ``xla_tpu_no_crash_on_oom`` (layouts, temporaries and costs do
+    not depend on fit) and the refusal returned, "" when there was none; :class:`TooLargeToCompile`
+    when even that fails.
+    """
+    lowered = jitted.lower(*abstract_args, **static)
+    try:
+        return lowered.compile(), ""
+    except jax.errors.JaxRuntimeError as err:
+        if platform != "tpu" or "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        refused = str(err)
+    try:
+        return lowered.compile(compiler_options={"xla_tpu_no_crash_on_oom": True}), " ".join(refused.split())[:240]
+    except jax.errors.JaxRuntimeError as again:
+        if "RESOURCE_EXHAUSTED" not in str(again):
+            raise
+        raise TooLargeToCompile(refused, str(again)) from again
+
+
+def abstract_train_state(config, decoder_cfg, mesh, rules):
+    """``(graphdef, train state, its shardings)``: the learner's state as sharded ShapeDtypeStructs."""
+    from llds_jax.models import Decoder  # noqa: PLC0415
+    from llds_jax.train.state import init_train_state, train_state_shardings  # noqa: PLC0415
+    from llds_jax.train.step import needs_reinforce_pp_reference  # noqa: PLC0415
+
+    model = nnx.eval_shape(lambda: Decoder(decoder_cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def attach(var):
+        sharding = rules.sharding(var.get_metadata()["logical_axes"], mesh, var.shape)
+        return var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=sharding))
+
+    params = jax.tree.map(attach, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    param_shardings = jax.tree.map(lambda x: x.sharding, params)
+    ref = params if config.rl.kl_coef > 0 or needs_reinforce_pp_reference(config.rl) else None  # as Learner.create
+    ref_dtype = None if config.model.ref_dtype == config.model.param_dtype else config.model.ref_dtype
+    abstract = jax.eval_shape(lambda p, r: init_train_state(p, config.optim, config.seed, r, ref_dtype), params, ref)
+    shardings = train_state_shardings(abstract, param_shardings, mesh, config.optim)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+    return graphdef, state, shardings
+
+
+def abstract_cache(decoder_cfg, batch: int, max_len: int, mesh, rules):
+    """The sampler's KV cache for ``batch`` rows of ``max_len`` slots as sharded ShapeDtypeStructs."""
+    from llds_jax.models import cache_shardings, init_cache  # noqa: PLC0415
+
+    with jax.set_mesh(mesh):
+        shapes = jax.eval_shape(lambda: init_cache(decoder_cfg, batch, max_len))
+    shardings = cache_shardings(decoder_cfg, batch, max_len, mesh, rules)
+    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                        shapes, shardings)
