@@ -26,3 +26,33 @@ def qwen_tokenizer(shared_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(shared_dir / "assets" / "qwen2_tokenizer"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--reverse-order", action="store_true",
+                     help="run the collected tests in reverse order (every test must pass in any order)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests ``tests/isa_sensitive.py`` names; ``--reverse-order`` reverses the run."""
+    import ast  # noqa: PLC0415
+
+    from tests.isa_sensitive import ALL, ISA_SENSITIVE  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parents[1]
+    checked: set[str] = set()
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        names = ISA_SENSITIVE.get(module)
+        if names is None:
+            continue
+        if names is not ALL and module not in checked:  # a renamed test must not drop out silently
+            checked.add(module)
+            tree = ast.parse((root / module).read_text(encoding="utf-8"))
+            defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+            if missing := sorted(set(names) - defined):
+                raise pytest.UsageError(f"tests/isa_sensitive.py names {missing} in {module}, which defines none of them")
+        if names is ALL or item.originalname in names:
+            item.add_marker(pytest.mark.isa_sensitive)
+    if config.getoption("--reverse-order"):
+        items.reverse()
