@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command README shows: make/refresh the venv, install with test extras, lint, run the suite.
-# Every step runs even when an earlier one fails (a red default step must not hide the slow one);
+# Every step runs even when an earlier one fails (a red test step must not hide the numeric one);
 # the script exits non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,21 +20,25 @@ step() {  # step NAME CMD...: run it, remember a failure (pytest's 5 = "nothing 
 }
 
 step lint .venv/bin/ruff check llds_jax tests benchmarks tools configs
+# One persistent XLA compilation cache for this run, empty at the start: a program one test, worker or child
+# process compiled (the CLI-mode, multi-process and planner tests build the same tiny programs many times) is
+# loaded by the next that builds the very same program, instead of compiled again. The cache key is the
+# optimised program, the compiler flags and the jax version, so nothing a test checks can differ.
+JAX_COMPILATION_CACHE_DIR=$(mktemp -d) && export JAX_COMPILATION_CACHE_DIR
+trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+# Every test, slow ones included, in one pytest: two workers for two cores, started once.
 # --dist loadscope: a module's tests go to one worker, so a module-scoped fixture (a tiny training run,
 # a rollout in three wave sizes, a real-weights load) is built once, not once per worker that gets one
-# of its tests (docs/decisions.md, CI).
-step "tests (default)" .venv/bin/python -m pytest -n 2 --dist loadscope -m "not slow" "$@"
-step "tests (slow)" .venv/bin/python -m pytest -n 2 --dist loadscope -m slow "$@"
-# The numeric tests again under a second XLA:CPU code generator: another ISA and vector width
-# (reduction order differs between hosts), single-threaded Eigen. Tolerances must come from the
-# quantities, not from one CPU's rounding. The ignored modules compute nothing on XLA (a tokenizer,
-# error messages, config validation).
+# of its tests. --no-loadscope-reorder: modules run in the order tests/conftest.py gives (the ones holding
+# slow tests first, so no long module starts last); --durations=25: the slowest tests in the log.
+step tests .venv/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder --durations=25 "$@"
+# The tests whose result can differ between ISAs (tests/isa_sensitive.py) again under a second XLA:CPU code
+# generator: another ISA and vector width (reduction order differs between hosts), single-threaded Eigen.
+# Tolerances must come from the quantities, not from one CPU's rounding.
+mapfile -t numeric < <(.venv/bin/python -c "import tests.isa_sensitive as t; print(*t.ISA_SENSITIVE, sep='\n')")
 step "numeric tests (AVX2, 128-bit vectors, 1 Eigen thread)" env \
   XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX2 --xla_cpu_prefer_vector_width=128 --xla_cpu_multi_thread_eigen=false" \
-  .venv/bin/python -m pytest -n 2 --dist loadscope -m "not slow" tests/rl tests/models tests/parallel tests/train/test_update_step.py \
-  tests/train/test_scored_positions.py tests/train/test_apply_update.py tests/sampling \
-  --ignore=tests/models/test_gguf_tokenizer.py --ignore=tests/models/test_checkpoint_errors.py \
-  --ignore=tests/rl/test_rl_config.py "$@"
+  .venv/bin/python -m pytest -n 2 --dist loadscope -m "isa_sensitive and not slow" --durations=10 "${numeric[@]}" "$@"
 
 if [ "${#failed[@]}" -ne 0 ]; then
   printf 'FAILED step: %s\n' "${failed[@]}"

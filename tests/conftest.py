@@ -33,8 +33,11 @@ def pytest_addoption(parser):
                      help="run the collected tests in reverse order (every test must pass in any order)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the isa_sensitive marks must be on
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests ``tests/isa_sensitive.py`` names; ``--reverse-order`` reverses the run."""
+    """Mark the tests ``tests/isa_sensitive.py`` names; put the modules holding ``slow`` tests first, so
+    that under ``-n 2 --dist loadscope --no-loadscope-reorder`` (``launch/test.sh``) the longest modules
+    start at once and the many short ones fill both workers at the end; ``--reverse-order`` reverses it all."""
     import ast  # noqa: PLC0415
 
     from tests.isa_sensitive import ALL, ISA_SENSITIVE  # noqa: PLC0415
@@ -54,5 +57,7 @@ def pytest_collection_modifyitems(config, items):
                 raise pytest.UsageError(f"tests/isa_sensitive.py names {missing} in {module}, which defines none of them")
         if names is ALL or item.originalname in names:
             item.add_marker(pytest.mark.isa_sensitive)
+    slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)  # stable: file order otherwise
     if config.getoption("--reverse-order"):
         items.reverse()

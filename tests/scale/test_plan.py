@@ -163,9 +163,15 @@ def _check_tiny_plan(plan, devices: int):
     assert plan.peak_bytes == max(plan.phase_peak(p) for p in plan.programs) < 1e9
 
 
+@pytest.fixture(scope="module")
+def tiny_plan():
+    """The tiny config's plan on the 8 simulated CPU devices, compiled once for the tests that read it."""
+    return make_plan(_tiny_config())
+
+
 @pytest.mark.slow
-def test_plan_compiles_every_phase_and_prints_the_fit_table():
-    plan = make_plan(_tiny_config())
+def test_plan_compiles_every_phase_and_prints_the_fit_table(tiny_plan):
+    plan = tiny_plan
     assert "XLA:CPU SPMD, 8 devices" in plan.compiler and plan.target == ""
     _check_tiny_plan(plan, 8)
     table = format_plan(plan)
@@ -244,12 +250,12 @@ def test_the_fit_check_is_skipped_where_devices_report_no_limit_unless_asked():
         check_fits_before_training(c, jax.devices())
 
 
-def test_the_plan_decodes_in_the_trainers_waves():
+def test_the_plan_decodes_in_the_trainers_waves(tiny_plan):
     """Same wave size as the rollout (rollout.max_concurrent_rows), so the KV cache is the trainer's."""
     c = _tiny_config()
     c.rollout.max_concurrent_rows = 8
     plan = make_plan(c)
-    everything = make_plan(_tiny_config())  # CPU reports no memory: one wave of all 32 trajectories
+    everything = tiny_plan  # CPU reports no memory: one wave of all 32 trajectories
     assert "32 trajectories in 4 wave(s) of 8 rows (rollout.max_concurrent_rows)" in " ".join(plan.notes), plan.notes
     assert plan.phase_extra["decode"]["kv_cache"] * 4 == pytest.approx(everything.phase_extra["decode"]["kv_cache"],
                                                                         rel=0.01)
