@@ -24,7 +24,9 @@ step lint .venv/bin/ruff check llds_jax tests benchmarks tools configs
 # process compiled (the CLI-mode, multi-process and planner tests build the same tiny programs many times) is
 # loaded by the next that builds the very same program, instead of compiled again. The cache key is the
 # optimised program, the compiler flags and the jax version, so nothing a test checks can differ.
-JAX_COMPILATION_CACHE_DIR=$(mktemp -d) && export JAX_COMPILATION_CACHE_DIR
+# A size limit turns on the cache's file lock (filelock, which transformers installs), so two workers never read
+# an entry the other is half-way through writing.
+JAX_COMPILATION_CACHE_DIR=$(mktemp -d) && export JAX_COMPILATION_CACHE_DIR JAX_COMPILATION_CACHE_MAX_SIZE=$((16 * 2**30))
 trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 # Every test, slow ones included, in one pytest: two workers for two cores, started once.
 # --dist loadscope: a module's tests go to one worker, so a module-scoped fixture (a tiny training run,
