@@ -7,6 +7,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -35,7 +36,7 @@ def pytest_addoption(parser):
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: the isa_sensitive marks must be on
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests ``tests/isa_sensitive.py`` names; put the modules holding ``slow`` tests first, so
+    """Mark the tests ``tests/isa_sensitive.py`` names; put the modules holding ``slow`` tests first (most first), so
     that under ``-n 2 --dist loadscope --no-loadscope-reorder`` (``launch/test.sh``) the longest modules
     start at once and the many short ones fill both workers at the end; ``--reverse-order`` reverses it all."""
     import ast  # noqa: PLC0415
@@ -57,7 +58,7 @@ def pytest_collection_modifyitems(config, items):
                 raise pytest.UsageError(f"tests/isa_sensitive.py names {missing} in {module}, which defines none of them")
         if names is ALL or item.originalname in names:
             item.add_marker(pytest.mark.isa_sensitive)
-    slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)  # stable: file order otherwise
+    slow_tests = Counter(item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow_tests[item.nodeid.split("::")[0]])  # stable: file order otherwise
     if config.getoption("--reverse-order"):
         items.reverse()
