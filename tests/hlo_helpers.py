@@ -1,6 +1,6 @@
 """Reading a compiled program's HLO text in product tests: the real decode loop compiled ahead of time
 through the planner's front-end (``plan.aot``), its while-loop bodies, and the ops outside fusions
-(what touches memory). The roofline tool has a fuller reader of its own (``tools/roofline``)."""
+(what touches memory). The roofline tool keeps a fuller reader of its own."""
 
 from __future__ import annotations
 

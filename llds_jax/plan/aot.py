@@ -1,6 +1,6 @@
 """The ahead-of-time front-end: abstract inputs carrying the run's shardings, and one compile step.
 
-``--mode=plan`` and the HLO-reading tool (``tools/roofline``) both compile the project's own jitted
+``--mode=plan`` and the HLO-reading roofline tool both compile the project's own jitted
 programs against ``jax.ShapeDtypeStruct`` arguments on a mesh of real or compile-only devices. They
 share these functions so that what the tool reads is what the planner measures: the same abstract
 train state (as ``Learner.create`` would build it), the same KV cache, and the same handling of
