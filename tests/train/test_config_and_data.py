@@ -172,6 +172,19 @@ def test_bundled_data_is_small_and_loads_with_the_shared_loader():
         load_questions(["bundled:nope"])
 
 
+def test_bundled_corpus_holds_no_protocol_markup():
+    """The shared wiki subset holds passages scraped from Search-R1 observations (``<search>``, ``<information>``,
+    ``Doc 1(Title:`` inside); retrieved into an observation they would show the policy tags it did not write."""
+    from llds_jax.data.make_bundle import has_protocol_markup
+
+    assert has_protocol_markup('x <search> q </search>\n\n<information>Doc 1(Title: "T") y</information>')
+    assert has_protocol_markup("Doc 12(Title: T) text") and has_protocol_markup("<answer> x")
+    assert not has_protocol_markup("the search for information (Title IX) <b>bold</b>")
+    with open(BUNDLED_DIR / "corpus.jsonl") as handle:
+        marked = [row["id"] for row in map(json.loads, handle) if has_protocol_markup(row["contents"])]
+    assert not marked, f"bundled passages with protocol markup: {marked}"
+
+
 def test_metrics_writer_writes_flat_strict_json_and_tensorboard(tmp_path):
     lines = []
     with MetricsWriter(tmp_path, tensorboard=True, console=lines.append) as writer:
