@@ -42,12 +42,14 @@ from llds_jax.diagnostics import keys
 from llds_jax.models import params_in_compute_dtype
 from llds_jax.parallel import distributed
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
-from llds_jax.parallel.rules import ShardingRules
+from llds_jax.parallel.rules import ShardingRules, use_rules
 from llds_jax.sampling import placement
 from llds_jax.train.batch import TrainBatch, check_action_tokens, padded_length
+from llds_jax.train.checkpoint import Checkpointer, Restored, resume
 from llds_jax.train.packing import PackingSizes, pack
-from llds_jax.train.state import TrainState, init_train_state, train_state_shardings
-from llds_jax.train.step import StepSizes, build_update_fns, needs_reinforce_pp_reference, packing_for_run
+from llds_jax.train.state import TrainState
+from llds_jax.train.state_layout import train_state_layout
+from llds_jax.train.step import StepSizes, build_update_fns, packing_for_run
 
 _REDUCE_MINI_BATCHES = {"mean": np.mean, "max": np.max, "min": np.min, "sum": np.sum,
                         "first": lambda a: a[0], "last": lambda a: a[-1], "count": len}
@@ -117,38 +119,56 @@ class Learner:
 
     @classmethod
     def create(cls, model: nnx.Module, config, mesh, rules: ShardingRules | None = None,
-               ref_model: nnx.Module | None = None) -> Learner:
-        """Split ``model`` (already placed on ``mesh``) into graphdef + fp32 params and jit the step.
+               ref_model: nnx.Module | None = None, state: TrainState | None = None) -> Learner:
+        """Lay out ``model``'s train state on ``mesh`` (``train.state_layout``) and jit the step.
 
-        π_ref is a copy of the current params (``ref_model``'s if given) cast to
-        ``model.ref_dtype``; it is skipped entirely when ``rl.kl_coef == 0``, and its pass is
-        skipped in the first step when it is a same-dtype copy of the policy (its log-probs are π_old's).
+        Without ``state`` the state is step 0's: the fp32 params of ``model`` (already placed on
+        ``mesh``) and π_ref, a copy of them (``ref_model``'s if given) cast to ``model.ref_dtype``
+        — skipped entirely when the objective reads no π_ref; its pass is skipped in the first step
+        when it is a same-dtype copy of the policy (its log-probs are π_old's). With ``state`` (a
+        restored one, laid out as :func:`restore_target` says) no fresh state is built.
         """
         rules = rules or DEFAULT_RULES
-        graphdef, params = nnx.split(model, nnx.Param)
-        with jax.set_mesh(mesh):
-            param_shardings = jax.tree.map(lambda x: x.sharding, params)
-            ref = None
-            if config.rl.kl_coef > 0 or needs_reinforce_pp_reference(config.rl):
-                ref = params if ref_model is None else nnx.state(ref_model, nnx.Param)
-            ref_dtype = None if config.model.ref_dtype == config.model.param_dtype else config.model.ref_dtype
-
-            def fresh(p, r):
-                return init_train_state(p, config.optim, config.seed, r, ref_dtype, config.rl.llds_coef)
-
-            abstract = jax.eval_shape(fresh, params, ref)
-            state_shardings = train_state_shardings(abstract, param_shardings, mesh, config.optim)
-            state = jax.jit(fresh, out_shardings=state_shardings)(params, ref)
+        with jax.set_mesh(mesh), use_rules(rules):
+            layout = train_state_layout(model, config, mesh)
+            same = False
+            if state is None:
+                params = nnx.state(model, nnx.Param)
+                ref = None
+                if layout.with_reference:
+                    ref = params if ref_model is None else nnx.state(ref_model, nnx.Param)
+                state = layout.fresh(params, ref)
+                same = layout.with_reference and ref_model is None and config.model.ref_dtype == config.model.param_dtype
         seq_len = padded_length(config)
         sizes = StepSizes.from_config(config)
         packing = packing_for_run(config, mesh, rules)
-        example = TrainBatch.abstract(sizes.trajectories, seq_len, with_ref=ref is not None, packing=packing,
+        example = TrainBatch.abstract(sizes.trajectories, seq_len, with_ref=layout.with_reference, packing=packing,
                                       with_sampler=config.rl.rollout_correction != "none")
         batch_shardings = example.shardings(mesh, rules)
-        fns = build_update_fns(graphdef, state_shardings, batch_shardings, mesh, config, rules, packing=packing)
-        same = ref is not None and ref_model is None and ref_dtype is None
-        return cls(config, mesh, rules, graphdef, state, state_shardings, batch_shardings, fns, seq_len, packing,
-                   reference_is_policy_in=weakref.ref(state) if same else None)
+        fns = build_update_fns(layout.graphdef, layout.shardings, batch_shardings, mesh, config, rules, packing=packing)
+        return cls(config, mesh, rules, layout.graphdef, state, layout.shardings, batch_shardings, fns, seq_len,
+                   packing, reference_is_policy_in=weakref.ref(state) if same else None)
+
+    @classmethod
+    def restore_target(cls, model: nnx.Module, config, mesh, rules: ShardingRules | None = None) -> TrainState:
+        """The abstract train state (``ShapeDtypeStruct`` leaves with shardings) a checkpoint restores into.
+
+        Built from shapes alone: resume holds one model and the restored state, never a fresh state beside them.
+        """
+        with jax.set_mesh(mesh), use_rules(rules or DEFAULT_RULES):
+            return train_state_layout(model, config, mesh).abstract
+
+    @classmethod
+    def resume(cls, model: nnx.Module, config, mesh, ckpt: Checkpointer) -> tuple[Learner, Restored] | None:
+        """The learner at the checkpoint ``config.resume`` names (``train.checkpoint.resume``); None for a fresh start.
+
+        The checkpoint is read into :meth:`restore_target`, so at no point does more than ``model``
+        and one train state live on the devices (``tests/train/test_state_layout.py`` counts them).
+        """
+        restored = resume(ckpt, config.resume, cls.restore_target(model, config, mesh))
+        if restored is None:
+            return None
+        return cls.create(model, config, mesh, state=restored.state), restored
 
     # -- what the sampler reads -------------------------------------------------------------
     def set_llds_coef(self, value: float) -> None:

@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from llds_jax.data.benchmarks import QARecord
 from llds_jax.models.logprobs import scored_positions
 from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
-from llds_jax.parallel.rules import ShardingRules
+from llds_jax.parallel.rules import ShardingRules, use_rules
 from llds_jax.retrieval.hit import format_docs
 from llds_jax.rollout import protocol
 from llds_jax.rollout.trajectory import Trajectory, token_layout
@@ -54,13 +54,8 @@ from llds_jax.train.batch import (
     next_token_targets,
     scored_positions_per_row,
 )
-from llds_jax.train.state import (
-    TrainState,
-    apply_update,
-    init_train_state,
-    make_optimizer,
-    train_state_shardings,
-)
+from llds_jax.train.state import TrainState, apply_update, make_optimizer
+from llds_jax.train.state_layout import train_state_layout
 from llds_jax.train.step import forward_logprobs
 
 FIRST_THOUGHT = "<think> I need to find information about this question. </think>\n"
@@ -192,13 +187,10 @@ class SFTStep:
         optim = config.optim.copy_and_resolve_references()
         optim.lr, optim.warmup_ratio, optim.lr_first_step_zero = config.sft.lr, 0.0, False
         self.optim = optim
-        self.graphdef, params = nnx.split(model, nnx.Param)
-        with jax.set_mesh(mesh):
-            param_shardings = jax.tree.map(lambda x: x.sharding, params)
-            abstract = jax.eval_shape(lambda p: init_train_state(p, optim, config.seed), params)
-            self.state_shardings = train_state_shardings(abstract, param_shardings, mesh, optim)
-            self.state: TrainState = jax.jit(lambda p: init_train_state(p, optim, config.seed),
-                                             out_shardings=self.state_shardings)(params)
+        with jax.set_mesh(mesh), use_rules(rules):
+            layout = train_state_layout(model, config, mesh, optim=optim, with_reference=False)
+            self.state: TrainState = layout.fresh(nnx.state(model, nnx.Param))
+        self.graphdef, self.state_shardings = layout.graphdef, layout.shardings
         n, length = config.sft.batch_size, config.sft.max_seq_len
         self.scored = scored_positions_per_row(config, length, "sft")
         self.batch_shardings = {k: batch_sharding(mesh, rules, 2, (n, length))
