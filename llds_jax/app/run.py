@@ -1,6 +1,6 @@
 """Entry points ``--mode=train`` and ``--mode=sft``: wire config → model → retriever → loops → checkpoint → eval.
 
-``train_main`` runs, in order: config validation (every section, ``app.config.validate``) and
+``train_main`` runs, in order: config validation (every section, ``llds_jax.config.validate``) and
 the batch arithmetic table; model and tokenizer on the mesh (``models.loading``); the retriever
 (``retrieval.build_retriever``, with the ``retrieval.max_doc_tokens`` cut eval also gets); resume from ``<workdir>/checkpoints`` if
 there is one (which skips the warm-up: the checkpoint already holds the warmed-up policy and
@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from llds_jax.app.config import batch_arithmetic, validate, validate_sections
+from llds_jax.config import batch_arithmetic, validate, validate_sections
 from llds_jax.parallel import distributed
 
 log = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from llds_jax.app.config import mesh_shape, validate, validate_sections
+from llds_jax.config import mesh_shape, validate, validate_sections
 from llds_jax.models.attention import CACHED_BLOCK, DEFAULT_BLOCK, QUERY_BLOCK, query_piece
 from llds_jax.models.loading import decoder_config
 from llds_jax.plan.config import CHECK_MODES, GB, HARDWARE, USABLE_FRACTION, default_plan_config

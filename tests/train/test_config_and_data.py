@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llds_jax.app.config import TrainConfigError, base_config, batch_arithmetic, validate
 from llds_jax.app.sweep import expand_grid, plan
+from llds_jax.config import TrainConfigError, base_config, batch_arithmetic, validate
 from llds_jax.data.prompts import BUNDLED_DIR, PromptIterator, load_questions
 from llds_jax.train.metrics import MetricsWriter, read_metrics
 from llds_jax.train.state import learning_rate
