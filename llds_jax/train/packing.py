@@ -216,8 +216,4 @@ def computed_tokens(plan: RowPlan, sizes: PackingSizes) -> int:
 
 def data_parallel_size(mesh, rules: ShardingRules | None = None, rows: int | None = None) -> int:
     """Shards of the ``batch`` logical axis on ``mesh`` (the devices a micro-batch's rows split over)."""
-    spec = (rules or DEFAULT_RULES).spec(("batch",), None if rows is None else (rows,), mesh)[0]
-    if spec is None:
-        return 1
-    names = spec if isinstance(spec, tuple) else (spec,)
-    return int(np.prod([mesh.shape[name] for name in names]))
+    return (rules or DEFAULT_RULES).shards("batch", mesh, rows)

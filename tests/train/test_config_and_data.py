@@ -172,6 +172,28 @@ def test_bundled_data_is_small_and_loads_with_the_shared_loader():
         load_questions(["bundled:nope"])
 
 
+def test_the_data_parallel_size_comes_from_the_rules_table():
+    """Config checks, packing and the planner read ``batch``'s mesh axes from the table (before: data × fsdp
+    by position in ``mesh.shape``), so a table that keeps the batch off ``fsdp`` changes all of them."""
+    import jax
+
+    from llds_jax.config import data_parallel_size
+    from llds_jax.parallel.mesh import make_mesh
+    from llds_jax.parallel.rules import ShardingRules, use_rules
+    from llds_jax.rollout.waves import data_devices_of_ambient_mesh
+    from llds_jax.train.packing import data_parallel_size as packing_data_parallel_size
+
+    config = base_config()
+    config.mesh.shape = (2, 4, 1)
+    mesh = make_mesh((2, 4, 1))
+    assert data_parallel_size(config, 8) == packing_data_parallel_size(mesh) == 8
+    data_only = ShardingRules.from_mapping(batch="data")
+    with use_rules(data_only), jax.set_mesh(mesh):
+        assert data_parallel_size(config, 8) == data_devices_of_ambient_mesh() == 2
+    assert packing_data_parallel_size(mesh, data_only) == data_only.shards("batch", {"data": 2, "fsdp": 4}) == 2
+    assert data_only.shards("batch", mesh, size=3) == 1  # 2 does not divide 3 rows: replicated
+
+
 def test_bundled_corpus_holds_no_protocol_markup():
     """The shared wiki subset holds passages scraped from Search-R1 observations (``<search>``, ``<information>``,
     ``Doc 1(Title:`` inside); retrieved into an observation they would show the policy tags it did not write."""
