@@ -42,8 +42,7 @@ from llds_jax.diagnostics import keys
 from llds_jax.diagnostics.from_rollout import action_sums
 from llds_jax.models import params_in_compute_dtype
 from llds_jax.parallel import distributed
-from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
-from llds_jax.parallel.rules import ShardingRules, use_rules
+from llds_jax.parallel.rules import ShardingRules, current_rules, use_rules
 from llds_jax.rl.rollout_correction import correction_metrics
 from llds_jax.sampling import placement
 from llds_jax.train.batch import TrainBatch, check_action_tokens, padded_length
@@ -162,9 +161,11 @@ class Learner:
         ``mesh``) and π_ref, a copy of them (``ref_model``'s if given) cast to ``model.ref_dtype``
         — skipped entirely when the objective reads no π_ref; its pass is skipped in the first step
         when it is a same-dtype copy of the policy (its log-probs are π_old's). With ``state`` (a
-        restored one, laid out as :func:`restore_target` says) no fresh state is built.
+        restored one, laid out as :func:`restore_target` says) no fresh state is built. The sharding
+        table is the ambient one (``parallel.rules.use_rules``, as the model's own constraints read it)
+        unless ``rules`` overrides it; every jitted call of this learner traces under that table.
         """
-        rules = rules or DEFAULT_RULES
+        rules = rules or current_rules()
         with jax.set_mesh(mesh), use_rules(rules):
             layout = train_state_layout(model, config, mesh)
             same = False
@@ -191,7 +192,7 @@ class Learner:
 
         Built from shapes alone: resume holds one model and the restored state, never a fresh state beside them.
         """
-        with jax.set_mesh(mesh), use_rules(rules or DEFAULT_RULES):
+        with jax.set_mesh(mesh), use_rules(rules or current_rules()):
             return train_state_layout(model, config, mesh).abstract
 
     @classmethod
@@ -292,7 +293,7 @@ class Learner:
         if self.packing is not None:
             host = host._replace(packed=pack(host.input_ids, host.attention_mask, host.action_mask, self.packing))
         shardings = self.batch_shardings._replace(old_logp=None, ref_logp=None)
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), use_rules(self.rules):  # the table the step was built with
             if jax.process_count() == 1:
                 return jax.device_put(host, shardings)
             return distributed.global_batch_from_host_rows(host, shardings, n)
@@ -308,7 +309,7 @@ class Learner:
         if not isinstance(batch.input_ids, jax.Array):
             batch = self.upload(batch)
         rows = self.host_rows()
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), use_rules(self.rules):  # the table the step was built with
             clock = time.perf_counter()
             old_logp = self.fns.policy_logprobs(self.state.params, *batch.logprob_inputs)
             ref_logp = None
@@ -346,7 +347,7 @@ class Learner:
         """
         if not isinstance(batch.input_ids, jax.Array):
             batch = self.upload(batch)
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), use_rules(self.rules):  # the table the step was built with
             logp = self.fns.policy_logprobs(self.state.params, *batch.logprob_inputs)
         return distributed.local_rows(logp, self.host_rows())
 
@@ -361,7 +362,7 @@ class Learner:
         rollout's token-aligned sampler log-probs (uploaded here, padded to :attr:`seq_len`).
         """
         metrics = {}
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), use_rules(self.rules):  # the table the step was built with
             new_logp = None
             if with_delta:
                 clock = time.perf_counter()

@@ -42,8 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
-from llds_jax.parallel.rules import ShardingRules
+from llds_jax.parallel.rules import ShardingRules, current_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +100,7 @@ class PackedRows(NamedTuple):
 
     def shardings(self, mesh, rules: ShardingRules | None = None) -> PackedRows:
         """Rows of a micro-batch over the data axes; trajectories like the batch's rows; counts replicated."""
-        rules = rules or DEFAULT_RULES
+        rules = rules or current_rules()
 
         def spec(x, logical):
             return NamedSharding(mesh, rules.spec(logical, x.shape, mesh))
@@ -216,4 +215,4 @@ def computed_tokens(plan: RowPlan, sizes: PackingSizes) -> int:
 
 def data_parallel_size(mesh, rules: ShardingRules | None = None, rows: int | None = None) -> int:
     """Shards of the ``batch`` logical axis on ``mesh`` (the devices a micro-batch's rows split over)."""
-    return (rules or DEFAULT_RULES).shards("batch", mesh, rows)
+    return (rules or current_rules()).shards("batch", mesh, rows)

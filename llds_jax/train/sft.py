@@ -41,8 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from llds_jax.data.benchmarks import QARecord
 from llds_jax.models.logprobs import scored_positions
-from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
-from llds_jax.parallel.rules import ShardingRules, use_rules
+from llds_jax.parallel.rules import ShardingRules, current_rules, use_rules
 from llds_jax.retrieval.hit import format_docs
 from llds_jax.rollout import protocol
 from llds_jax.rollout.trajectory import Trajectory, token_layout
@@ -182,8 +181,8 @@ class SFTStep:
     """Jitted masked-NLL update with AdamW (``sft.lr``, constant after ``sft.warmup_steps``)."""
 
     def __init__(self, model: nnx.Module, config, mesh, rules: ShardingRules | None = None):
-        rules = rules or DEFAULT_RULES
-        self.config, self.mesh = config, mesh
+        rules = rules or current_rules()  # the ambient table unless overridden, as the learner's
+        self.config, self.mesh, self.rules = config, mesh, rules
         optim = config.optim.copy_and_resolve_references()
         optim.lr, optim.warmup_ratio, optim.lr_first_step_zero = config.sft.lr, 0.0, False
         self.optim = optim
@@ -224,7 +223,7 @@ class SFTStep:
 
     def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         check_action_tokens(arrays["action_mask"], self.scored, "sft.max_action_tokens_per_row")
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), use_rules(self.rules):
             batch = jax.device_put({k: arrays[k] for k in self.batch_shardings}, self.batch_shardings)
             self.state, metrics = self._step(self.state, batch)
         return jax.device_get(metrics)

@@ -104,3 +104,22 @@ def test_one_call_site_builds_train_state_shardings():
     callers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
                      if re.search(r"train_state_shardings\(", path.read_text()) and path.name != "state.py")
     assert callers == ["train/state_layout.py"], callers
+
+
+def test_the_trainer_reads_the_ambient_rules_table():
+    """One way the sharding table reaches the trainer: the ambient one (``use_rules``), which the model's
+    constraints read too. Before, the learner and SFT fell back to DEFAULT inside a ``use_rules`` block."""
+    from jax.sharding import PartitionSpec
+
+    from llds_jax.parallel.rules import ShardingRules, use_rules
+
+    config = tiny_train_config()
+    config.mesh.shape = (2, 2, 1)
+    mesh = make_mesh((2, 2, 1))
+    data_only = ShardingRules.from_mapping(batch="data")
+    with use_rules(data_only):
+        model = _model(mesh)
+        learner, sft = Learner.create(model, config, mesh), SFTStep(model, config, mesh)
+    assert learner.rules is data_only and sft.rules is data_only
+    assert learner.batch_shardings.input_ids.spec == PartitionSpec("data", None)
+    assert sft.batch_shardings["input_ids"].spec == PartitionSpec("data", None)
