@@ -153,8 +153,8 @@ class Learner:
     reductions: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def create(cls, model: nnx.Module, config, mesh, rules: ShardingRules | None = None,
-               ref_model: nnx.Module | None = None, state: TrainState | None = None) -> Learner:
+    def create(cls, model: nnx.Module, config, mesh, ref_model: nnx.Module | None = None,
+               state: TrainState | None = None) -> Learner:
         """Lay out ``model``'s train state on ``mesh`` (``train.state_layout``) and jit the step.
 
         Without ``state`` the state is step 0's: the fp32 params of ``model`` (already placed on
@@ -162,10 +162,10 @@ class Learner:
         — skipped entirely when the objective reads no π_ref; its pass is skipped in the first step
         when it is a same-dtype copy of the policy (its log-probs are π_old's). With ``state`` (a
         restored one, laid out as :func:`restore_target` says) no fresh state is built. The sharding
-        table is the ambient one (``parallel.rules.use_rules``, as the model's own constraints read it)
-        unless ``rules`` overrides it; every jitted call of this learner traces under that table.
+        table is the ambient one (``parallel.rules.use_rules``), the one the model's own constraints
+        read; the learner keeps it and traces every jitted call under it.
         """
-        rules = rules or current_rules()
+        rules = current_rules()
         with jax.set_mesh(mesh), use_rules(rules):
             layout = train_state_layout(model, config, mesh)
             same = False
@@ -187,12 +187,12 @@ class Learner:
                    packing, reference_is_policy_in=weakref.ref(state) if same else None)
 
     @classmethod
-    def restore_target(cls, model: nnx.Module, config, mesh, rules: ShardingRules | None = None) -> TrainState:
+    def restore_target(cls, model: nnx.Module, config, mesh) -> TrainState:
         """The abstract train state (``ShapeDtypeStruct`` leaves with shardings) a checkpoint restores into.
 
         Built from shapes alone: resume holds one model and the restored state, never a fresh state beside them.
         """
-        with jax.set_mesh(mesh), use_rules(rules or current_rules()):
+        with jax.set_mesh(mesh):
             return train_state_layout(model, config, mesh).abstract
 
     @classmethod

@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from llds_jax.data.benchmarks import QARecord
 from llds_jax.models.logprobs import scored_positions
-from llds_jax.parallel.rules import ShardingRules, current_rules, use_rules
+from llds_jax.parallel.rules import current_rules, use_rules
 from llds_jax.retrieval.hit import format_docs
 from llds_jax.rollout import protocol
 from llds_jax.rollout.trajectory import Trajectory, token_layout
@@ -180,8 +180,8 @@ def _length(example: Trajectory | SFTExample) -> int:
 class SFTStep:
     """Jitted masked-NLL update with AdamW (``sft.lr``, constant after ``sft.warmup_steps``)."""
 
-    def __init__(self, model: nnx.Module, config, mesh, rules: ShardingRules | None = None):
-        rules = rules or current_rules()  # the ambient table unless overridden, as the learner's
+    def __init__(self, model: nnx.Module, config, mesh):
+        rules = current_rules()  # the ambient table, as the learner's
         self.config, self.mesh, self.rules = config, mesh, rules
         optim = config.optim.copy_and_resolve_references()
         optim.lr, optim.warmup_ratio, optim.lr_first_step_zero = config.sft.lr, 0.0, False
