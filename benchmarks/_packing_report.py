@@ -85,7 +85,7 @@ def scaled_batch(pieces: list[dict], n: int, context: int, vocab: int, seed: int
 
 def smoke_config(packing: bool):
     """The default job's trainer shapes (configs/cpu_smoke.py), on one device, fp32."""
-    from llds_jax.app.config import base_config  # noqa: PLC0415
+    from llds_jax.config import base_config  # noqa: PLC0415
 
     c = base_config()
     c.mesh.shape = (1, 1, 1)

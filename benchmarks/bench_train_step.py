@@ -62,7 +62,7 @@ ACTION_TOKENS = 80  # per row of ``batch_arrays``: two actions of 40
 def jax_config(positions: str = "actions"):
     """The trainer config of this batch; ``positions="actions"`` scores each row's 80 action targets
     (the trainer's default for a rollout of 2 actions × 40 tokens), ``"all"`` every position."""
-    from llds_jax.app.config import base_config
+    from llds_jax.config import base_config
 
     c = base_config()
     c.train.max_action_tokens_per_row = ACTION_TOKENS if positions == "actions" else T

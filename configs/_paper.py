@@ -6,7 +6,7 @@ retrieval, LLDS λ = 0.1 with the action gate. Not a config file itself (no ``ge
 arguments): ``configs/qwen*.py`` call ``paper_config(...)`` with the model-specific parts.
 """
 
-from llds_jax.app.config import base_config
+from llds_jax.config import base_config
 
 
 def paper_config(model_dir: str, mesh_shape, micro_batch_size: int, logprob_batch_size: int):

@@ -10,7 +10,7 @@ questions whose answer BM25 can find in the bundled 6k-passage corpus, a checkpo
 greedy evaluation on bundled NQ dev questions. Two mini-batches per step so LLDS can act.
 """
 
-from llds_jax.app.config import base_config
+from llds_jax.config import base_config
 
 
 def get_config():

@@ -16,7 +16,7 @@ and retriever as training); override them exactly as for ``--mode=train``.
 
 import ml_collections
 
-from llds_jax.app.config import base_config
+from llds_jax.config import base_config
 
 
 def get_config():

@@ -11,7 +11,7 @@ real run — only data, model size and hyperparameters differ. ``configs/lab_lld
 config with LLDS switched on. See docs/death_spiral_lab.md.
 """
 
-from llds_jax.app.config import base_config
+from llds_jax.config import base_config
 from llds_jax.lab.prepare import default_lab_config
 from llds_jax.lab.probe import default_probe_config
 

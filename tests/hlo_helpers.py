@@ -38,7 +38,7 @@ def ops_outside_fusions(hlo: str) -> list[dict]:
 def compiled_decode_loop(decoder_cfg, target: str, *, batch: int, slots: int, width: int) -> str:
     """Optimised HLO of ``sampling.decode_loop.decode`` for ``batch`` rows and a ``slots``-slot cache on one
     device of ``target`` ("cpu", or "tpu": a compile-only v5e), weights in the compute dtype."""
-    from llds_jax.app.config import base_config
+    from llds_jax.config import base_config
     from llds_jax.parallel.mesh import make_mesh
     from llds_jax.parallel.rules import DEFAULT as rules
     from llds_jax.plan.aot import abstract_cache, abstract_train_state, compile_ahead

@@ -8,6 +8,10 @@ of every ``import`` statement in every module (module level, inside functions, u
 as they point "down" the graph. ``importlib.import_module`` strings (``main.MODES``) are
 not statements and are not counted.
 
+Above acyclicity, the packages are layered (:data:`LAYERS`): an import never runs back up, so the
+config assembly (``llds_jax.config``) sits below every mode (``eval``, ``plan``, ``lab``, ``app``)
+that reads it, and each mode can be read without the ones above it.
+
 Edges go to the module named: ``from llds_jax.train import loop`` is an edge to
 ``llds_jax.train.loop`` (a submodule), ``from llds_jax.rl.config import validate`` to
 ``llds_jax.rl.config``. Importing a submodule also runs its package's ``__init__``, but
@@ -141,6 +145,57 @@ def test_llds_jax_imports_form_no_cycle_even_counting_function_local_imports():
     cycles = find_cycles(graph)
     assert not cycles, "import cycles between llds_jax modules:\n  " + "\n  ".join(
         describe(cycle, graph) for cycle in cycles)
+
+
+# Packages (and top-level modules) from the bottom up. A module imports its own layer or lower ones;
+# a section's declaration (``llds_jax.<package>.config``: defaults and checks) may also be imported by
+# the config assembly, which composes every section, wherever its package sits.
+LAYERS = (
+    ("errors", "utils", "parallel", "rl", "diagnostics"),
+    ("models",),
+    ("sampling", "retrieval"),
+    ("data", "rollout"),
+    ("train",),
+    ("config",),
+    ("eval", "plan"),
+    ("lab", "app"),
+    ("main", ""),  # "": the package's own __init__
+)
+RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    package = parts[1] if len(parts) > 1 else ""
+    if package not in RANK:
+        raise KeyError(f"{module}: package {package!r} has no layer in LAYERS; add it where it belongs")
+    return RANK[package]
+
+
+def upward_imports(graph: dict[str, dict[str, int]], files: dict[str, Path] | None = None) -> list[str]:
+    files = files or module_files()
+    found = []
+    for module, edges in sorted(graph.items()):
+        for target, line in sorted(edges.items()):
+            rank = layer_of(target)
+            if module == f"{ROOT}.config" and len(target.split(".")) == 3 and target.endswith(".config"):
+                rank = min(rank, RANK["config"])  # the assembly reads a section's declaration
+            if rank > layer_of(module):
+                found.append(f"{module} -> {target} ({files[module].relative_to(PACKAGE_DIR.parent)}:{line})")
+    return found
+
+
+def test_no_import_runs_back_up_the_layers():
+    """Before: ``plan.run`` and ``eval.run`` imported ``app.config``, above them (``app.run`` drives both)."""
+    upward = upward_imports(import_graph())
+    assert not upward, "imports that run back up the layers:\n  " + "\n  ".join(upward)
+
+
+def test_the_layer_check_sees_an_upward_import():
+    """The edge this check removed (plan.run -> app.config) is reported; the assembly reading a section is not."""
+    files = {"llds_jax.plan.run": Path("llds_jax/plan/run.py"), "llds_jax.config": Path("llds_jax/config.py")}
+    graph = {"llds_jax.plan.run": {"llds_jax.app.config": 53}, "llds_jax.config": {"llds_jax.plan.config": 37}}
+    assert upward_imports(graph, {k: PACKAGE_DIR.parent / v for k, v in files.items()}) == ["llds_jax.plan.run -> llds_jax.app.config (llds_jax/plan/run.py:53)"]
 
 
 def test_the_checker_sees_a_cycle_hidden_in_a_function_local_import(tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import ml_collections
 import pytest
 
-from llds_jax.app.config import TrainConfigError
 from llds_jax.app.sweep import load_config_file, plan
+from llds_jax.config import TrainConfigError
 
 
 def test_collapse_fixes_sweep_validates_every_arm_with_its_own_fields():

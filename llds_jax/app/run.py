@@ -1,6 +1,6 @@
 """Entry points ``--mode=train`` and ``--mode=sft``: wire config → model → retriever → loops → checkpoint → eval.
 
-``train_main`` runs, in order: config validation (every section, ``app.config.validate``) and
+``train_main`` runs, in order: config validation (every section, ``llds_jax.config.validate``) and
 the batch arithmetic table; model and tokenizer on the mesh (``models.loading``); the retriever
 (``retrieval.build_retriever``, with the ``retrieval.max_doc_tokens`` cut eval also gets); resume from ``<workdir>/checkpoints`` if
 there is one (which skips the warm-up: the checkpoint already holds the warmed-up policy and
@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from llds_jax.app.config import batch_arithmetic, validate, validate_sections
+from llds_jax.config import batch_arithmetic, validate, validate_sections
 from llds_jax.parallel import distributed
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def train(config) -> dict:
     """(resume | warm-up) → GRPO + LLDS → checkpoint → export → eval; returns the run summary."""
     from llds_jax.app.run_control import NonFiniteStop, NonFiniteStreak, PreemptionGuard
     from llds_jax.data.prompts import PromptIterator, load_questions
-    from llds_jax.train.checkpoint import Checkpointer, abstract_like, resume
+    from llds_jax.train.checkpoint import Checkpointer, resume
     from llds_jax.train.learner import Learner
     from llds_jax.train.loop import make_monitor, rl_loop
     from llds_jax.train.sft import run_sft
@@ -122,11 +122,10 @@ def train(config) -> dict:
 
     start_step = 0
     if ckpt.latest_step() is not None and config.resume != "never":
-        # The learner's abstract state (from the loaded model) is the restore target; the checkpoint
-        # holds the warmed-up policy and its reference, so the warm-up is skipped.
-        learner = Learner.create(model, config, mesh)
-        restored = resume(ckpt, config.resume, abstract_like(learner.state))
-        learner.state = restored.state
+        # The restore target is the learner's abstract state (shapes and shardings, no arrays): resume
+        # holds the loaded model and the restored state, nothing more. The checkpoint holds the
+        # warmed-up policy and its reference, so the warm-up is skipped.
+        learner, restored = Learner.resume(model, config, mesh, ckpt)
         prompts.load_state_dict(restored.extra["data"])
         start_step = restored.step + 1
         print(f"resumed from step {restored.step}: warm-up skipped, data iterator at {prompts.state_dict()}")

@@ -11,7 +11,7 @@ A sweep config has the usual sections (ignored here) plus::
     sweep.launch = False                                # True: run them one after another here
     sweep.num_devices = 0                               # validate for this many devices (0 = this host's)
 
-Every grid point is resolved and validated with ``app.config.validate`` (every section,
+Every grid point is resolved and validated with ``llds_jax.config.validate`` (every section,
 including ``rl`` and ``retrieval``) *before* any run starts, so a bad combination (sizes that do
 not divide, an unknown ``rl.llds_gate``) fails naming the run and the field, and
 ``python -m llds_jax.main --mode=sweep`` exits 2 (tested in ``tests/test_cli_modes.py``). Printed
@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llds_jax.app.config import TrainConfigError, validate
+from llds_jax.config import TrainConfigError, validate
 
 
 def expand_grid(grid) -> list[dict]:

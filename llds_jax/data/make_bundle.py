@@ -6,7 +6,10 @@ its expected greedy EM is ≈6%; docs/decisions.md, Data). So we ship:
 
 * ``bundled/corpus.jsonl`` — wiki-18 passages: the BM25 top-``KEEP_PER_QUESTION`` of every
   candidate question (so the answer passages *and* their natural distractors are in) plus a
-  seeded random filler, capped to ``--max_corpus_bytes``.
+  seeded random filler, capped to ``--max_corpus_bytes``. Passages carrying the protocol's markup
+  (:func:`has_protocol_markup`: the shared subset holds a few scraped from Search-R1 observations,
+  with ``<search>``, ``<information>`` and ``Doc 1(Title:`` inside) are left out: retrieved into
+  an observation they would show the policy tags it did not write.
 * ``bundled/nq_train.jsonl``, ``bundled/hotpotqa_train.jsonl``, ``bundled/nq_dev.jsonl`` —
   FlashRAG rows whose gold answer occurs (normalised, on word boundaries) in the **bundled**
   corpus's BM25 top-3 for the question itself — checked with the project's own
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import time
 from pathlib import Path
 
@@ -41,6 +45,13 @@ SOURCES = {  # bundled file name → (shared path, benchmark)
 CORPUS = "data/corpus/wiki18_subset.jsonl"
 KEEP_PER_QUESTION = 5
 TOPK = 3
+# The protocol's tags (rollout.protocol) and the doc header retrieval.format_docs writes.
+PROTOCOL_MARKUP = re.compile(r"</?(?:think|search|answer|information)>|Doc \d+\(Title:")
+
+
+def has_protocol_markup(contents: str) -> bool:
+    """The passage holds a protocol tag or a ``Doc i(Title:`` header: text of a rollout, not of Wikipedia."""
+    return PROTOCOL_MARKUP.search(contents) is not None
 
 
 def answer_in(golden_answers, contents: str) -> bool:
@@ -94,11 +105,15 @@ def main(argv=None) -> None:
         size += len(line.encode())
         return True
 
+    dropped = [doc_id for doc_id, contents in keep.items() if has_protocol_markup(contents)]
     for doc_id, contents in keep.items():
-        add(doc_id, contents)  # one that does not fit drops its question in the re-check below
+        if doc_id not in dropped:
+            add(doc_id, contents)  # one that does not fit drops its question in the re-check below
     for i in filler:
         doc_id, contents = full.row(i)
-        if doc_id not in keep and not add(doc_id, contents):
+        if doc_id in keep or has_protocol_markup(contents):
+            continue
+        if not add(doc_id, contents):
             break
     write_jsonl(out / "corpus.jsonl", rows)
 
@@ -113,7 +128,8 @@ def main(argv=None) -> None:
     manifest = {
         "command": "python -m llds_jax.data.make_bundle --shared=../shared",
         "corpus": {"source": CORPUS, "passages": len(rows), "bytes": size,
-                   "answer_passages_per_question": KEEP_PER_QUESTION, "seed": args.seed},
+                   "answer_passages_per_question": KEEP_PER_QUESTION, "seed": args.seed,
+                   "left_out_for_protocol_markup": f"every passage matching {PROTOCOL_MARKUP.pattern}"},
         "questions": counts,
         "lengths": bundle_reference(Path(args.shared), out),
         "check": f"gold answer (normalised, word boundary) in BM25 top-{TOPK} over the bundled corpus",

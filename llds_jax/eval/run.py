@@ -22,7 +22,7 @@ from pathlib import Path
 
 import ml_collections
 
-from llds_jax.app.config import validate_sections
+from llds_jax.config import validate_sections
 from llds_jax.data.benchmarks import QARecord, benchmark_sort_key, load_qa_file
 from llds_jax.errors import InputError
 from llds_jax.eval.metrics import EvalResponse, markdown_table, score_response, summarize

@@ -71,16 +71,16 @@ class ShardingRules:
         return (axes,) if isinstance(axes, str) else tuple(axes)
 
     def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
-             mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None) -> PartitionSpec:
+             mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | Mapping[str, int] | None = None) -> PartitionSpec:
         """PartitionSpec for an array with these logical axes.
 
-        With ``mesh``, mesh axes absent from it or of size 1 are left out; with ``shape``
+        ``mesh``: a mesh, or its axis sizes by name. With ``mesh``, mesh axes absent from it or of size 1 are left out; with ``shape``
         too, axes not dividing the dimension are dropped (trailing ones first), so the
         spec is always placeable.
         """
         if shape is not None and len(shape) != len(logical_axes):
             raise ValueError(f"logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
-        mesh_shape = dict(mesh.shape) if mesh is not None else None
+        mesh_shape = None if mesh is None else dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
         used: dict[str, str] = {}
         entries = []
         for dim, logical in enumerate(logical_axes):
@@ -98,6 +98,17 @@ class ShardingRules:
                         axes.pop()
             entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
         return PartitionSpec(*entries)
+
+    def shards(self, logical: str, mesh: jax.sharding.Mesh | Mapping[str, int], size: int | None = None) -> int:
+        """How many pieces a dimension named ``logical`` is split into on ``mesh`` (1: replicated).
+
+        The data-parallel size is ``shards("batch", mesh)`` — read from this table, never from
+        positions in the mesh shape. With ``size``, axes that do not divide it are left out (as ``spec``).
+        """
+        sizes = dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
+        entry = self.spec((logical,), None if size is None else (size,), sizes)[0]
+        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        return math.prod(sizes[name] for name in names)
 
     def sharding(self, logical_axes: Sequence[str | None], mesh: jax.sharding.Mesh,
                  shape: Sequence[int] | None = None) -> NamedSharding:

@@ -46,26 +46,16 @@ def compile_ahead(jitted, *abstract_args, platform: str = "cpu", **static):
 
 
 def abstract_train_state(config, decoder_cfg, mesh, rules):
-    """``(graphdef, train state, its shardings)``: the learner's state as sharded ShapeDtypeStructs."""
+    """``(graphdef, train state, its shardings)``: the learner's state as ``train.state_layout`` lays it
+    out (the one builder of train-state shardings), from an abstract model (no weights)."""
     from llds_jax.models import Decoder  # noqa: PLC0415
-    from llds_jax.train.state import init_train_state, train_state_shardings  # noqa: PLC0415
-    from llds_jax.train.step import needs_reinforce_pp_reference  # noqa: PLC0415
+    from llds_jax.parallel.rules import use_rules  # noqa: PLC0415
+    from llds_jax.train.state_layout import train_state_layout  # noqa: PLC0415
 
     model = nnx.eval_shape(lambda: Decoder(decoder_cfg, rngs=nnx.Rngs(0)))
-    graphdef, params = nnx.split(model, nnx.Param)
-
-    def attach(var):
-        sharding = rules.sharding(var.get_metadata()["logical_axes"], mesh, var.shape)
-        return var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=sharding))
-
-    params = jax.tree.map(attach, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    param_shardings = jax.tree.map(lambda x: x.sharding, params)
-    ref = params if config.rl.kl_coef > 0 or needs_reinforce_pp_reference(config.rl) else None  # as Learner.create
-    ref_dtype = None if config.model.ref_dtype == config.model.param_dtype else config.model.ref_dtype
-    abstract = jax.eval_shape(lambda p, r: init_train_state(p, config.optim, config.seed, r, ref_dtype), params, ref)
-    shardings = train_state_shardings(abstract, param_shardings, mesh, config.optim)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
-    return graphdef, state, shardings
+    with use_rules(rules):
+        layout = train_state_layout(model, config, mesh)
+    return layout.graphdef, layout.abstract, layout.shardings
 
 
 def abstract_cache(decoder_cfg, batch: int, max_len: int, mesh, rules):

@@ -1,7 +1,7 @@
 """The ``plan`` config section: its defaults, the hardware it knows, and its own checks.
 
 Kept apart from ``plan.run`` (which compiles with JAX) so the config assembly in
-``llds_jax.app.config`` can embed and validate the section without importing the planner.
+``llds_jax.config`` can embed and validate the section without importing the planner.
 """
 
 from __future__ import annotations

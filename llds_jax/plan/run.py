@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from llds_jax.app.config import mesh_shape, validate, validate_sections
+from llds_jax.config import mesh_shape, validate, validate_sections
 from llds_jax.models.attention import CACHED_BLOCK, DEFAULT_BLOCK, QUERY_BLOCK, query_piece
 from llds_jax.models.loading import decoder_config
 from llds_jax.plan.aot import TooLargeToCompile, abstract_cache, abstract_train_state, compile_ahead
@@ -219,7 +219,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
 
     trajectories = config.train.prompts_per_step * config.rollout.n_samples
     length = padded_length(config)
-    dp_rows = shape[0] * shape[1]
+    dp_rows = rules.shards("batch", mesh)
     rollout_rows, wave_note = _rollout_rows(config, section, decoder_cfg, target, devices, trajectories, dp_rows)
 
     graphdef, state, state_shardings = abstract_train_state(config, decoder_cfg, mesh, rules)
@@ -263,8 +263,8 @@ def make_plan(config, target: Target | None = None) -> Plan:
                     _row_array((rollout_rows, sampler_tokens[phase]), jnp.int32, mesh, rules),
                     cache, _row_array((rollout_rows, sampler_tokens[phase]), jnp.bool_, mesh, rules),
                     platform=target.platform)
-    dp, tensor = shape[0] * shape[1], shape[2]
-    heads = decoder_cfg.num_heads // tensor if decoder_cfg.num_heads % tensor == 0 else decoder_cfg.num_heads
+    dp = dp_rows
+    heads = decoder_cfg.num_heads // rules.shards("act_heads", mesh, decoder_cfg.num_heads)
     context, prompt = int(config.rollout.max_context), int(config.rollout.max_prompt_tokens)
     requested = config.model.get("attention", "auto")
     kernels = {phase: _attention_kernel(requested, target.platform, full_sequence=phase in ("update", "logprobs"))

@@ -92,24 +92,32 @@ def rollout_correction(log_ratio: jax.Array, action_mask: jax.Array, cfg) -> Cor
     return jax.tree.map(jax.lax.stop_gradient, out)
 
 
-def host_metrics(sampler_logp, old_logp, action_mask, cfg) -> dict[str, float]:
-    """``rollout_corr/*`` of one step on the host, from the same token-aligned arrays as ``logprob_gap``.
+def correction_metrics(log_ratio: jax.Array, action_mask: jax.Array, cfg) -> dict[str, jax.Array]:
+    """``rollout_corr/*`` of one step as traceable scalars (the learner reduces them on device).
 
     Logged whatever ``rl.rollout_correction`` is: with ``"none"`` they say what token-level TIS
     at ``rl.rollout_correction_cap`` would do (verl's metrics-only mode), so a run shows the
-    sampler/trainer mismatch before anyone turns a correction on. ``old_logp`` may be wider
-    than the rollout (the trainer's fixed length): its extra columns are padding.
+    sampler/trainer mismatch before anyone turns a correction on. ``log_ratio`` = log π_old −
+    log π_sampler, token-aligned with ``action_mask``.
     """
+    mask = action_mask > 0
+    settings = {key: cfg[key] for key in ("rollout_correction_cap", "rollout_correction_lower")}
+    settings["rollout_correction"] = "tis" if cfg.rollout_correction == "none" else cfg.rollout_correction
+    corr = rollout_correction(log_ratio, mask.astype(jnp.float32), _Fields(settings))
+    count = mask.sum()
+    tokens = jnp.maximum(count, 1).astype(jnp.float32)
+    return {"rollout_corr/capped_frac": corr.above_cap.sum() / tokens,
+            "rollout_corr/masked_frac": jnp.where(count > 0, 1.0 - corr.keep.sum() / tokens, 0.0),
+            "rollout_corr/weight_mean": corr.weight.sum() / tokens}
+
+
+def host_metrics(sampler_logp, old_logp, action_mask, cfg) -> dict[str, float]:
+    """:func:`correction_metrics` from host arrays; ``old_logp`` may be wider than the rollout (the
+    trainer's fixed length): its extra columns are padding."""
     mask = np.asarray(action_mask) > 0
     width = mask.shape[1]
     log_ratio = np.asarray(old_logp, np.float32)[:, :width] - np.asarray(sampler_logp, np.float32)
-    settings = {key: cfg[key] for key in ("rollout_correction_cap", "rollout_correction_lower")}
-    settings["rollout_correction"] = "tis" if cfg.rollout_correction == "none" else cfg.rollout_correction
-    corr = rollout_correction(jnp.asarray(log_ratio), jnp.asarray(mask, jnp.float32), _Fields(settings))
-    tokens = max(int(mask.sum()), 1)
-    return {"rollout_corr/capped_frac": float(np.asarray(corr.above_cap).sum() / tokens),
-            "rollout_corr/masked_frac": float(1.0 - np.asarray(corr.keep).sum() / tokens) if mask.any() else 0.0,
-            "rollout_corr/weight_mean": float(np.asarray(corr.weight).sum() / tokens)}
+    return {k: float(v) for k, v in correction_metrics(jnp.asarray(log_ratio), jnp.asarray(mask), cfg).items()}
 
 
 class _Fields(dict):

@@ -163,7 +163,7 @@ def data_devices_of_ambient_mesh() -> int:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or jax.process_count() > 1:
         return 1
-    return math.prod(mesh.shape[axis] for axis in current_rules().mesh_axes("batch") if axis in mesh.shape)
+    return current_rules().shards("batch", mesh)
 
 
 _last_logged: dict[tuple, int] = {}

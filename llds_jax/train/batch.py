@@ -34,8 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
-from llds_jax.parallel.rules import ShardingRules
+from llds_jax.parallel.rules import ShardingRules, current_rules
 from llds_jax.train.packing import PackedRows, PackingSizes
 
 # Right-padding value of each field (padding columns: no token, no mask, no action).
@@ -194,7 +193,7 @@ def check_action_tokens(action_mask: np.ndarray, bound: int, knob: str) -> None:
 def batch_sharding(mesh, rules: ShardingRules | None, ndim: int, shape=None):
     """Rows over the data-parallel axes of ``rules`` (``"batch"``), everything else replicated."""
     logical = ("batch",) + (None,) * (ndim - 1)
-    return (rules or DEFAULT_RULES).sharding(logical, mesh, shape)
+    return (rules or current_rules()).sharding(logical, mesh, shape)
 
 
 def next_token_targets(token_array):

@@ -39,15 +39,18 @@ import numpy as np
 from flax import nnx
 
 from llds_jax.diagnostics import keys
+from llds_jax.diagnostics.from_rollout import action_sums
 from llds_jax.models import params_in_compute_dtype
 from llds_jax.parallel import distributed
-from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
-from llds_jax.parallel.rules import ShardingRules
+from llds_jax.parallel.rules import ShardingRules, current_rules, use_rules
+from llds_jax.rl.rollout_correction import correction_metrics
 from llds_jax.sampling import placement
 from llds_jax.train.batch import TrainBatch, check_action_tokens, padded_length
+from llds_jax.train.checkpoint import Checkpointer, Restored, resume
 from llds_jax.train.packing import PackingSizes, pack
-from llds_jax.train.state import TrainState, init_train_state, train_state_shardings
-from llds_jax.train.step import StepSizes, build_update_fns, needs_reinforce_pp_reference, packing_for_run
+from llds_jax.train.state import TrainState
+from llds_jax.train.state_layout import train_state_layout
+from llds_jax.train.step import StepSizes, build_update_fns, packing_for_run
 
 _REDUCE_MINI_BATCHES = {"mean": np.mean, "max": np.max, "min": np.min, "sum": np.sum,
                         "first": lambda a: a[0], "last": lambda a: a[-1], "count": len}
@@ -95,6 +98,38 @@ def logprob_gap(sampler_logp: np.ndarray, trainer_logp: np.ndarray, action_mask:
             "logprob_gap/corr": corr}
 
 
+def sampler_gap(sampler_logp: jax.Array, trainer_logp: jax.Array, action_mask: jax.Array) -> dict[str, jax.Array]:
+    """:func:`logprob_gap` traced (fp32, the correlation from centred sums): the learner reduces it on device."""
+    mask = action_mask > 0
+    count = mask.sum().astype(jnp.float32)
+    a = jnp.where(mask, sampler_logp.astype(jnp.float32), 0.0)
+    b = jnp.where(mask, trainer_logp.astype(jnp.float32), 0.0)
+    gap = jnp.abs(a - b)
+    centred_a = jnp.where(mask, a - a.sum() / count, 0.0)
+    centred_b = jnp.where(mask, b - b.sum() / count, 0.0)
+    var_a, var_b = (centred_a**2).sum(), (centred_b**2).sum()
+    corr = jnp.where((var_a > 0) & (var_b > 0), (centred_a * centred_b).sum() / jnp.sqrt(var_a * var_b), jnp.nan)
+    enough = count >= 2
+    return {"logprob_gap/abs_mean": jnp.where(enough, gap.sum() / count, jnp.nan),
+            "logprob_gap/abs_max": jnp.where(enough, gap.max(), jnp.nan),
+            "logprob_gap/corr": jnp.where(enough, corr, jnp.nan)}
+
+
+class StepExtras(dict):
+    """:meth:`Learner.update`'s extras. ``old_logp`` (π_old of this host's rows, ``[N, T]``) is
+    downloaded only when read: the training loop reduces it on device (:meth:`Learner.step_reductions`)."""
+
+    def __init__(self, rows: slice, **items):
+        super().__init__(**items)
+        self._rows = rows
+
+    def __missing__(self, key):
+        if key != "old_logp":
+            raise KeyError(key)
+        self[key] = distributed.local_rows(self["batch"].old_logp, self._rows)
+        return self[key]
+
+
 @dataclasses.dataclass
 class Learner:
     """Train state + jitted step functions on one mesh. Build with :meth:`create`."""
@@ -114,41 +149,63 @@ class Learner:
     # ``state`` is still that object (no update, restore or λ change since), π_ref's log-probs are
     # π_old's, bit for bit. Weak, so a restored state does not keep the fresh one's buffers alive.
     reference_is_policy_in: weakref.ref | None = None
+    # The jitted step reductions, by (action slots, with Δ): built on first use (step_reductions).
+    reductions: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def create(cls, model: nnx.Module, config, mesh, rules: ShardingRules | None = None,
-               ref_model: nnx.Module | None = None) -> Learner:
-        """Split ``model`` (already placed on ``mesh``) into graphdef + fp32 params and jit the step.
+    def create(cls, model: nnx.Module, config, mesh, ref_model: nnx.Module | None = None,
+               state: TrainState | None = None) -> Learner:
+        """Lay out ``model``'s train state on ``mesh`` (``train.state_layout``) and jit the step.
 
-        π_ref is a copy of the current params (``ref_model``'s if given) cast to
-        ``model.ref_dtype``; it is skipped entirely when ``rl.kl_coef == 0``, and its pass is
-        skipped in the first step when it is a same-dtype copy of the policy (its log-probs are π_old's).
+        Without ``state`` the state is step 0's: the fp32 params of ``model`` (already placed on
+        ``mesh``) and π_ref, a copy of them (``ref_model``'s if given) cast to ``model.ref_dtype``
+        — skipped entirely when the objective reads no π_ref; its pass is skipped in the first step
+        when it is a same-dtype copy of the policy (its log-probs are π_old's). With ``state`` (a
+        restored one, laid out as :func:`restore_target` says) no fresh state is built. The sharding
+        table is the ambient one (``parallel.rules.use_rules``), the one the model's own constraints
+        read; the learner keeps it and traces every jitted call under it.
         """
-        rules = rules or DEFAULT_RULES
-        graphdef, params = nnx.split(model, nnx.Param)
-        with jax.set_mesh(mesh):
-            param_shardings = jax.tree.map(lambda x: x.sharding, params)
-            ref = None
-            if config.rl.kl_coef > 0 or needs_reinforce_pp_reference(config.rl):
-                ref = params if ref_model is None else nnx.state(ref_model, nnx.Param)
-            ref_dtype = None if config.model.ref_dtype == config.model.param_dtype else config.model.ref_dtype
-
-            def fresh(p, r):
-                return init_train_state(p, config.optim, config.seed, r, ref_dtype, config.rl.llds_coef)
-
-            abstract = jax.eval_shape(fresh, params, ref)
-            state_shardings = train_state_shardings(abstract, param_shardings, mesh, config.optim)
-            state = jax.jit(fresh, out_shardings=state_shardings)(params, ref)
+        rules = current_rules()
+        with jax.set_mesh(mesh), use_rules(rules):
+            layout = train_state_layout(model, config, mesh)
+            same = False
+            if state is None:
+                params = nnx.state(model, nnx.Param)
+                ref = None
+                if layout.with_reference:
+                    ref = params if ref_model is None else nnx.state(ref_model, nnx.Param)
+                state = layout.fresh(params, ref)
+                same = layout.with_reference and ref_model is None and config.model.ref_dtype == config.model.param_dtype
         seq_len = padded_length(config)
         sizes = StepSizes.from_config(config)
         packing = packing_for_run(config, mesh, rules)
-        example = TrainBatch.abstract(sizes.trajectories, seq_len, with_ref=ref is not None, packing=packing,
+        example = TrainBatch.abstract(sizes.trajectories, seq_len, with_ref=layout.with_reference, packing=packing,
                                       with_sampler=config.rl.rollout_correction != "none")
         batch_shardings = example.shardings(mesh, rules)
-        fns = build_update_fns(graphdef, state_shardings, batch_shardings, mesh, config, rules, packing=packing)
-        same = ref is not None and ref_model is None and ref_dtype is None
-        return cls(config, mesh, rules, graphdef, state, state_shardings, batch_shardings, fns, seq_len, packing,
-                   reference_is_policy_in=weakref.ref(state) if same else None)
+        fns = build_update_fns(layout.graphdef, layout.shardings, batch_shardings, mesh, config, rules, packing=packing)
+        return cls(config, mesh, rules, layout.graphdef, state, layout.shardings, batch_shardings, fns, seq_len,
+                   packing, reference_is_policy_in=weakref.ref(state) if same else None)
+
+    @classmethod
+    def restore_target(cls, model: nnx.Module, config, mesh) -> TrainState:
+        """The abstract train state (``ShapeDtypeStruct`` leaves with shardings) a checkpoint restores into.
+
+        Built from shapes alone: resume holds one model and the restored state, never a fresh state beside them.
+        """
+        with jax.set_mesh(mesh):
+            return train_state_layout(model, config, mesh).abstract
+
+    @classmethod
+    def resume(cls, model: nnx.Module, config, mesh, ckpt: Checkpointer) -> tuple[Learner, Restored] | None:
+        """The learner at the checkpoint ``config.resume`` names (``train.checkpoint.resume``); None for a fresh start.
+
+        The checkpoint is read into :meth:`restore_target`, so at no point does more than ``model``
+        and one train state live on the devices (``tests/train/test_state_layout.py`` counts them).
+        """
+        restored = resume(ckpt, config.resume, cls.restore_target(model, config, mesh))
+        if restored is None:
+            return None
+        return cls.create(model, config, mesh, state=restored.state), restored
 
     # -- what the sampler reads -------------------------------------------------------------
     def set_llds_coef(self, value: float) -> None:
@@ -236,7 +293,7 @@ class Learner:
         if self.packing is not None:
             host = host._replace(packed=pack(host.input_ids, host.attention_mask, host.action_mask, self.packing))
         shardings = self.batch_shardings._replace(old_logp=None, ref_logp=None)
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), use_rules(self.rules):  # the table the step was built with
             if jax.process_count() == 1:
                 return jax.device_put(host, shardings)
             return distributed.global_batch_from_host_rows(host, shardings, n)
@@ -245,14 +302,14 @@ class Learner:
         """π_old, π_ref, then the sequential mini-batch updates. Returns (step metrics, extras).
 
         ``batch`` is this host's host record (uploaded here) or the device batch of
-        :meth:`upload`. Extras: ``batch`` (the device batch with π_old/π_ref, for the Δ pass),
-        ``advantages`` and token-aligned ``old_logp`` of this host's rows, the whole step's
+        :meth:`upload`. Extras (:class:`StepExtras`): ``batch`` (the device batch with π_old/π_ref, for
+        the Δ pass), ``advantages`` and token-aligned ``old_logp`` (downloaded when read) of this host's rows, the whole step's
         per-mini-batch metrics (``per_mini_batch``) and ``logprob_passes`` (π_old, plus π_ref when it ran). Every host must call this together.
         """
         if not isinstance(batch.input_ids, jax.Array):
             batch = self.upload(batch)
         rows = self.host_rows()
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), use_rules(self.rules):  # the table the step was built with
             clock = time.perf_counter()
             old_logp = self.fns.policy_logprobs(self.state.params, *batch.logprob_inputs)
             ref_logp = None
@@ -280,8 +337,8 @@ class Learner:
         })
         metrics[keys.GRAD_NORM_PER_ACTIVE_ROW] = grad_norm_per_active_row(metrics[keys.GRAD_NORM], advantages)
         passes = 1 + int(ref_logp is not None and ref_logp is not old_logp)  # π_old, and π_ref when it ran
-        return metrics, {"batch": batch, "advantages": advantages, "old_logp": distributed.local_rows(old_logp, rows),
-                         "per_mini_batch": per_mini, "logprob_passes": passes}
+        return metrics, StepExtras(rows, batch=batch, advantages=advantages, per_mini_batch=per_mini,
+                                   logprob_passes=passes)
 
     def logprobs_now(self, batch: TrainBatch) -> np.ndarray:
         """Token-aligned log π_θ of this host's rows under the *current* params (Δ after the step's updates).
@@ -290,9 +347,49 @@ class Learner:
         """
         if not isinstance(batch.input_ids, jax.Array):
             batch = self.upload(batch)
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), use_rules(self.rules):  # the table the step was built with
             logp = self.fns.policy_logprobs(self.state.params, *batch.logprob_inputs)
         return distributed.local_rows(logp, self.host_rows())
+
+    def step_reductions(self, batch: TrainBatch, sampler_logp: np.ndarray, num_actions: int, *,
+                        with_delta: bool) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """The step's diagnostics inputs, reduced on device: no ``[N, T]`` array comes back to the host.
+
+        Returns this host's rows' per-action sums (``diagnostics.from_rollout.action_sums``: π_old,
+        log-odds, tokens and, ``with_delta``, Δ log π after the updates from one more π_θ pass) and the
+        sampler-vs-trainer metrics (``logprob_gap/*``, ``rollout_corr/*``; ``time/delta_logprobs_s``).
+        ``batch``: the device batch :meth:`update` returned; ``sampler_logp``: this host's rows of the
+        rollout's token-aligned sampler log-probs (uploaded here, padded to :attr:`seq_len`).
+        """
+        metrics = {}
+        with jax.set_mesh(self.mesh), use_rules(self.rules):  # the table the step was built with
+            new_logp = None
+            if with_delta:
+                clock = time.perf_counter()
+                new_logp = jax.block_until_ready(self.fns.policy_logprobs(self.state.params, *batch.logprob_inputs))
+                metrics["time/delta_logprobs_s"] = time.perf_counter() - clock
+            sampler = np.zeros((len(sampler_logp), self.seq_len), np.float32)
+            sampler[:, :np.shape(sampler_logp)[1]] = sampler_logp
+            sharding = self.batch_shardings.action_mask
+            sampler = (jax.device_put(sampler, sharding) if jax.process_count() == 1 else
+                       distributed.global_batch_from_host_rows(sampler, sharding, batch.action_mask.shape[0]))
+            reduce = self._reduction_fn(num_actions, with_delta)
+            sums, gap = reduce(batch.old_logp, new_logp, sampler, batch.action_index, batch.action_mask)
+        rows = self.host_rows()
+        metrics.update({k: float(v) for k, v in distributed.fetch_to_host(gap).items()})
+        return {k: distributed.local_rows(v, rows) for k, v in sums.items()}, metrics
+
+    def _reduction_fn(self, num_actions: int, with_delta: bool):
+        if (num_actions, with_delta) not in self.reductions:
+            rl = self.config.rl
+
+            def reduce(old_logp, new_logp, sampler_logp, action_index, action_mask):
+                sums = action_sums(old_logp, action_index, action_mask, num_actions, new_logp)
+                return sums, {**sampler_gap(sampler_logp, old_logp, action_mask),
+                              **correction_metrics(old_logp - sampler_logp, action_mask, rl)}
+
+            self.reductions[num_actions, with_delta] = jax.jit(reduce)
+        return self.reductions[num_actions, with_delta]
 
     def _reference_is_policy(self) -> bool:
         return self.reference_is_policy_in is not None and self.reference_is_policy_in() is self.state
@@ -302,4 +399,6 @@ class Learner:
         fns = {"policy_logprobs": self.fns.policy_logprobs, "update": self.fns.update}
         if self.fns.reference_logprobs is not None:
             fns["reference_logprobs"] = self.fns.reference_logprobs
+        for (_, with_delta), fn in self.reductions.items():
+            fns["step_reductions_delta" if with_delta else "step_reductions"] = fn
         return {name: fn._cache_size() for name, fn in fns.items()}

@@ -29,14 +29,13 @@ from tqdm import tqdm
 from llds_jax.data.lengths import row_lengths
 from llds_jax.data.prompts import PromptIterator
 from llds_jax.diagnostics import DeathSpiralMonitor, MonitorConfig, keys, step_diagnostics
-from llds_jax.diagnostics.from_rollout import response_batch_from_rollout
+from llds_jax.diagnostics.from_rollout import response_batch_from_sums
 from llds_jax.diagnostics.monitor import Action
 from llds_jax.parallel import distributed
-from llds_jax.rl import rollout_correction
 from llds_jax.rollout.multi_turn import run_rollouts
 from llds_jax.rollout.reward import em_rewards
 from llds_jax.train.batch import TrainBatch
-from llds_jax.train.learner import Learner, logprob_gap
+from llds_jax.train.learner import Learner
 from llds_jax.train.metrics import MetricsWriter
 from llds_jax.train.profiling import StepProfiler
 from llds_jax.train.utilisation import computed_rows, device_count, step_utilisation
@@ -145,23 +144,17 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
         metrics = rollout_metrics(rollout, rewards)
         update_metrics, extra = learner.update(learner.upload(host_batch))
         metrics.update(update_metrics)
-        metrics.update(logprob_gap(rollout.sampler_logprobs, extra["old_logp"], rollout.action_mask))
-        metrics.update(rollout_correction.host_metrics(rollout.sampler_logprobs, extra["old_logp"],
-                                                       rollout.action_mask, config.rl))
         rows, length, scored, pairs = computed_rows(learner, extra["batch"], rollout.lengths)
         metrics.update(step_utilisation(
             learner.model_config, config, metrics=metrics, rollout_timings=rollout.timings, rows=rows, length=length,
             scored_per_row=scored, logprob_passes=extra["logprob_passes"], mesh_devices=learner.mesh.size,
             sampler_devices=device_count(policy[1]), weight_bytes=jax.tree.leaves(policy[1])[0].dtype.itemsize,
             pairs_per_row=pairs))
-        new_logp = None
-        if config.train.delta_diagnostics and step % config.train.get("delta_every", 1) == 0:
-            clock = time.perf_counter()
-            new_logp = learner.logprobs_now(extra["batch"])  # the step's device batch: no second upload
-            metrics["time/delta_logprobs_s"] = time.perf_counter() - clock
-        diag_batch = response_batch_from_rollout(
-            rollout, advantage=extra["advantages"], reward=rewards, old_logprobs=extra["old_logp"],
-            num_action_slots=slots, new_logprobs=new_logp)
+        with_delta = config.train.delta_diagnostics and step % config.train.get("delta_every", 1) == 0
+        sums, gap_metrics = learner.step_reductions(extra["batch"], rollout.sampler_logprobs, slots,
+                                                    with_delta=with_delta)  # per-action sums, on device
+        metrics.update(gap_metrics)
+        diag_batch = response_batch_from_sums(rollout, advantage=extra["advantages"], reward=rewards, sums=sums)
         metrics.update(step_diagnostics(diag_batch))
         profiler.end(step)
         metrics[keys.STEP_SECONDS] = time.perf_counter() - started

@@ -42,8 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
-from llds_jax.parallel.rules import ShardingRules
+from llds_jax.parallel.rules import ShardingRules, current_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +100,7 @@ class PackedRows(NamedTuple):
 
     def shardings(self, mesh, rules: ShardingRules | None = None) -> PackedRows:
         """Rows of a micro-batch over the data axes; trajectories like the batch's rows; counts replicated."""
-        rules = rules or DEFAULT_RULES
+        rules = rules or current_rules()
 
         def spec(x, logical):
             return NamedSharding(mesh, rules.spec(logical, x.shape, mesh))
@@ -216,8 +215,4 @@ def computed_tokens(plan: RowPlan, sizes: PackingSizes) -> int:
 
 def data_parallel_size(mesh, rules: ShardingRules | None = None, rows: int | None = None) -> int:
     """Shards of the ``batch`` logical axis on ``mesh`` (the devices a micro-batch's rows split over)."""
-    spec = (rules or DEFAULT_RULES).spec(("batch",), None if rows is None else (rows,), mesh)[0]
-    if spec is None:
-        return 1
-    names = spec if isinstance(spec, tuple) else (spec,)
-    return int(np.prod([mesh.shape[name] for name in names]))
+    return (rules or current_rules()).shards("batch", mesh, rows)

@@ -41,8 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from llds_jax.data.benchmarks import QARecord
 from llds_jax.models.logprobs import scored_positions
-from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
-from llds_jax.parallel.rules import ShardingRules
+from llds_jax.parallel.rules import current_rules, use_rules
 from llds_jax.retrieval.hit import format_docs
 from llds_jax.rollout import protocol
 from llds_jax.rollout.trajectory import Trajectory, token_layout
@@ -54,13 +53,8 @@ from llds_jax.train.batch import (
     next_token_targets,
     scored_positions_per_row,
 )
-from llds_jax.train.state import (
-    TrainState,
-    apply_update,
-    init_train_state,
-    make_optimizer,
-    train_state_shardings,
-)
+from llds_jax.train.state import TrainState, apply_update, make_optimizer
+from llds_jax.train.state_layout import train_state_layout
 from llds_jax.train.step import forward_logprobs
 
 FIRST_THOUGHT = "<think> I need to find information about this question. </think>\n"
@@ -186,19 +180,16 @@ def _length(example: Trajectory | SFTExample) -> int:
 class SFTStep:
     """Jitted masked-NLL update with AdamW (``sft.lr``, constant after ``sft.warmup_steps``)."""
 
-    def __init__(self, model: nnx.Module, config, mesh, rules: ShardingRules | None = None):
-        rules = rules or DEFAULT_RULES
-        self.config, self.mesh = config, mesh
+    def __init__(self, model: nnx.Module, config, mesh):
+        rules = current_rules()  # the ambient table, as the learner's
+        self.config, self.mesh, self.rules = config, mesh, rules
         optim = config.optim.copy_and_resolve_references()
         optim.lr, optim.warmup_ratio, optim.lr_first_step_zero = config.sft.lr, 0.0, False
         self.optim = optim
-        self.graphdef, params = nnx.split(model, nnx.Param)
-        with jax.set_mesh(mesh):
-            param_shardings = jax.tree.map(lambda x: x.sharding, params)
-            abstract = jax.eval_shape(lambda p: init_train_state(p, optim, config.seed), params)
-            self.state_shardings = train_state_shardings(abstract, param_shardings, mesh, optim)
-            self.state: TrainState = jax.jit(lambda p: init_train_state(p, optim, config.seed),
-                                             out_shardings=self.state_shardings)(params)
+        with jax.set_mesh(mesh), use_rules(rules):
+            layout = train_state_layout(model, config, mesh, optim=optim, with_reference=False)
+            self.state: TrainState = layout.fresh(nnx.state(model, nnx.Param))
+        self.graphdef, self.state_shardings = layout.graphdef, layout.shardings
         n, length = config.sft.batch_size, config.sft.max_seq_len
         self.scored = scored_positions_per_row(config, length, "sft")
         self.batch_shardings = {k: batch_sharding(mesh, rules, 2, (n, length))
@@ -232,7 +223,7 @@ class SFTStep:
 
     def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         check_action_tokens(arrays["action_mask"], self.scored, "sft.max_action_tokens_per_row")
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), use_rules(self.rules):
             batch = jax.device_put({k: arrays[k] for k in self.batch_shardings}, self.batch_shardings)
             self.state, metrics = self._step(self.state, batch)
         return jax.device_get(metrics)

@@ -70,8 +70,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from llds_jax.models import params_in_compute_dtype
 from llds_jax.models.logprobs import scored_positions, sequence_logprobs
-from llds_jax.parallel.rules import DEFAULT as DEFAULT_RULES
-from llds_jax.parallel.rules import ShardingRules
+from llds_jax.parallel.rules import ShardingRules, current_rules
 from llds_jax.rl.advantages import (
     TOKEN_LEVEL_ESTIMATORS,
     compute_advantages,
@@ -264,7 +263,7 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
     ``packing`` (``train.packing``): the decoder passes read ``batch.packed`` (several trajectories per
     row, ``train.packing``) and loop over the used micro-batches; ``batch_shardings.packed`` must be set.
     """
-    rules = rules or DEFAULT_RULES
+    rules = rules or current_rules()
     sizes = StepSizes.from_config(config)
     rl_cfg, optim_cfg = config.rl, config.optim
     if rl_cfg.aggregation == "token-sum-norm" and not rl_cfg.token_sum_norm_length:

@@ -1,6 +1,6 @@
 """One config check, before any weight: a bad value in any section fails naming its field.
 
-``app.config.validate`` composes every section's checks. Each case below sets one bad value
+``llds_jax.config.validate`` composes every section's checks. Each case below sets one bad value
 and points ``model.source`` at a path that does not exist: a mode that loaded weights (or
 opened an index, or compiled) before validating would fail on the missing model instead,
 so the field named in the error is proof the check ran first.
@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from llds_jax.app.config import base_config, validate, validate_sections
+from llds_jax.config import base_config, validate, validate_sections
 from llds_jax.errors import InputError
 
 MISSING_MODEL = "/nonexistent/model-for-validation-tests"
@@ -95,7 +95,7 @@ def test_the_missing_model_itself_is_what_a_valid_config_then_fails_on(tmp_path)
 
 
 def test_one_mesh_shape_resolver_serves_the_config_and_make_mesh():
-    from llds_jax.app.config import mesh_shape
+    from llds_jax.config import mesh_shape
     from llds_jax.parallel.mesh import MeshShapeError, make_mesh
 
     c = base_config()

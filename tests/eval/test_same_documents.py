@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from llds_jax.app.config import base_config
 from llds_jax.app.run import load_policy_and_retriever as training_inputs
+from llds_jax.config import base_config
 from llds_jax.eval.run import load_policy_and_retriever as eval_inputs
 from llds_jax.parallel.mesh import make_mesh
 from llds_jax.retrieval.factory import build_retriever

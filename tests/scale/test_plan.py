@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llds_jax.app.config import base_config
+from llds_jax.config import base_config
 from llds_jax.models import Decoder
 from llds_jax.models.loading import ModelSourceError, decoder_config
 from llds_jax.plan.run import (

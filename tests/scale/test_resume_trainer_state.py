@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from llds_jax.app.config import base_config
+from llds_jax.config import base_config
 from llds_jax.models.testing import tiny_model
 from llds_jax.parallel.mesh import make_mesh
 from llds_jax.parallel.placement import shard_model

@@ -4,31 +4,28 @@ The record (``TrainBatch``) carries rewards, group ids and row weights; the upda
 advantages inside its jit; the device batch is uploaded once per step and reused by π_old,
 π_ref, the update and the Δ pass; every token array is token-aligned; RL and SFT share one
 optimizer step (``apply_update``). The numbers must be the ones the code produced before the
-change: ``pinned_update_b44de21.json`` holds them, computed at commit b44de21 (pre-change
-path: host-side advantages, per-call uploads) with the setup its ``how`` field names.
+change: ``pinned_update.json`` holds them, first computed on the pre-change path (host-side
+advantages, per-call uploads); ``pinned_update.py`` computes them and, with ``--write``, records them again.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pinned_update
 import pytest
 from train_helpers import synthetic_rollout, tiny_train_config
 
-from llds_jax.models.testing import tiny_model
-from llds_jax.parallel.mesh import make_mesh
-from llds_jax.parallel.placement import shard_model
 from llds_jax.rl.advantages import compute_advantages
 from llds_jax.train.batch import TrainBatch, next_token_targets, token_aligned
-from llds_jax.train.learner import Learner
 from llds_jax.train.state import apply_update, init_train_state, make_optimizer
 
-PINNED = json.loads((Path(__file__).parent / "pinned_update_b44de21.json").read_text())
+PINNED = json.loads(pinned_update.PATH.read_text())
 F32_EPS = float(np.finfo(np.float32).eps)
 # The same fp32 operations in a differently fused XLA program may round differently; 16 ulps of
 # the quantity's magnitude (at least 1: losses and means cancel O(1) per-token terms) bounds that.
@@ -36,13 +33,7 @@ ULPS = 16
 
 
 def _learner(mesh_shape, packing=False):
-    """``packing=False``: the padded path, which the pinned numbers were computed on."""
-    config = tiny_train_config(packing=packing)
-    config.mesh.shape = mesh_shape
-    mesh = make_mesh(mesh_shape)
-    with jax.set_mesh(mesh):
-        model = shard_model(tiny_model("qwen2"), mesh)
-    return Learner.create(model, config, mesh)
+    return pinned_update.learner(mesh_shape, packing)
 
 
 def _assert_pinned(name, got, want, floor=1.0):
@@ -57,12 +48,7 @@ def _assert_pinned(name, got, want, floor=1.0):
 
 
 def _two_steps(learner):
-    steps = []
-    for step in range(2):
-        metrics, extra = learner.update(TrainBatch.from_arrays(synthetic_rollout(seed=step), length=learner.seq_len))
-        extra["logp_now"] = learner.logprobs_now(extra["batch"])
-        steps.append((metrics, extra))
-    return learner, steps
+    return learner, pinned_update.two_steps(learner)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +64,8 @@ def packed_run():
 def test_update_metrics_advantages_and_logprobs_equal_the_pre_change_numbers(pinned_run):
     _, steps = pinned_run
     for step, ((_, extra), want) in enumerate(zip(steps, PINNED["update"])):
-        assert sorted(extra["per_mini_batch"]) == sorted(want["per_mini_batch"])
+        missing = sorted(set(want["per_mini_batch"]) - set(extra["per_mini_batch"]))
+        assert not missing, f"step {step}: the update no longer reports pinned metrics {missing}"
         for key, values in want["per_mini_batch"].items():
             _assert_pinned(f"step {step} {key}", extra["per_mini_batch"][key], values)
         _assert_pinned(f"step {step} advantages", extra["advantages"], want["advantages"])
@@ -86,6 +73,19 @@ def test_update_metrics_advantages_and_logprobs_equal_the_pre_change_numbers(pin
                        want["old_logp_row_sums"])
         _assert_pinned(f"step {step} π after the update, row sums", extra["logp_now"].sum(axis=1, dtype=np.float64),
                        want["logp_now_row_sums"])
+
+
+def test_pinned_file_is_what_its_recorder_writes_and_pins_only_update_quantities(pinned_run):
+    """``pinned_update.py --write`` regenerates the file: its record of this run has the file's keys and
+    values (to the same ulps), and the file pins no metric outside ``PINNED_PREFIXES``."""
+    assert not re.search(r"[0-9a-f]{7}", pinned_update.PATH.stem), "the golden's name must not date"
+    _, steps = pinned_run
+    for step, (got, want) in enumerate(zip(pinned_update.update_record(steps), PINNED["update"], strict=True)):
+        assert sorted(got) == sorted(want) and sorted(got["per_mini_batch"]) == sorted(want["per_mini_batch"])
+        assert all(pinned_update.pinned_metric(k) for k in want["per_mini_batch"]), sorted(want["per_mini_batch"])
+        for key in ("advantages", "old_logp_row_sums", "logp_now_row_sums"):
+            _assert_pinned(f"recorded step {step} {key}", got[key], want[key])
+    assert all(sorted(want) == sorted(pinned_update.SFT_METRICS) for want in PINNED["sft"])
 
 
 def test_packed_update_equals_the_pre_change_numbers(packed_run, pinned_run):
@@ -208,18 +208,9 @@ def test_apply_update_clips_applies_adamw_and_skips_non_finite_steps():
 
 
 def test_sft_step_through_the_shared_optimizer_step_equals_the_pre_change_numbers():
-    from llds_jax.train.sft import SFTStep
-
-    config = tiny_train_config()
-    config.sft.update(dict(batch_size=4, max_seq_len=32, warmup_steps=2))
-    mesh = make_mesh((1, 1, 1))
-    with jax.set_mesh(mesh):
-        model = shard_model(tiny_model("qwen2"), mesh)
-    sft = SFTStep(model, config, mesh)
+    sft = pinned_update.sft_step()
     for step, want in enumerate(PINNED["sft"]):
-        arrays = synthetic_rollout(seed=step, n=4)
-        metrics = sft({k: arrays[k] for k in ("input_ids", "attention_mask", "action_mask")})
-        assert sorted(metrics) == sorted(want)
+        metrics = sft(pinned_update.sft_inputs(step))
         for key, value in want.items():
             _assert_pinned(f"SFT step {step} {key}", metrics[key], value)
     assert int(sft.state.updates) == 3 and int(sft.state.step) == 3 and sft.compile_count() == 1

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llds_jax.app.config import TrainConfigError, base_config, batch_arithmetic, validate
 from llds_jax.app.sweep import expand_grid, plan
+from llds_jax.config import TrainConfigError, base_config, batch_arithmetic, validate
 from llds_jax.data.prompts import BUNDLED_DIR, PromptIterator, load_questions
 from llds_jax.train.metrics import MetricsWriter, read_metrics
 from llds_jax.train.state import learning_rate
@@ -170,6 +170,41 @@ def test_bundled_data_is_small_and_loads_with_the_shared_loader():
     assert len(load_questions(["bundled:hotpotqa_train"])) == 70
     with pytest.raises(FileNotFoundError, match="no bundled question file 'nope'"):
         load_questions(["bundled:nope"])
+
+
+def test_the_data_parallel_size_comes_from_the_rules_table():
+    """Config checks, packing and the planner read ``batch``'s mesh axes from the table (before: data × fsdp
+    by position in ``mesh.shape``), so a table that keeps the batch off ``fsdp`` changes all of them."""
+    import jax
+
+    from llds_jax.config import data_parallel_size
+    from llds_jax.parallel.mesh import make_mesh
+    from llds_jax.parallel.rules import ShardingRules, use_rules
+    from llds_jax.rollout.waves import data_devices_of_ambient_mesh
+    from llds_jax.train.packing import data_parallel_size as packing_data_parallel_size
+
+    config = base_config()
+    config.mesh.shape = (2, 4, 1)
+    mesh = make_mesh((2, 4, 1))
+    assert data_parallel_size(config, 8) == packing_data_parallel_size(mesh) == 8
+    data_only = ShardingRules.from_mapping(batch="data")
+    with use_rules(data_only), jax.set_mesh(mesh):
+        assert data_parallel_size(config, 8) == data_devices_of_ambient_mesh() == 2
+    assert packing_data_parallel_size(mesh, data_only) == data_only.shards("batch", {"data": 2, "fsdp": 4}) == 2
+    assert data_only.shards("batch", mesh, size=3) == 1  # 2 does not divide 3 rows: replicated
+
+
+def test_bundled_corpus_holds_no_protocol_markup():
+    """The shared wiki subset holds passages scraped from Search-R1 observations (``<search>``, ``<information>``,
+    ``Doc 1(Title:`` inside); retrieved into an observation they would show the policy tags it did not write."""
+    from llds_jax.data.make_bundle import has_protocol_markup
+
+    assert has_protocol_markup('x <search> q </search>\n\n<information>Doc 1(Title: "T") y</information>')
+    assert has_protocol_markup("Doc 12(Title: T) text") and has_protocol_markup("<answer> x")
+    assert not has_protocol_markup("the search for information (Title IX) <b>bold</b>")
+    with open(BUNDLED_DIR / "corpus.jsonl") as handle:
+        marked = [row["id"] for row in map(json.loads, handle) if has_protocol_markup(row["contents"])]
+    assert not marked, f"bundled passages with protocol markup: {marked}"
 
 
 def test_metrics_writer_writes_flat_strict_json_and_tensorboard(tmp_path):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 import pytest
 
-from llds_jax.app.config import base_config
+from llds_jax.config import base_config
 from llds_jax.train.loggers import backend_key, effective_loggers
 from llds_jax.train.metrics import MetricsWriter, read_metrics
 from llds_jax.train.profiling import StepProfiler, normalise_steps, trace_dir

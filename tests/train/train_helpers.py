@@ -6,7 +6,7 @@ import importlib.util
 
 import numpy as np
 
-from llds_jax.app.config import base_config
+from llds_jax.config import base_config
 
 N_PROMPTS, GROUP, SEQ = 4, 4, 32
 

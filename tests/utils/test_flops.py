@@ -72,7 +72,7 @@ def test_mfu_of_packed_rows_counts_the_used_micro_batches_and_in_segment_attenti
     attention only inside each trajectory (lengths 10, 20, 30 here)."""
     from types import SimpleNamespace
 
-    from llds_jax.app.config import base_config
+    from llds_jax.config import base_config
     from llds_jax.train.packing import PackingSizes
     from llds_jax.train.utilisation import computed_rows, step_utilisation
 

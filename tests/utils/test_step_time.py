@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from llds_jax.app.config import base_config
+from llds_jax.config import base_config
 from llds_jax.data.lengths import TrajectoryLengths, load_lengths, reference_lengths, row_lengths
 from llds_jax.models.testing import tiny_config
 from llds_jax.plan.step_time import predict_step_time, step_lengths, waves_schedule

@@ -265,7 +265,7 @@ def _timed(fn) -> float:
 # ------------------------------------------------------------------ programs
 def _trainer_config(batch: int, length: int, compute: str, params: str, remat: str, scored: int = 0):
     """The trainer's config with every loop of the update at one trip (see the module docstring)."""
-    from llds_jax.app.config import base_config
+    from llds_jax.config import base_config
 
     c = base_config()
     c.model.dtype, c.model.param_dtype, c.model.ref_dtype, c.model.remat = compute, params, params, remat

@@ -33,7 +33,8 @@ import ml_collections
 
 from llds_jax.diagnostics.monitor import MonitorConfig
 from llds_jax.errors import InputError
-from llds_jax.parallel.mesh import MeshShapeError, resolve_mesh_shape
+from llds_jax.parallel.mesh import MESH_AXES, MeshShapeError, resolve_mesh_shape
+from llds_jax.parallel.rules import current_rules
 from llds_jax.plan.config import default_plan_config
 from llds_jax.plan.config import validate as plan_validate
 from llds_jax.rl.config import validate as rl_validate
@@ -169,8 +170,8 @@ def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int, int]:
 
 
 def data_parallel_size(config, num_devices: int | None = None) -> int:
-    data, fsdp, _ = mesh_shape(config, num_devices)
-    return data * fsdp
+    """Devices the batch splits over on the configured mesh: the rules table's ``batch`` axes."""
+    return current_rules().shards("batch", dict(zip(MESH_AXES, mesh_shape(config, num_devices), strict=True)))
 
 
 # --------------------------------------------------------------- sections
