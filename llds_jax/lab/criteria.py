@@ -2,6 +2,7 @@
 
     python -m llds_jax.lab.criteria RUN_GRPO [RUN_LLDS [RUN_KL]]     # JSON to stdout
     python -m llds_jax.lab.criteria --calibrate RUN [RUN ...]        # the monitor on recorded runs
+    python -m llds_jax.lab.criteria --table LABEL=RUN [...]          # the results table (markdown)
 
 Reads ``<run>/metrics.jsonl`` (RL rows) and ``<run>/probe/<step>/probe.json``. The criteria, fixed
 before the free-form runs (docs/death_spiral_lab.md, "Pre-registered criteria"):
@@ -194,6 +195,32 @@ def evaluate(grpo_dir: str | Path, llds_dir: str | Path | None = None, kl_dir: s
     return result
 
 
+def results_table(runs: dict[str, str | Path], monitor: MonitorConfig | None = None) -> list[str]:
+    """One markdown row per run (label → run dir): the numbers docs/death_spiral_lab.md quotes."""
+    monitor = monitor or MONITORS["logodds"]
+    lines = ["| arm | steps | entropy step 0 | 10-step reward peak (step) → final | fall | valid actions 0–49 → last 10 "
+             "| action-0 log-odds (correct) 0–9 / 40–49 / last 10 | t, last 30 before fall | entropy 40–49 → last 10 "
+             "| grad norm per active row 40–49 → max (5-step median) | probe lld_share (step) | monitor phase II |",
+             "|---" * 12 + "|"]
+    for label, run_dir in runs.items():
+        rows = read_rows(Path(run_dir) / "metrics.jsonl")
+        d = describe(rows, load_probes(run_dir))
+        valid, logodds = series(rows, keys.VALID_ACTION_RATE), series(rows, LOGODDS_KEY)
+        entropy, grad = series(rows, keys.POLICY_ENTROPY), series(rows, keys.GRAD_NORM_PER_ACTIVE_ROW)
+        two = next((r.step for r in replay(rows, monitor) if r.phase >= Phase.STEADY_DECAY), None)
+        shares = ", ".join(f"{v:.2f} ({k})" for k, v in d["probe_lld_share"].items() if v is not None) or "—"
+        fmt = lambda v: "—" if v is None or not np.isfinite(v) else f"{v:.2f}"  # noqa: E731
+        lines.append(
+            f"| {label} | {d['steps']} | {fmt(d['entropy_step0'])} | {d['reward10_peak']:.3f} ({d['reward10_peak_step']}) → "
+            f"{d['reward10_final']:.3f} | {d['fall_step'] if d['fall_step'] is not None else 'none'} | "
+            f"{fmt(np.nanmean(valid[:50]))} → {fmt(np.nanmean(valid[-10:]))} | {fmt(np.nanmean(logodds[:10]))} / "
+            f"{fmt(np.nanmean(logodds[40:50]))} / {fmt(np.nanmean(logodds[-10:]))} | "
+            f"{fmt(d.get('logodds0_t_last30_before_fall'))} | {fmt(np.nanmean(entropy[40:50]))} → "
+            f"{fmt(np.nanmean(entropy[-10:]))} | {fmt(np.nanmedian(grad[40:50]))} → "
+            f"{fmt(np.nanmax(rolling(grad, 5, np.nanmedian)))} | {shares} | {two if two is not None else 'none'} |")
+    return lines
+
+
 # The monitor's phase-II rule on log-odds, over a grid: false alarms on stable runs first, then lead.
 MONITOR_GRID = {
     f"w{window}_t{decay_t:g}_p{patience}": MonitorConfig(
@@ -244,7 +271,9 @@ def calibrate_monitor(run_dirs, grid: dict[str, MonitorConfig] | None = None) ->
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--calibrate"]:
+    if sys.argv[1:2] == ["--table"]:  # --table label=RUN ...
+        print("\n".join(results_table(dict(arg.split("=", 1) for arg in sys.argv[2:]))))
+    elif sys.argv[1:2] == ["--calibrate"]:
         print(json.dumps(calibrate_monitor(sys.argv[2:]), indent=1, default=str))
     else:
         print(json.dumps(evaluate(*sys.argv[1:4]), indent=1, default=str))

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 
-from llds_jax.lab.criteria import calibrate_monitor, evaluate
+from llds_jax.lab.criteria import calibrate_monitor, evaluate, results_table
 from llds_jax.train.metrics import MetricsWriter
 
 
@@ -83,3 +83,13 @@ def test_monitor_calibration_picks_a_quiet_setting_that_warns_early_and_none_wit
     chosen = result["settings"][result["chosen"]]
     assert chosen["false_alarms"] == [] and chosen["min_lead"] >= 20, chosen
     assert calibrate_monitor(spirals)["chosen"] is None
+
+
+def test_results_table_has_one_row_per_run_with_its_fall_step(tmp_path):
+    spiral = write(tmp_path / "spiral", spiral_rows(), PROBES)
+    stable = write(tmp_path / "stable", spiral_rows(5, decay=False))
+    header, rule, *rows = results_table({"grpo": spiral, "llds": stable})
+    assert header.count("|") == rule.count("|") == rows[0].count("|") == rows[1].count("|")
+    fall = evaluate(spiral)["describe"]["fall_step"]
+    assert rows[0].startswith("| grpo |") and f"| {fall} |" in rows[0] and "0.50 (79)" in rows[0]
+    assert rows[1].startswith("| llds |") and "| none |" in rows[1]
