@@ -210,14 +210,16 @@ def results_table(runs: dict[str, str | Path], monitor: MonitorConfig | None = N
         two = next((r.step for r in replay(rows, monitor) if r.phase >= Phase.STEADY_DECAY), None)
         shares = ", ".join(f"{v:.2f} ({k})" for k, v in d["probe_lld_share"].items() if v is not None) or "—"
         fmt = lambda v: "—" if v is None or not np.isfinite(v) else f"{v:.2f}"  # noqa: E731
+        mean = lambda v: np.nanmean(v) if np.isfinite(v).any() else np.nan  # noqa: E731
+        median = lambda v: np.nanmedian(v) if np.isfinite(v).any() else np.nan  # noqa: E731
         lines.append(
             f"| {label} | {d['steps']} | {fmt(d['entropy_step0'])} | {d['reward10_peak']:.3f} ({d['reward10_peak_step']}) → "
             f"{d['reward10_final']:.3f} | {d['fall_step'] if d['fall_step'] is not None else 'none'} | "
-            f"{fmt(np.nanmean(valid[:50]))} → {fmt(np.nanmean(valid[-10:]))} | {fmt(np.nanmean(logodds[:10]))} / "
-            f"{fmt(np.nanmean(logodds[40:50]))} / {fmt(np.nanmean(logodds[-10:]))} | "
-            f"{fmt(d.get('logodds0_t_last30_before_fall'))} | {fmt(np.nanmean(entropy[40:50]))} → "
-            f"{fmt(np.nanmean(entropy[-10:]))} | {fmt(np.nanmedian(grad[40:50]))} → "
-            f"{fmt(np.nanmax(rolling(grad, 5, np.nanmedian)))} | {shares} | {two if two is not None else 'none'} |")
+            f"{fmt(mean(valid[:50]))} → {fmt(mean(valid[-10:]))} | {fmt(mean(logodds[:10]))} / "
+            f"{fmt(mean(logodds[40:50]))} / {fmt(mean(logodds[-10:]))} | "
+            f"{fmt(d.get('logodds0_t_last30_before_fall'))} | {fmt(mean(entropy[40:50]))} → "
+            f"{fmt(mean(entropy[-10:]))} | {fmt(median(grad[40:50]))} → "
+            f"{fmt(np.nanmax(rolling(grad, 5, np.nanmedian)) if np.isfinite(grad).any() else np.nan)} | {shares} | {two if two is not None else 'none'} |")
     return lines
 
 
