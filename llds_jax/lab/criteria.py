@@ -1,6 +1,8 @@
 """Issue 43's pre-registered acceptance criteria, computed from a run's files (no judgement by eye).
 
-    python -m llds_jax.lab.criteria RUN_GRPO [RUN_LLDS]     # JSON to stdout
+    python -m llds_jax.lab.criteria RUN_GRPO [RUN_LLDS [RUN_KL]]     # JSON to stdout
+    python -m llds_jax.lab.criteria --calibrate RUN [RUN ...]        # the monitor on recorded runs
+    python -m llds_jax.lab.criteria --table LABEL=RUN [...]          # the results table (markdown)
 
 Reads ``<run>/metrics.jsonl`` (RL rows) and ``<run>/probe/<step>/probe.json``. The criteria, fixed
 before the free-form runs (docs/death_spiral_lab.md, "Pre-registered criteria"):
@@ -14,7 +16,11 @@ before the free-form runs (docs/death_spiral_lab.md, "Pre-registered criteria"):
     median entropy reaches 3× the window's mean and the 5-step median normalised grad norm 2×
     the window's median, at or before the first step whose 10-step reward is below half its
     peak so far;
-(c) **LLDS protects**: the LLDS run's final 10-step reward ≥ 70 % of its own peak and ≥ GRPO's.
+(c) **LLDS protects**: the LLDS run's final 10-step reward ≥ 70 % of its own peak and ≥ GRPO's;
+(d) **KL 0.02 protects less**: LLDS meets (c) and the KL run does not, or both do and LLDS's final
+    10-step reward is higher (if KL protects as well, LLDS acts as a generic anchor here). The
+    monitor half of (d) is :func:`calibrate_monitor`: settings are judged on stable runs (no fall)
+    for false alarms first, then on the collapses for lead time.
 
 The honest negative: (a) absent — the report says when the log-odds started to fall relative to
 the break and what the probe share was.
@@ -156,7 +162,12 @@ def monitor_onsets(rows, fall_step: int | None) -> dict:
     return out
 
 
-def evaluate(grpo_dir: str | Path, llds_dir: str | Path | None = None) -> dict:
+def protects(run: dict, grpo: dict) -> bool:
+    """(c)'s rule for one regularised run's ``describe`` against its GRPO seed's."""
+    return bool(run["reward10_final"] >= 0.7 * run["reward10_peak"] and run["reward10_final"] >= grpo["reward10_final"])
+
+
+def evaluate(grpo_dir: str | Path, llds_dir: str | Path | None = None, kl_dir: str | Path | None = None) -> dict:
     rows, probes = read_rows(Path(grpo_dir) / "metrics.jsonl"), load_probes(grpo_dir)
     windows = phase_two_windows(rows, probes)
     result = {"run": str(grpo_dir), "describe": describe(rows, probes), "a_phase_two": bool(windows),
@@ -169,10 +180,102 @@ def evaluate(grpo_dir: str | Path, llds_dir: str | Path | None = None) -> dict:
         llds = describe(llds_rows, load_probes(llds_dir))
         result["llds"] = {"run": str(llds_dir), "describe": llds,
                           "monitor": monitor_onsets(llds_rows, llds["fall_step"]),
-                          "c_protects": bool(llds["reward10_final"] >= 0.7 * llds["reward10_peak"]
-                                             and llds["reward10_final"] >= result["describe"]["reward10_final"])}
+                          "c_protects": protects(llds, result["describe"])}
+    if kl_dir is not None:
+        kl_rows = read_rows(Path(kl_dir) / "metrics.jsonl")
+        kl = describe(kl_rows, load_probes(kl_dir))
+        kl_ok = protects(kl, result["describe"])
+        entry = {"run": str(kl_dir), "describe": kl, "monitor": monitor_onsets(kl_rows, kl["fall_step"]),
+                 "protects_by_c": kl_ok}
+        if llds_dir is not None:
+            llds_ok = result["llds"]["c_protects"]
+            entry["d_kl_protects_less"] = bool(llds_ok and (not kl_ok or result["llds"]["describe"]["reward10_final"]
+                                                            > kl["reward10_final"]))
+        result["kl"] = entry
     return result
 
 
+def results_table(runs: dict[str, str | Path], monitor: MonitorConfig | None = None) -> list[str]:
+    """One markdown row per run (label → run dir): the numbers docs/death_spiral_lab.md quotes."""
+    monitor = monitor or MONITORS["logodds"]
+    lines = ["| arm | steps | entropy step 0 | 10-step reward peak (step) → final | fall | valid actions 0–49 → last 10 "
+             "| action-0 log-odds (correct) 0–9 / 40–49 / last 10 | t, last 30 before fall | entropy 40–49 → last 10 "
+             "| grad norm per active row 40–49 → max (5-step median) | probe lld_share (step) | monitor phase II |",
+             "|---" * 12 + "|"]
+    for label, run_dir in runs.items():
+        rows = read_rows(Path(run_dir) / "metrics.jsonl")
+        d = describe(rows, load_probes(run_dir))
+        valid, logodds = series(rows, keys.VALID_ACTION_RATE), series(rows, LOGODDS_KEY)
+        entropy, grad = series(rows, keys.POLICY_ENTROPY), series(rows, keys.GRAD_NORM_PER_ACTIVE_ROW)
+        two = next((r.step for r in replay(rows, monitor) if r.phase >= Phase.STEADY_DECAY), None)
+        shares = ", ".join(f"{v:.2f} ({k})" for k, v in d["probe_lld_share"].items() if v is not None) or "—"
+        fmt = lambda v: "—" if v is None or not np.isfinite(v) else f"{v:.2f}"  # noqa: E731
+        mean = lambda v: np.nanmean(v) if np.isfinite(v).any() else np.nan  # noqa: E731
+        median = lambda v: np.nanmedian(v) if np.isfinite(v).any() else np.nan  # noqa: E731
+        lines.append(
+            f"| {label} | {d['steps']} | {fmt(d['entropy_step0'])} | {d['reward10_peak']:.3f} ({d['reward10_peak_step']}) → "
+            f"{d['reward10_final']:.3f} | {d['fall_step'] if d['fall_step'] is not None else 'none'} | "
+            f"{fmt(mean(valid[:50]))} → {fmt(mean(valid[-10:]))} | {fmt(mean(logodds[:10]))} / "
+            f"{fmt(mean(logodds[40:50]))} / {fmt(mean(logodds[-10:]))} | "
+            f"{fmt(d.get('logodds0_t_last30_before_fall'))} | {fmt(mean(entropy[40:50]))} → "
+            f"{fmt(mean(entropy[-10:]))} | {fmt(median(grad[40:50]))} → "
+            f"{fmt(np.nanmax(rolling(grad, 5, np.nanmedian)) if np.isfinite(grad).any() else np.nan)} | {shares} | {two if two is not None else 'none'} |")
+    return lines
+
+
+# The monitor's phase-II rule on log-odds, over a grid: false alarms on stable runs first, then lead.
+MONITOR_GRID = {
+    f"w{window}_t{decay_t:g}_p{patience}": MonitorConfig(
+        likelihood_key=LOGODDS_KEY, grad_norm_key=keys.GRAD_NORM_PER_ACTIVE_ROW,
+        window=window, decay_t=decay_t, patience=patience)
+    for window in (20, 30, 50) for decay_t in (3.0, 4.0, 5.0) for patience in (3, 5, 10)
+}
+
+
+def calibrate_monitor(run_dirs, grid: dict[str, MonitorConfig] | None = None) -> dict:
+    """Replay each setting over recorded runs. A run is *stable* when its 10-step reward never falls
+    below half its peak (:func:`collapse_step`); any phase II/III flag on it is a false alarm. On the
+    others, lead = fall step − phase-II onset (negative: after the fall; None: never flagged).
+
+    The chosen setting is the one with no false alarm and the largest smallest lead (ties: the
+    most conservative, i.e. highest ``decay_t``, then ``patience``); with no stable run among the
+    inputs nothing is chosen — false alarms cannot be measured, and a rule picked on the
+    collapses alone would be fitted to them.
+    """
+    grid = MONITOR_GRID if grid is None else grid
+    runs = {}
+    for run_dir in run_dirs:
+        rows = read_rows(Path(run_dir) / "metrics.jsonl")
+        runs[str(run_dir)] = (rows, collapse_step(series(rows, "step"), series(rows, keys.REWARD_MEAN)))
+    stable = sorted(name for name, (_, fall) in runs.items() if fall is None)
+    table = {}
+    for setting, config in grid.items():
+        alarms, leads = [], {}
+        for name, (rows, fall) in runs.items():
+            reports = replay(rows, config)
+            flagged = next((r.step for r in reports if r.phase >= Phase.STEADY_DECAY), None)
+            if fall is None:
+                if flagged is not None:
+                    alarms.append(name)
+            else:
+                two = next((r.step for r in reports if r.phase is Phase.STEADY_DECAY and r.changed), None)
+                leads[name] = None if two is None else fall - two
+        known = [lead for lead in leads.values() if lead is not None]
+        table[setting] = {"false_alarms": alarms, "leads": leads,
+                          "min_lead": min(known) if known and len(known) == len(leads) else None}
+    chosen = None
+    if stable:
+        quiet = [(table[s]["min_lead"], grid[s].decay_t, grid[s].patience, s) for s in table
+                 if not table[s]["false_alarms"] and table[s]["min_lead"] is not None]
+        chosen = max(quiet)[3] if quiet else None
+    return {"stable_runs": stable, "collapsing_runs": {n: f for n, (_, f) in runs.items() if f is not None},
+            "chosen": chosen, "settings": table}
+
+
 if __name__ == "__main__":
-    print(json.dumps(evaluate(*sys.argv[1:3]), indent=1, default=str))
+    if sys.argv[1:2] == ["--table"]:  # --table label=RUN ...
+        print("\n".join(results_table(dict(arg.split("=", 1) for arg in sys.argv[2:]))))
+    elif sys.argv[1:2] == ["--calibrate"]:
+        print(json.dumps(calibrate_monitor(sys.argv[2:]), indent=1, default=str))
+    else:
+        print(json.dumps(evaluate(*sys.argv[1:4]), indent=1, default=str))

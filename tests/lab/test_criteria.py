@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 
-from llds_jax.lab.criteria import evaluate
+from llds_jax.lab.criteria import calibrate_monitor, evaluate, results_table
 from llds_jax.train.metrics import MetricsWriter
 
 
@@ -59,3 +59,37 @@ def test_the_monitor_on_log_odds_warns_before_the_fall_of_a_textbook_spiral(tmp_
     result = evaluate(write(tmp_path / "grpo", spiral_rows(), PROBES))
     logodds = result["monitor"]["logodds"]
     assert logodds["phase2"] is not None and logodds["lead"] >= 20, logodds
+
+
+def test_d_kl_protects_less_only_when_llds_holds_and_kl_does_not(tmp_path):
+    grpo = write(tmp_path / "grpo", spiral_rows(), PROBES)
+    llds = write(tmp_path / "llds", spiral_rows(1, decay=False))
+    kl_falls = write(tmp_path / "kl_falls", spiral_rows(3))
+    kl_holds = write(tmp_path / "kl_holds", spiral_rows(4, decay=False))
+    assert evaluate(grpo, llds, kl_falls)["kl"]["d_kl_protects_less"]
+    both = evaluate(grpo, llds, kl_holds)["kl"]
+    assert both["protects_by_c"]
+    # both hold: decided by the final rewards alone (two draws of the same stable level)
+    finals = evaluate(grpo, llds)["llds"]["describe"]["reward10_final"], both["describe"]["reward10_final"]
+    assert both["d_kl_protects_less"] == (finals[0] > finals[1])
+    assert not evaluate(grpo, kl_falls, llds)["kl"]["d_kl_protects_less"]  # "LLDS" that falls protects nothing
+
+
+def test_monitor_calibration_picks_a_quiet_setting_that_warns_early_and_none_without_stable_runs(tmp_path):
+    spirals = [write(tmp_path / f"spiral{s}", spiral_rows(s)) for s in range(2)]
+    stables = [write(tmp_path / f"stable{s}", spiral_rows(10 + s, decay=False)) for s in range(2)]
+    result = calibrate_monitor(spirals + stables)
+    assert result["stable_runs"] == sorted(str(s) for s in stables)
+    chosen = result["settings"][result["chosen"]]
+    assert chosen["false_alarms"] == [] and chosen["min_lead"] >= 20, chosen
+    assert calibrate_monitor(spirals)["chosen"] is None
+
+
+def test_results_table_has_one_row_per_run_with_its_fall_step(tmp_path):
+    spiral = write(tmp_path / "spiral", spiral_rows(), PROBES)
+    stable = write(tmp_path / "stable", spiral_rows(5, decay=False))
+    header, rule, *rows = results_table({"grpo": spiral, "llds": stable})
+    assert header.count("|") == rule.count("|") == rows[0].count("|") == rows[1].count("|")
+    fall = evaluate(spiral)["describe"]["fall_step"]
+    assert rows[0].startswith("| grpo |") and f"| {fall} |" in rows[0] and "0.50 (79)" in rows[0]
+    assert rows[1].startswith("| llds |") and "| none |" in rows[1]
