@@ -195,7 +195,7 @@ def paper_schedule(reference: Path, segment: int | None, retrieval_steps: int) -
         engine = simulate_engine_groups(
             lengths, hosts, memory.slots_per_device * group_devices, segment=segment,
             prefill_chunk=int(rollout.prefill_chunk), retrieval_steps=retrieval_steps,
-            max_tokens=int(rollout.max_context), kv_blocks=memory.kv_blocks_per_device * group_devices,
+            max_tokens=int(rollout.max_context), kv_blocks=memory.kv_blocks_per_device, devices=group_devices,
             block_size=memory.block_tokens)
         engine.update(slots_per_device=memory.slots_per_device, kv_blocks_per_device=memory.kv_blocks_per_device)
         waves = simulate_waves(lengths, rows, prefill_chunk=int(rollout.prefill_chunk),
