@@ -412,7 +412,7 @@ class Decoder(nnx.Module):
             def attend_cache(q, k, v, layer=layer):
                 if paged:
                     attn, k_all, v_all = attend_paged(q, k, v, cache.k[layer], cache.v[layer], cache.table, slots,
-                                                      token_mask)
+                                                      token_mask, backend)
                 else:
                     attn, k_all, v_all = attend_cached(q, k, v, cache.k[layer], cache.v[layer], mask, backend)
                 return attn, (k_all, v_all)

@@ -93,9 +93,16 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: j
 
 
 def attend_paged(q: jax.Array, k: jax.Array, v: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array,
-                 slots: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 slots: jax.Array, token_mask: jax.Array, backend: str = "xla_blockwise"
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write a chunk's k, v [B, T, KVH, Dh] at ``slots`` and attend q over the paged cache:
-    (attention, k_pool, v_pool)."""
+    (attention, k_pool, v_pool). Under ``splash`` (TPU) a one-token decode runs the Pallas kernel
+    that DMAs each row's live blocks through its table (``decode_tpu.paged_decode_and_write``)."""
+    if backend == "splash" and q.shape[1] == 1:
+        from llds_jax.models.attention import decode_tpu  # noqa: PLC0415  (Pallas TPU dialect: TPU programs only)
+
+        if k_pool.shape[3] % decode_tpu.row_tile(k_pool.dtype) == 0:
+            return decode_tpu.paged_decode_and_write(q, k, v, k_pool, v_pool, table, slots[:, 0], token_mask[:, 0])
     k_pool = paged_write(k_pool, k, table, slots, token_mask)
     v_pool = paged_write(v_pool, v, table, slots, token_mask)
     return paged_attention(q, k_pool, v_pool, table, slots, token_mask), k_pool, v_pool
