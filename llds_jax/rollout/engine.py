@@ -117,10 +117,16 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
             slot = slot_of.pop(victim)
             session.stop_action(slot)
             session.set_blocks(slot, [])
+            tables[slot] = []
+
+    tables: dict[int, list[int]] = {}  # session row -> the blocks its table was last set to (None: unknown)
 
     def sync_tables() -> None:  # each slot's block table is its trajectory's, as the scheduler holds it
         for slot, owner in enumerate(scheduler.slot_owner):
-            session.set_blocks(row_of[slot], [] if owner is None else scheduler.entries[owner].blocks)
+            blocks = [] if owner is None else scheduler.entries[owner].blocks
+            if tables.get(row_of[slot]) != blocks:
+                session.set_blocks(row_of[slot], blocks)
+                tables[row_of[slot]] = list(blocks)
 
     def feedback(row: int, text: str) -> None:
         traj = trajectories[row]
@@ -136,6 +142,7 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
             for slot, row in scheduler.admit():
                 slot_of[row] = row_of[slot]
                 session.reset(slot_of[row], row, drawn[row])
+                tables[slot_of[row]] = []
             for row in scheduler.in_phase(Phase.APPEND):  # blocks first: a later reservation may preempt
                 if scheduler.entries[row].phase is Phase.APPEND:
                     preempted(scheduler.reserve(row, 0))
@@ -177,7 +184,7 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
                 counts["busy_rows_per_device"] = [max(a, int(b)) for a, b in zip(counts["busy_rows_per_device"], busy)]
                 timings["decode_s"] += time.perf_counter() - clock
                 counts["decode_calls"] += 1
-                _end_actions(ended, session, scheduler, trajectories, slot_of, drawn, retrieval, vocab, tokenizer,
+                _end_actions(ended, session, scheduler, trajectories, slot_of, drawn, retrieval, tables, vocab, tokenizer,
                              config)
             elif retrieval.busy:
                 clock = time.perf_counter()
@@ -201,7 +208,7 @@ def _rows_per_device(session: SlotSession) -> list[int]:
     return [int(shard.data.shape[0]) for shard in session.logits.addressable_shards]
 
 
-def _end_actions(ended, session: SlotSession, scheduler: Scheduler, trajectories, slot_of, drawn, retrieval,
+def _end_actions(ended, session: SlotSession, scheduler: Scheduler, trajectories, slot_of, drawn, retrieval, tables,
                  vocab, tokenizer, config) -> None:
     """Record the actions that ended this call (slot order), cut them, and move each trajectory on."""
     owner = {slot: row for row, slot in slot_of.items()}
@@ -225,4 +232,5 @@ def _end_actions(ended, session: SlotSession, scheduler: Scheduler, trajectories
     if cuts:
         for slot in cuts:  # the cut rewrites a kept id: through the table the scheduler now holds
             session.set_blocks(slot, scheduler.entries[owner[slot]].blocks)
+            tables[slot] = list(scheduler.entries[owner[slot]].blocks)
         session.cut(cuts)
