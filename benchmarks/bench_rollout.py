@@ -26,6 +26,9 @@ planner's memory arithmetic derives for each target; ``--json`` prints
 
     .venv/bin/python benchmarks/bench_rollout.py --paper-schedule [--json]
 
+``--default-job`` takes the default job's rollout section and prompt count
+(``configs/cpu_smoke.py``) instead of the flags, and times ``--engines`` side by side.
+
 Every measurement records wall and CPU seconds; append and re-prefill alternate per repeat.
 Refuses to run on a loaded machine unless ``--allow-noisy`` (benchmarks/_harness.py);
 ``--json`` prints one JSON object.
@@ -195,7 +198,7 @@ def paper_schedule(reference: Path, segment: int | None, retrieval_steps: int) -
         engine = simulate_engine_groups(
             lengths, hosts, memory.slots_per_device * group_devices, segment=segment,
             prefill_chunk=int(rollout.prefill_chunk), retrieval_steps=retrieval_steps,
-            max_tokens=int(rollout.max_context), kv_blocks=memory.kv_blocks_per_device * group_devices,
+            max_tokens=int(rollout.max_context), kv_blocks=memory.kv_blocks_per_device, devices=group_devices,
             block_size=memory.block_tokens)
         engine.update(slots_per_device=memory.slots_per_device, kv_blocks_per_device=memory.kv_blocks_per_device)
         waves = simulate_waves(lengths, rows, prefill_chunk=int(rollout.prefill_chunk),
@@ -252,6 +255,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rollout-repeats", type=int, default=1, help="timed rollouts (after one warm-up)")
     parser.add_argument("--engines", default="waves,continuous", help="rollout.engine values to time side by side")
+    parser.add_argument("--default-job", action="store_true",
+                        help="the default job's rollout settings and prompts per step (configs/cpu_smoke.py)")
     _harness.add_arguments(parser)
     args = parser.parse_args()
     if args.paper_schedule:
@@ -266,10 +271,16 @@ def main():
     gguf = smollm2_gguf_path()
     tokenizer = load_gguf_tokenizer(gguf)
     model = from_pretrained(gguf)
-    questions = load_questions(Path(args.question_file), args.questions)
-    cfg = default_config()
-    cfg.update(dict(n_samples=args.n_samples, max_turns=args.max_turns, max_action_tokens=args.max_action_tokens,
-                    max_context=args.max_context))
+    if args.default_job:
+        job = _load_config("cpu_smoke.py")
+        questions = load_questions(Path(args.question_file), int(job.train.prompts_per_step))
+        cfg = job.rollout.copy_and_resolve_references()
+        session.settings["config"] = "configs/cpu_smoke.py (rollout section, train.prompts_per_step)"
+    else:
+        questions = load_questions(Path(args.question_file), args.questions)
+        cfg = default_config()
+        cfg.update(dict(n_samples=args.n_samples, max_turns=args.max_turns, max_action_tokens=args.max_action_tokens,
+                        max_context=args.max_context))
     session.settings.update(temperature=cfg.temperature, top_p=cfg.top_p)
     session.log(f"{len(questions)} questions x {cfg.n_samples} samples, max_turns {cfg.max_turns} (+ final turn) ...")
     rollout_with_model(session, model, tokenizer, questions, retriever, cfg, args.rollout_repeats,

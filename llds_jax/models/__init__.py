@@ -83,6 +83,7 @@ from llds_jax.models.decoder import (
     params_in_compute_dtype,
     positions_from_mask,
 )
+from llds_jax.models.paged_cache import PagedKVCache, init_paged_pools, paged_pool_bytes
 
 __all__ = [
     "cache_logical_axes",
@@ -92,6 +93,9 @@ __all__ = [
     "Decoder",
     "DecoderConfig",
     "KVCache",
+    "PagedKVCache",
+    "init_paged_pools",
+    "paged_pool_bytes",
     "from_pretrained",
     "init_cache",
     "positions_from_mask",

@@ -37,7 +37,9 @@ from llds_jax.models.attention import (
     target_platform,
 )
 from llds_jax.models.attention.mask import segment_positions
+from llds_jax.models.attention.paged import attend_paged
 from llds_jax.models.config import DecoderConfig
+from llds_jax.models.paged_cache import PagedKVCache
 from llds_jax.parallel.rules import ShardingRules, constrain, logical_to_sharding
 
 INIT_STD = 0.02  # HF initializer_range default for these families
@@ -364,7 +366,7 @@ class Decoder(nnx.Module):
         stacked = self.layers.stacked()
         return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(self.config.num_layers))
 
-    def forward_cached(self, tokens: jax.Array, cache: KVCache, token_mask: jax.Array | None = None,
+    def forward_cached(self, tokens: jax.Array, cache: KVCache | PagedKVCache, token_mask: jax.Array | None = None,
                        positions: jax.Array | None = None, *, all_logits: bool = False,
                        layer_weights: tuple[dict[str, jax.Array], ...] | None = None
                        ) -> tuple[jax.Array, KVCache]:
@@ -380,6 +382,10 @@ class Decoder(nnx.Module):
 
         Returns logits fp32 [B, V] at each row's last real token (``all_logits``: [B, T, V])
         and the new cache. ``layer_weights``: :meth:`layer_weights`, when the caller hoists them.
+
+        A :class:`~llds_jax.models.paged_cache.PagedKVCache` (rows without holes, real tokens a
+        prefix of each row's chunk) is written and read through its block table
+        (``attention/paged.py``); masked tokens are not written at all.
         """
         batch, length = tokens.shape
         if token_mask is None:
@@ -388,9 +394,11 @@ class Decoder(nnx.Module):
         if positions is None:
             positions = cache.next_positions()[:, None] + positions_from_mask(token_mask)
         slots = cache.end[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
-        rows = jnp.arange(batch)[:, None]
-        valid = cache.valid.at[rows, slots].set(token_mask, mode="drop")
-        mask = AttentionMask.cached(slots, valid)  # a key is seen iff valid and at or before the query's slot
+        paged = isinstance(cache, PagedKVCache)
+        if not paged:
+            rows = jnp.arange(batch)[:, None]
+            valid = cache.valid.at[rows, slots].set(token_mask, mode="drop")
+            mask = AttentionMask.cached(slots, valid)  # a key is seen iff valid and at or before the query's slot
         cos, sin = self._rope(positions)
         backend = resolve_backend(self.config.attention, target_platform())
         if layer_weights is None:
@@ -402,7 +410,11 @@ class Decoder(nnx.Module):
         for layer, weights in enumerate(layer_weights):
 
             def attend_cache(q, k, v, layer=layer):
-                attn, k_all, v_all = attend_cached(q, k, v, cache.k[layer], cache.v[layer], mask, backend)
+                if paged:
+                    attn, k_all, v_all = attend_paged(q, k, v, cache.k[layer], cache.v[layer], cache.table, slots,
+                                                      token_mask, backend)
+                else:
+                    attn, k_all, v_all = attend_cached(q, k, v, cache.k[layer], cache.v[layer], mask, backend)
                 return attn, (k_all, v_all)
 
             x, (k_layer, v_layer) = _block(self.config, weights, x, cos, sin, attend_cache)
@@ -410,7 +422,11 @@ class Decoder(nnx.Module):
             new_v.append(v_layer)
         hidden = L.rms_norm(x, self.final_norm[...], self.config.rms_eps)
         last_real = jnp.max(jnp.where(token_mask, jnp.arange(length)[None, :] + 1, 0), axis=-1)
-        new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid, end=cache.end + last_real.astype(jnp.int32))
+        end = cache.end + last_real.astype(jnp.int32)
+        if paged:
+            new_cache = PagedKVCache(k=tuple(new_k), v=tuple(new_v), table=cache.table, end=end)
+        else:
+            new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid, end=end)
         if all_logits:
             return self.logits_from_hidden(hidden), new_cache
         last_hidden = jnp.take_along_axis(hidden, jnp.maximum(last_real - 1, 0)[:, None, None], axis=1)

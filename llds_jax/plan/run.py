@@ -228,6 +228,12 @@ def make_plan(config, target: Target | None = None) -> Plan:
     batch = TrainBatch.abstract(trajectories, length, with_ref=state.ref_params is not None, mesh=mesh, rules=rules,
                                 packing=packing, with_sampler=config.rl.rollout_correction != "none")
     cache = abstract_cache(decoder_cfg, rollout_rows, int(config.rollout.max_context), mesh, rules)
+    sampler_rows = {"prefill": rollout_rows, "decode": rollout_rows}
+    engine = _engine_layout(config, section, decoder_cfg, target, devices, trajectories, dp_rows)
+    if engine is not None:  # the continuous engine compiles on its paged cache: its slots, its pool
+        cache = _abstract_paged_cache(decoder_cfg, config.rollout, engine, dp_rows, mesh, rules)
+        sampler_rows = {"prefill": min(int(config.rollout.get("prefill_rows", 16)), engine.slots_per_device) * dp_rows,
+                        "decode": engine.slots_per_device * dp_rows}
     parameters = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     resident = {
         "params": bytes_per_device(state.params),
@@ -260,8 +266,8 @@ def make_plan(config, target: Target | None = None) -> Plan:
             if phase in phases:
                 programs[phase] = compile_program(
                     phase, _cached_forward(graphdef, mesh, rules), state.params,
-                    _row_array((rollout_rows, sampler_tokens[phase]), jnp.int32, mesh, rules),
-                    cache, _row_array((rollout_rows, sampler_tokens[phase]), jnp.bool_, mesh, rules),
+                    _row_array((sampler_rows[phase], sampler_tokens[phase]), jnp.int32, mesh, rules),
+                    cache, _row_array((sampler_rows[phase], sampler_tokens[phase]), jnp.bool_, mesh, rules),
                     platform=target.platform)
     dp = dp_rows
     heads = decoder_cfg.num_heads // rules.shards("act_heads", mesh, decoder_cfg.num_heads)
@@ -278,7 +284,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
         return queries, min(keys, DEFAULT_BLOCK if full_sequence else CACHED_BLOCK)
 
     rows = {"update": config.train.micro_batch_size, "logprobs": config.train.logprob_batch_size,
-            "prefill": rollout_rows, "decode": rollout_rows}
+            **sampler_rows}
     if packing is not None:  # both passes run micro-batches of packed rows
         rows["update"] = rows["logprobs"] = packing.rows
     queries = {"update": length, "logprobs": length, "prefill": prompt, "decode": 1}
@@ -353,27 +359,50 @@ def _rollout_rows(config, section, decoder_cfg, target, devices, trajectories: i
     waves = -(-trajectories // rows)
     note = (f"the rollout decodes {trajectories} trajectories in {waves} wave(s) of {rows} rows "
             f"({source}); KV cache {rows} rows x {context} slots")
-    if config.rollout.get("engine", "waves") == "continuous":
-        note += (f"; rollout.engine=continuous runs {rows // dp} slots per device on these dense rows, no turn "
-                 f"barrier" + _paged_note(config, section, decoder_cfg, target, devices, trajectories, dp))
+    engine = _engine_layout(config, section, decoder_cfg, target, devices, trajectories, dp)
+    if engine is not None:
+        note = (f"the rollout engine (rollout.engine=continuous, paged KV) runs {engine.slots_per_device} slots "
+                f"and a pool of {engine.kv_blocks_per_device} KV blocks of {engine.block_tokens} tokens "
+                f"({engine.kv_tokens_per_device} tokens) per device for {trajectories} trajectories; prefill "
+                f"and decode below compile on that paged cache")
     return rows, note
 
 
-def _paged_note(config, section, decoder_cfg, target, devices, trajectories: int, dp: int) -> str:
-    """What a KV cache that follows length would hold per device (``rollout/kv_plan.py``)."""
-    from llds_jax.rollout.kv_plan import engine_memory  # noqa: PLC0415
-    from llds_jax.rollout.waves import RolloutMemoryError  # noqa: PLC0415
+def _engine_layout(config, section, decoder_cfg, target, devices, trajectories: int, dp: int):
+    """The continuous engine's per-device slots and KV pool on the target (``rollout/kv_plan.py``,
+    as the engine sizes itself), or None under the waves or without a target memory."""
+    if config.rollout.get("engine", "waves") != "continuous":
+        return None
+    from llds_jax.rollout.kv_plan import EngineMemory, engine_memory  # noqa: PLC0415
 
     device_bytes = HARDWARE[target.hardware][1] if target.hardware else device_memory_limit(section, devices)
-    if not device_bytes:
-        return ""
-    try:
-        memory = engine_memory(decoder_cfg, config.rollout, int(device_bytes), -(-trajectories // dp))
-    except RolloutMemoryError as error:
-        return f"; paged KV: {error}"
-    return (f"; with paged KV (rollout.slot_tokens={config.rollout.get('slot_tokens', 512)}) "
-            f"{memory.slots_per_device} slots and {memory.kv_blocks_per_device} KV blocks of "
-            f"{memory.block_tokens} tokens ({memory.kv_tokens_per_device} tokens) per device")
+    explicit = int(config.rollout.get("max_concurrent_rows", 0))
+    if explicit or not device_bytes:
+        if not explicit:
+            return None
+        block = int(config.rollout.get("kv_block_tokens", 128))
+        slots = -(-min(explicit, trajectories) // dp)
+        blocks = int(config.rollout.get("kv_blocks", 0)) or slots * -(-int(config.rollout.max_context) // block)
+        return EngineMemory(slots, blocks, block, 0, 0, 0)
+    memory = engine_memory(decoder_cfg, config.rollout, int(device_bytes), -(-trajectories // dp))
+    configured = int(config.rollout.get("kv_blocks", 0))
+    return dataclasses.replace(memory, kv_blocks_per_device=configured) if configured else memory
+
+
+def _abstract_paged_cache(decoder_cfg, rollout_config, engine, dp: int, mesh, rules):
+    """The engine's paged cache (``models.PagedKVCache``) as sharded shapes: each data device its pool."""
+    from llds_jax.models import PagedKVCache  # noqa: PLC0415
+    from llds_jax.sampling.session import cache_slot_limit  # noqa: PLC0415
+
+    block = engine.block_tokens
+    pool = (dp, engine.kv_blocks_per_device, decoder_cfg.num_kv_heads, block, decoder_cfg.head_dim)
+    pool = jax.ShapeDtypeStruct(pool, jnp.dtype(decoder_cfg.dtype),
+                                sharding=rules.sharding(("batch", None, None, None, None), mesh, pool))
+    rows = engine.slots_per_device * dp
+    columns = -(-cache_slot_limit(int(rollout_config.max_context)) // block)
+    return PagedKVCache(k=(pool,) * decoder_cfg.num_layers, v=(pool,) * decoder_cfg.num_layers,
+                        table=_row_array((rows, columns), jnp.int32, mesh, rules),
+                        end=_row_array((rows,), jnp.int32, mesh, rules))
 
 
 def _attention_kernel(requested: str, platform: str, *, full_sequence: bool) -> str:

@@ -138,16 +138,17 @@ def engine_schedule(config, model_cfg, trajectories: list[TrajectoryLengths], *,
     from llds_jax.rollout.schedule_sim import simulate_engine  # noqa: PLC0415
 
     rollout = config.rollout
-    kv_blocks, block = None, int(rollout.get("kv_block_tokens", 128))
-    if paged:
+    kv_blocks, block, devices = None, int(rollout.get("kv_block_tokens", 128)), 1
+    if paged:  # each sampler device its own pool, as the engine's paged cache
         memory = engine_memory(model_cfg, rollout, int(device_bytes), -(-len(trajectories) // sampler_devices))
-        slots, kv_blocks, block = memory.slots_per_device * sampler_devices, memory.kv_blocks_per_device * sampler_devices, memory.block_tokens
+        slots, kv_blocks, block = memory.slots_per_device * sampler_devices, memory.kv_blocks_per_device, memory.block_tokens
+        devices = sampler_devices
     else:
         slots = min(len(trajectories), waves_rows * sampler_devices)
     run = simulate_engine(trajectories, slots,
                           segment=int(rollout.get("segment_tokens", 8)), prefill_chunk=int(rollout.prefill_chunk) or 512,
                           retrieval_steps=retrieval_steps, max_tokens=int(rollout.max_context), kv_blocks=kv_blocks,
-                          block_size=block)
+                          block_size=block, devices=devices)
     waves = waves_schedule(trajectories, max(1, len(trajectories)), int(rollout.max_turns))  # the work, not the order
     return dataclasses.replace(waves, name="engine, paged plan" if paged else "engine, dense rows",
                                decode_steps=int(run["decode_steps"]) + int(run["retrieval_wait_steps"]),

@@ -36,8 +36,8 @@ def default_config() -> ml_collections.ConfigDict:
         engine="waves",
         segment_tokens=8,          # continuous: decode steps per device call before the host looks at the slots
         sampler_devices=0,         # continuous: local devices that hold rows (0 = one, -1 = all; weights replicated)
-        kv_block_tokens=128,       # continuous: tokens per KV block (the blockwise kernel's key block)
-        kv_blocks=0,               # continuous: KV pool in blocks (0 = every slot can hold max_context: no preemption)
+        kv_block_tokens=128,       # continuous: tokens per paged-KV block (128 = the dense cache's key block: same bits)
+        kv_blocks=0,               # continuous: each sampler device's pool in blocks (0 = rollout/kv_plan.engine_sizing)
         slot_tokens=512,           # engine memory plan: the expected length a slot is sized for (rollout/kv_plan.py)
         prefill_rows=16,           # engine memory plan: rows one append call holds workspace for
     ))

@@ -12,9 +12,11 @@ scheduler, verl's agent loop, in one host loop):
   batch while the device keeps decoding the other slots; the feedback is appended when it
   returns; an invalid action's message is appended at once;
 * a finished slot takes the next pending trajectory, prefilled in ``prefill_chunk`` chunks;
-* :class:`~llds_jax.rollout.scheduler.Scheduler` owns slots, turns and KV blocks. With
-  ``rollout.kv_blocks`` set, a trajectory that finds the pool empty is preempted and
-  resumes from its ids (recompute); its unfinished action is redrawn with the same keys.
+* :class:`~llds_jax.rollout.scheduler.Scheduler` owns slots, turns and KV blocks; the
+  session's paged cache reads and writes exactly the blocks it hands out (each slot's block
+  table is the scheduler's, before every device call). When a device's pool runs dry the
+  newest trajectory there is preempted and resumes from its ids (recompute); its unfinished
+  action is redrawn with the same keys.
 
 What a trajectory samples does not depend on this schedule: trajectory ``i`` draws token
 ``n`` with ``fold_in(fold_in(key, i), n)`` whatever slot, order or latency it meets, and its
@@ -28,11 +30,11 @@ import concurrent.futures
 import time
 
 from llds_jax.rollout import protocol
-from llds_jax.rollout.scheduler import Phase, Scheduler
+from llds_jax.rollout.scheduler import Phase, Scheduler, blocks_for
 from llds_jax.rollout.trajectory import Trajectory
 from llds_jax.rollout.turns import apply_action, cut_feedback
 from llds_jax.sampling import placement
-from llds_jax.sampling.session import DecodeSession
+from llds_jax.sampling.session import DecodeSession, cache_slot_limit
 from llds_jax.sampling.slots import SlotSession
 
 
@@ -81,27 +83,29 @@ def _history(traj: Trajectory) -> list[int]:
 
 
 def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tokenizer, retriever, config,
-               timings: dict, *, slots: int) -> dict:
+               timings: dict, *, slots: int, kv_blocks: int = 0) -> dict:
     """Roll out ``trajectories`` (row ``i`` samples as trajectory ``i``) over ``slots`` slots, in place.
 
-    ``policy`` supplies the model, sampling knobs, key and pad id. Returns the schedule's
-    counts (decode calls, appends, retrieval batches, preemptions, peak KV blocks).
+    ``policy`` supplies the model, sampling knobs, key and pad id; ``kv_blocks``: blocks per
+    device's pool (0: every slot can hold ``max_context``). Returns the schedule's counts
+    (decode calls, appends, retrieval batches, preemptions, peak KV blocks).
     """
     devices = placement.sampler_devices(int(config.get("sampler_devices", 0)))
+    block = int(config.get("kv_block_tokens", 128))
+    slots = -(-int(slots) // len(devices)) * len(devices)
+    kv_blocks = int(kv_blocks) or slots // len(devices) * blocks_for(cache_slot_limit(config.max_context), block)
     session = SlotSession((policy.graphdef, policy.params), policy.sampling, slots=slots,
                           max_action_tokens=int(config.max_action_tokens), key=policy.key,
                           max_tokens=int(config.max_context), pad_id=policy.pad_id,
                           prefill_chunk=policy.prefill_chunk,
-                          mesh=placement.sampler_mesh(devices) if len(devices) > 1 else None)
-    slots = session.usable_slots
+                          mesh=placement.sampler_mesh(devices) if len(devices) > 1 else None,
+                          kv_blocks=kv_blocks, block_tokens=block)
     # scheduler slot s -> session row: round-robin over the devices (each holds a contiguous block
     # of rows), so every device gets rows even when the session allocated spare ones (MIN_ROWS)
     per_device = session.rows_per_device
     row_of = [(s % len(devices)) * per_device + s // len(devices) for s in range(slots)]
-    kv_blocks = int(config.get("kv_blocks", 0)) or None
-    scheduler = Scheduler([len(t.prompt_ids) for t in trajectories], slots=slots,
-                          block_size=int(config.get("kv_block_tokens", 128)), kv_blocks=kv_blocks,
-                          max_tokens=int(config.max_context))
+    scheduler = Scheduler([len(t.prompt_ids) for t in trajectories], slots=slots, block_size=block,
+                          kv_blocks=kv_blocks, max_tokens=int(config.max_context), devices=len(devices))
     segment = int(config.get("segment_tokens", 8))
     retrieval = RetrievalThread(retriever, int(config.topk))
     drawn = [0] * len(trajectories)   # tokens trajectory i has drawn (its keys' counter), cut ids included
@@ -110,7 +114,19 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
 
     def preempted(victims: list[int]) -> None:
         for victim in victims:
-            session.stop_action(slot_of.pop(victim))
+            slot = slot_of.pop(victim)
+            session.stop_action(slot)
+            session.set_blocks(slot, [])
+            tables[slot] = []
+
+    tables: dict[int, list[int]] = {}  # session row -> the blocks its table was last set to (None: unknown)
+
+    def sync_tables() -> None:  # each slot's block table is its trajectory's, as the scheduler holds it
+        for slot, owner in enumerate(scheduler.slot_owner):
+            blocks = [] if owner is None else scheduler.entries[owner].blocks
+            if tables.get(row_of[slot]) != blocks:
+                session.set_blocks(row_of[slot], blocks)
+                tables[row_of[slot]] = list(blocks)
 
     def feedback(row: int, text: str) -> None:
         traj = trajectories[row]
@@ -126,20 +142,21 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
             for slot, row in scheduler.admit():
                 slot_of[row] = row_of[slot]
                 session.reset(slot_of[row], row, drawn[row])
+                tables[slot_of[row]] = []
+            for row in scheduler.in_phase(Phase.APPEND):  # blocks first: a later reservation may preempt
+                if scheduler.entries[row].phase is Phase.APPEND:
+                    preempted(scheduler.reserve(row, 0))
             chunks = {}
             for row in scheduler.in_phase(Phase.APPEND):
-                if scheduler.entries[row].phase is not Phase.APPEND:
-                    continue
-                preempted(scheduler.reserve(row, 0))
                 entry = scheduler.entries[row]
-                if entry.phase is Phase.APPEND:
-                    if entry.tokens != trajectories[row].length:
-                        raise AssertionError(f"scheduler counts {entry.tokens} tokens for trajectory {row}, "
-                                             f"its record {trajectories[row].length}")
-                    chunks[slot_of[row]] = _history(trajectories[row])[entry.cached:]
-                    scheduler.appended(row)
+                if entry.tokens != trajectories[row].length:
+                    raise AssertionError(f"scheduler counts {entry.tokens} tokens for trajectory {row}, "
+                                         f"its record {trajectories[row].length}")
+                chunks[slot_of[row]] = _history(trajectories[row])[entry.cached:]
+                scheduler.appended(row)
             if chunks:
                 clock = time.perf_counter()
+                sync_tables()
                 session.append(chunks)
                 timings["append_s"] += time.perf_counter() - clock
                 counts["appends"] += 1
@@ -162,11 +179,12 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
             if session.any_decoding:
                 clock = time.perf_counter()
                 busy = session.decoding.reshape(len(devices), -1).sum(axis=1)
+                sync_tables()
                 ended = session.decode(segment)
                 counts["busy_rows_per_device"] = [max(a, int(b)) for a, b in zip(counts["busy_rows_per_device"], busy)]
                 timings["decode_s"] += time.perf_counter() - clock
                 counts["decode_calls"] += 1
-                _end_actions(ended, session, scheduler, trajectories, slot_of, drawn, retrieval, vocab, tokenizer,
+                _end_actions(ended, session, scheduler, trajectories, slot_of, drawn, retrieval, tables, vocab, tokenizer,
                              config)
             elif retrieval.busy:
                 clock = time.perf_counter()
@@ -180,16 +198,17 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
     finally:
         retrieval.close()
     return dict(counts, retrieval_batches=retrieval.batches, preemptions=scheduler.preemptions,
-                peak_kv_blocks=scheduler.peak_blocks, slots=slots, sampler_devices=len(devices),
-                rows_per_device=_rows_per_device(session))
+                peak_kv_blocks=scheduler.peak_blocks, kv_blocks_per_device=kv_blocks, kv_block_tokens=block,
+                slots=slots, sampler_devices=len(devices), rows_per_device=_rows_per_device(session),
+                kv_pool_bytes=session.pool_bytes)
 
 
 def _rows_per_device(session: SlotSession) -> list[int]:
-    """Slots each sampler device holds (from the cache's own shards: what the device really has)."""
-    return [int(shard.data.shape[0]) for shard in session.cache.end.addressable_shards]
+    """Slots each sampler device holds (from the arrays' own shards: what the device really has)."""
+    return [int(shard.data.shape[0]) for shard in session.logits.addressable_shards]
 
 
-def _end_actions(ended, session: SlotSession, scheduler: Scheduler, trajectories, slot_of, drawn, retrieval,
+def _end_actions(ended, session: SlotSession, scheduler: Scheduler, trajectories, slot_of, drawn, retrieval, tables,
                  vocab, tokenizer, config) -> None:
     """Record the actions that ended this call (slot order), cut them, and move each trajectory on."""
     owner = {slot: row for row, slot in slot_of.items()}
@@ -211,4 +230,7 @@ def _end_actions(ended, session: SlotSession, scheduler: Scheduler, trajectories
         else:
             scheduler.action_ended(row, outcome.kept_tokens, "feedback", len(outcome.feedback))
     if cuts:
+        for slot in cuts:  # the cut rewrites a kept id: through the table the scheduler now holds
+            session.set_blocks(slot, scheduler.entries[owner[slot]].blocks)
+            tables[slot] = list(scheduler.entries[owner[slot]].blocks)
         session.cut(cuts)

@@ -22,7 +22,14 @@ from __future__ import annotations
 import dataclasses
 
 from llds_jax.rollout.scheduler import blocks_for
-from llds_jax.rollout.waves import RolloutMemoryError, kv_bytes_per_slot, rollout_row_bytes, weight_bytes
+from llds_jax.rollout.waves import (
+    RolloutMemoryError,
+    device_memory_bytes,
+    kv_bytes_per_slot,
+    rollout_row_bytes,
+    weight_bytes,
+)
+from llds_jax.sampling.session import cache_slot_limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,3 +68,23 @@ def engine_memory(model_config, rollout_config, device_bytes: int, trajectories_
             f"after weights: not one trajectory of rollout.max_context={rollout_config.max_context} tokens fits "
             f"the engine's KV pool ({block_bytes / 2**20:.1f} MiB per {block}-token block)")
     return EngineMemory(int(slots), int(kv_blocks), block, block_bytes, free, prefill)
+
+
+def engine_sizing(rollout_config, trajectories: int, model_config, devices: int) -> tuple[int, int]:
+    """``(slots, kv blocks per device)`` the engine runs ``trajectories`` with over ``devices`` sampler devices.
+
+    ``rollout.max_concurrent_rows`` set: that many slots (at most the trajectories, rounded up to
+    the devices), ``rollout.kv_blocks`` blocks per device (0: each slot can hold ``max_context``).
+    Else :func:`engine_memory` of this device's memory; its pool is capped at what the slots
+    could ever hold (``max_context`` each), which is what a CPU device's "memory" (a share of
+    host RAM) yields and would otherwise allocate for nothing.
+    """
+    per_device = -(-int(trajectories) // devices)
+    explicit = int(rollout_config.get("max_concurrent_rows", 0))
+    configured = int(rollout_config.get("kv_blocks", 0))
+    if explicit or model_config is None:
+        return min(explicit or per_device * devices, per_device * devices), configured
+    memory = engine_memory(model_config, rollout_config, device_memory_bytes(rollout_config), per_device)
+    whole = blocks_for(cache_slot_limit(int(rollout_config.max_context)), memory.block_tokens)
+    return memory.slots_per_device * devices, configured or min(memory.kv_blocks_per_device,
+                                                                memory.slots_per_device * whole)

@@ -42,9 +42,10 @@ from llds_jax.rollout import protocol
 from llds_jax.rollout.action_stop import action_stop_table
 from llds_jax.rollout.config import terminator_ids
 from llds_jax.rollout.engine import run_engine
+from llds_jax.rollout.kv_plan import engine_sizing
 from llds_jax.rollout.trajectory import RolloutBatch, Trajectory, collate
 from llds_jax.rollout.turns import apply_action, cut_feedback
-from llds_jax.rollout.waves import engine_slots, wave_plan
+from llds_jax.rollout.waves import wave_plan
 from llds_jax.sampling import placement
 from llds_jax.sampling.decode_loop import SamplingParams
 from llds_jax.sampling.session import DecodeSession, SampledAction
@@ -120,11 +121,11 @@ def run_rollouts(policy, tokenizer, questions: Sequence[str], retriever, config,
         trajectories.extend(Trajectory(prompt_ids=list(prompt_ids), group_id=group) for _ in range(config.n_samples))
     rows_per_wave, batch = wave_plan(config, len(trajectories), getattr(policy, "config", None))
     if config.get("engine", "waves") == "continuous" and isinstance(policy, DecodeSession):
-        # one device: as many slots as a wave has rows (each slot is a dense KV row: the same memory);
-        # several sampler devices: each holds a wave's worth
+        # slots and KV pool from the expected length (rollout/kv_plan.py), on every sampler device
         devices = len(placement.sampler_devices(int(config.get("sampler_devices", 0))))
-        slots = batch if devices == 1 else engine_slots(config, len(trajectories), policy.config, devices)
-        timings.update(run_engine(policy, trajectories, vocab, tokenizer, retriever, config, timings, slots=slots))
+        slots, kv_blocks = engine_sizing(config, len(trajectories), policy.config, devices)
+        timings.update(run_engine(policy, trajectories, vocab, tokenizer, retriever, config, timings, slots=slots,
+                                  kv_blocks=kv_blocks))
     else:
         for first in range(0, len(trajectories), rows_per_wave):
             rows = list(range(first, min(first + rows_per_wave, len(trajectories))))

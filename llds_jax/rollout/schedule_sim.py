@@ -95,15 +95,16 @@ def simulate_waves(trajectories: Sequence[ReferenceTrajectory], rows: int, *, pr
 
 def simulate_engine(trajectories: Sequence[ReferenceTrajectory], slots: int, *, segment: int, prefill_chunk: int,
                     retrieval_steps: int, max_tokens: int, kv_blocks: int | None = None,
-                    block_size: int = 128) -> dict:
+                    block_size: int = 128, devices: int = 1) -> dict:
     """The engine's schedule of ``trajectories`` over ``slots`` (its :class:`Scheduler`, its rules).
 
-    ``kv_blocks``: the KV pool in blocks of ``block_size`` tokens (``None``: dense rows, no
-    preemption). A preempted trajectory loses its unfinished action (the engine redraws
-    it with the same keys) and re-prefills its history.
+    ``kv_blocks``: each of the ``devices`` sampler devices' KV pool in blocks of ``block_size``
+    tokens (``None``: dense rows, no preemption), as the engine's paged cache holds them. A
+    preempted trajectory loses its unfinished action (the engine redraws it with the same
+    keys) and re-prefills its history.
     """
     scheduler = Scheduler([t.prompt for t in trajectories], slots=slots, block_size=block_size, kv_blocks=kv_blocks,
-                          max_tokens=max_tokens)
+                          max_tokens=max_tokens, devices=devices)
     progress = [0] * len(trajectories)   # tokens of the current action decoded so far
     turn = [0] * len(trajectories)       # actions ended so far
     now = steps = chunks = waits = batches = 0
@@ -156,7 +157,8 @@ def simulate_engine(trajectories: Sequence[ReferenceTrajectory], slots: int, *, 
             raise RuntimeError(f"schedule stalled: {len(scheduler.pending)} pending, {scheduler.used_blocks} "
                                f"of {scheduler.kv_blocks} blocks in use")
     return _summary(trajectories, slots, steps, prefill_chunks=chunks, retrieval_wait_steps=waits,
-                    retrieval_batches=batches, preemptions=scheduler.preemptions, kv_blocks=scheduler.kv_blocks,
+                    retrieval_batches=batches, preemptions=scheduler.preemptions,
+                    kv_blocks=scheduler.kv_blocks * scheduler.devices,
                     peak_kv_blocks=scheduler.peak_blocks, segment=segment)
 
 

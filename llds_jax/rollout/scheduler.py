@@ -7,8 +7,8 @@ simulated schedule is the schedule the engine runs.
 The shape follows JetStream's orchestrator and vLLM's scheduler, kept to what a Search-R1
 rollout needs:
 
-* a fixed number of **slots** (decode rows; slot ``s`` lives on device ``s // slots_per_device``
-  because the batch axis is split in contiguous pieces);
+* a fixed number of **slots** (decode rows; slot ``s`` lives on device ``s % devices``, so
+  admission in slot order spreads trajectories over the devices);
 * each trajectory moves through its own turns, with no barrier between trajectories::
 
       PENDING --admit--> APPEND --appended--> DECODE --action_ended--+--> RETRIEVAL --feedback--> APPEND
@@ -18,12 +18,12 @@ rollout needs:
   ``APPEND`` means "ids to feed the cache before the next action": a new prompt, the
   whole history of a preempted trajectory (recompute), or feedback;
 * **KV blocks** of ``block_size`` tokens (128: the blockwise kernel's key block) are taken
-  from one pool as a trajectory grows, never reserved for the worst case; its block table
-  lists them in order;
+  from its device's pool as a trajectory grows, never reserved for the worst case; its block
+  table lists them in order (the engine's paged cache reads exactly these blocks);
 * **admission** fills free slots from the pending queue in order (preempted trajectories
   go back to its front, so they resume first);
-* **preemption by recompute** when the pool runs dry: the most recently admitted
-  trajectory gives back its slot and blocks and resumes later from its ids (vLLM's
+* **preemption by recompute** when a device's pool runs dry: the most recently admitted
+  trajectory on that device gives back its slot and blocks and resumes later from its ids (vLLM's
   recompute mode); it is never dropped. Whatever it had sampled of an unfinished action is
   the engine's to discard: the scheduler only counts committed tokens.
 
@@ -76,26 +76,29 @@ def blocks_for(tokens: int, block_size: int) -> int:
 class Scheduler:
     """Slots and KV blocks for ``len(prompt_tokens)`` trajectories.
 
-    ``slots``: decode rows; ``block_size``: tokens per KV block; ``kv_blocks``: the pool
+    ``slots``: decode rows, over ``devices`` devices (slot ``s`` on ``s % devices``, each device
+    its own pool); ``block_size``: tokens per KV block; ``kv_blocks``: each device's pool
     (``None``: every slot can hold ``max_tokens``, i.e. a dense cache, and nothing is ever
     preempted); ``max_tokens``: a trajectory's context cap (one slot's worst case must fit
-    the pool, else the schedule could deadlock).
+    a pool, else the schedule could deadlock). Block ids are local to their device's pool.
     """
 
     def __init__(self, prompt_tokens: Sequence[int], *, slots: int, block_size: int = 128,
-                 kv_blocks: int | None = None, max_tokens: int):
-        if slots < 1 or block_size < 1:
-            raise ValueError(f"slots={slots}, block_size={block_size}: both must be >= 1")
+                 kv_blocks: int | None = None, max_tokens: int, devices: int = 1):
+        if slots < 1 or block_size < 1 or devices < 1 or slots % devices:
+            raise ValueError(f"slots={slots}, block_size={block_size}, devices={devices}: all must be >= 1 "
+                             f"and slots a multiple of devices")
         per_row = blocks_for(max_tokens, block_size)
-        kv_blocks = slots * per_row if kv_blocks is None else int(kv_blocks)
+        kv_blocks = slots // devices * per_row if kv_blocks is None else int(kv_blocks)
         if kv_blocks < per_row:
             raise ValueError(f"{kv_blocks} KV blocks of {block_size} tokens cannot hold one trajectory of "
                              f"max_tokens={max_tokens} ({per_row} blocks)")
         self.slots, self.block_size, self.kv_blocks, self.max_tokens = slots, block_size, kv_blocks, max_tokens
+        self.devices = devices
         self.entries = [Entry(i, int(n)) for i, n in enumerate(prompt_tokens)]
         self.pending: collections.deque[int] = collections.deque(range(len(self.entries)))
         self.slot_owner: list[int | None] = [None] * slots
-        self.free_blocks: collections.deque[int] = collections.deque(range(kv_blocks))
+        self.pools: list[collections.deque[int]] = [collections.deque(range(kv_blocks)) for _ in range(devices)]
         self._admissions = 0
         self._admission_paused = False  # after a preemption, until a trajectory finishes (no thrashing)
         self.preemptions = 0
@@ -114,7 +117,14 @@ class Scheduler:
 
     @property
     def used_blocks(self) -> int:
-        return self.kv_blocks - len(self.free_blocks)
+        """Blocks in use over every device's pool."""
+        return self.kv_blocks * self.devices - sum(map(len, self.pools))
+
+    def device_of(self, slot: int) -> int:
+        return slot % self.devices
+
+    def _pool(self, entry: Entry) -> collections.deque[int]:
+        return self.pools[self.device_of(entry.slot)]
 
     def block_table(self, index: int) -> list[int]:
         return list(self.entries[index].blocks)
@@ -138,8 +148,9 @@ class Scheduler:
             if owner is not None or not self.pending:
                 continue
             entry = self.entries[self.pending[0]]
-            if blocks_for(min(entry.tokens + 1, self.max_tokens), self.block_size) > len(self.free_blocks):
-                break
+            if blocks_for(min(entry.tokens + 1, self.max_tokens), self.block_size) > len(
+                    self.pools[self.device_of(slot)]):
+                continue  # this device's pool is short; a free slot on another device may take it
             self.pending.popleft()
             entry.phase, entry.slot, entry.cached = Phase.APPEND, slot, 0
             entry.admitted, self._admissions = self._admissions, self._admissions + 1
@@ -152,15 +163,17 @@ class Scheduler:
         preempted to find them (possibly ``index`` itself, when it is the newest)."""
         entry = self._holding(index)
         needed = blocks_for(entry.tokens + new_tokens, self.block_size) - len(entry.blocks)
+        device, pool = self.device_of(entry.slot), self._pool(entry)
         preempted = []
-        while needed > len(self.free_blocks):
-            victim = max((self.entries[i] for i in self.slot_owner if i is not None), key=lambda e: e.admitted)
+        while needed > len(pool):
+            victim = max((self.entries[i] for s, i in enumerate(self.slot_owner)
+                          if i is not None and self.device_of(s) == device), key=lambda e: e.admitted)
             self._preempt(victim)
             preempted.append(victim.index)
             if victim.index == index:
                 return preempted
         for _ in range(max(0, needed)):
-            entry.blocks.append(self.free_blocks.popleft())
+            entry.blocks.append(pool.popleft())
         self.peak_blocks = max(self.peak_blocks, self.used_blocks)
         return preempted
 
@@ -222,10 +235,10 @@ class Scheduler:
         """Give back blocks reserved past the committed tokens (an action that ended early or was cut)."""
         keep = blocks_for(entry.cached, self.block_size)
         while len(entry.blocks) > keep:
-            self.free_blocks.appendleft(entry.blocks.pop())
+            self._pool(entry).appendleft(entry.blocks.pop())
 
     def _release(self, entry: Entry) -> None:
-        self.free_blocks.extend(entry.blocks)
+        self._pool(entry).extend(entry.blocks)
         entry.blocks = []
         self.slot_owner[entry.slot] = None
         entry.slot = None

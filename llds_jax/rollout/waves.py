@@ -194,19 +194,6 @@ def wave_plan(rollout_config, trajectories: int, model_config=None) -> tuple[int
     return trajectories, min(bucket(trajectories), capacity)
 
 
-def engine_slots(rollout_config, trajectories: int, model_config, devices: int) -> int:
-    """Slots of the continuous engine over ``devices`` sampler devices (its cache rows are dense,
-    so each device holds what one device's wave would): ``rollout.max_concurrent_rows`` when
-    set, else the derived rows per device times ``devices``, never more than the trajectories
-    need (rounded up to the devices)."""
-    explicit = int(rollout_config.get("max_concurrent_rows", 0))
-    needed = -(-trajectories // devices) * devices
-    if explicit or model_config is None:
-        return min(explicit or needed, needed)
-    per_device = rollout_rows_per_wave(model_config, rollout_config, device_memory_bytes(rollout_config), 1)
-    return min(per_device * devices, needed)
-
-
 def _derived_rows(rollout_config, trajectories: int, model_config) -> int:
     device_bytes, n_data = device_memory_bytes(rollout_config), data_devices_of_ambient_mesh()
     rows = rollout_rows_per_wave(model_config, rollout_config, device_bytes, n_data)

@@ -17,10 +17,17 @@ actions ended, appends feedback, admits new trajectories, and calls again. The p
 state (ids so far, stop-string state, length) lives on the device between calls, so an
 action spans as many calls as it needs.
 
+The cache is paged (``models/paged_cache.py``): one pool of ``block_tokens``-token KV blocks
+per device and layer, allocated once, and a block table per slot that the caller fills
+(``set_blocks``: the rollout scheduler's blocks), so a slot holds only the blocks its
+trajectory has used. Appends run over the rows that have ids only (gathered into a batch of
+their own, a power of two per device), writing through their tables into the shared pool.
+
 The same invariants as the session, so a trajectory's tokens do not depend on its slot, its
 neighbours or the order of events: row ``b`` samples token ``n`` of its trajectory with
-``fold_in(fold_in(key, trajectory id), n)``, its tokens sit from cache slot 0 on, the cache
-has at least one key block, and appends go through the same padded ``extend``.
+``fold_in(fold_in(key, trajectory id), n)``, its tokens sit from cache slot 0 on, the key
+blocks are the dense cache's (``CACHED_BLOCK``: the paged read equals the dense one bit for
+bit), and appends keep the session's floors on rows and positions per call.
 """
 
 from __future__ import annotations
@@ -32,17 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from llds_jax.models import KVCache
+from llds_jax.models import PagedKVCache, init_paged_pools
+from llds_jax.models.attention import CACHED_BLOCK
 from llds_jax.sampling import decode_loop, placement, stop_strings
 from llds_jax.sampling.decode_loop import DecodeState, FinishReason, SamplingParams
 from llds_jax.sampling.generate import MIN_LENGTH_BUCKET, bucket
-from llds_jax.sampling.session import (
-    MIN_CACHE_SLOTS,
-    MIN_EXTEND_TOKENS,
-    NO_TRAJECTORY,
-    SampledAction,
-    cache_slot_limit,
-)
+from llds_jax.sampling.session import MIN_EXTEND_TOKENS, NO_TRAJECTORY, SampledAction, cache_slot_limit
 
 # The fewest rows a session decodes: XLA:CPU multiplies a single row by a matrix with another
 # kernel (a vector product), whose rounding differs by an ulp (measured: 27 of a one-slot
@@ -52,23 +54,25 @@ MIN_ROWS = 2
 
 
 class SlotSession:
-    """``slots`` decode rows over one cache (see the module docstring); at least :data:`MIN_ROWS`
-    rows are allocated, the extra ones idle.
+    """``slots`` decode rows over a paged cache (see the module docstring); at least
+    :data:`MIN_ROWS` rows per device are allocated, the extra ones idle.
 
-    ``model``: a ``Decoder`` or ``(graphdef, params)``; ``max_tokens``: a row's context cap
-    (the cache never grows past :func:`~llds_jax.sampling.session.cache_slot_limit` of it);
+    ``model``: a ``Decoder`` or ``(graphdef, params)``; ``max_tokens``: a row's context cap;
     ``prefill_chunk``: appends run at most this many columns per call (0: whole); ``mesh``: a
     process-local ``sampling.placement.sampler_mesh`` to spread the rows over (each device
-    holds ``slots / devices`` rows and a replica of the weights; None: the default device).
-    ``usable_slots`` is ``slots`` rounded up to a multiple of the devices; ``slots`` the rows
-    allocated (at least :data:`MIN_ROWS` per device).
+    holds ``slots / devices`` rows, a replica of the weights and its own pool; None: the
+    default device). ``kv_blocks``: blocks per device's pool (0: every row can hold
+    ``max_tokens``); ``block_tokens``: tokens per block. ``usable_slots`` is ``slots`` rounded
+    up to a multiple of the devices; ``slots`` the rows allocated. Row ``r`` is on device
+    ``r // rows_per_device`` and names blocks of that device's pool.
     """
 
     def __init__(self, model, sampling: SamplingParams, *, slots: int, max_action_tokens: int, key: jax.Array,
-                 max_tokens: int, pad_id: int = 0, prefill_chunk: int = 0, mesh: jax.sharding.Mesh | None = None):
+                 max_tokens: int, pad_id: int = 0, prefill_chunk: int = 0, mesh: jax.sharding.Mesh | None = None,
+                 kv_blocks: int = 0, block_tokens: int = CACHED_BLOCK):
         self.graphdef, self.params = nnx.split(model) if isinstance(model, nnx.Module) else model
         self.mesh = mesh
-        devices = 1 if mesh is None else mesh.devices.size
+        self.devices = devices = 1 if mesh is None else mesh.devices.size
         if mesh is not None:
             self.params = placement.replicate_params(self.params, mesh)
         self.config = nnx.merge(self.graphdef, self.params).config
@@ -78,21 +82,25 @@ class SlotSession:
         self.rows_per_device = self.slots // devices
         self.width = bucket(max_action_tokens, MIN_LENGTH_BUCKET)
         self.max_tokens = int(max_tokens)
-        self.slot_limit = cache_slot_limit(max_tokens)
+        self.block_tokens = int(block_tokens)
+        self.columns = -(-cache_slot_limit(max_tokens) // self.block_tokens)  # block-table width
+        self.kv_blocks = int(kv_blocks) or self.rows_per_device * self.columns
         self.prefill_chunk = int(prefill_chunk)
         self.trajectory = np.full((self.slots,), NO_TRAJECTORY, np.uint32)
         self.drawn = np.zeros((self.slots,), np.int32)        # tokens the slot's trajectory drew before its action
         self.budget = np.zeros((self.slots,), np.int32)       # the current action's cap (0: not decoding)
         self.decoding = np.zeros((self.slots,), bool)
-        self.partial = np.zeros((self.slots,), np.int32)      # tokens the current action has so far
-        self.rows_end = np.zeros((self.slots,), np.int64)     # tokens in each slot's cache (host mirror of end)
+        self.partial = np.zeros((self.slots,), np.int32)      # tokens the current action has in the cache so far
+        self.rows_end = np.zeros((self.slots,), np.int64)     # committed tokens in each slot's cache
+        self.table = np.full((self.slots, self.columns), self.kv_blocks, np.int32)  # kv_blocks: unallocated
+        self._table_on_device = None
         with placement.on_mesh(mesh):
             # sliced out of the stacked layers once per session: a decode call would copy them every
             # call (Decoder.layer_weights), and the engine makes several short calls per action
             # (SmolLM2 on XLA:CPU, 48-token actions, segment 8: 6 calls where the waves make 1;
             # before this the engine took 38 s of CPU per rollout against the waves' 27 s)
             self.layer_weights = _layer_weights(self.graphdef, self.params)
-            self.cache = self._rows(decode_loop.new_cache(self.config, self.slots, MIN_CACHE_SLOTS))
+            self.k, self.v = self._rows(_new_pools(self.config, devices, self.kv_blocks, self.block_tokens))
             self.logits = self._rows(jnp.zeros((self.slots, self.config.vocab_size), jnp.float32))
             self.keys = self._rows(decode_loop.row_keys(self.key, self.trajectory))
             self.state = self._rows(self._fresh_action_state())
@@ -101,7 +109,7 @@ class SlotSession:
         self._last: dict[int, SampledAction] = {}
 
     def _rows(self, tree):
-        """``tree``'s arrays (leading axis: rows) split over the mesh's devices; as they are without a mesh."""
+        """``tree``'s arrays (leading axis: rows, or devices) split over the mesh's devices; as they are without a mesh."""
         if self.mesh is None:
             return jax.tree.map(jnp.asarray, tree)
         return jax.device_put(tree, placement.row_sharding(self.mesh))
@@ -113,58 +121,97 @@ class SlotSession:
                     finish=jnp.zeros((self.slots,), jnp.int32),
                     stop_state=jnp.zeros((self.slots, self.sampling.stop_table.shape[0]), jnp.int8))
 
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of every device's k and v pools together (what the cache holds, whatever the rows use)."""
+        return sum(x.nbytes for x in (*self.k, *self.v))
+
     # -- slot bookkeeping ------------------------------------------------------------------
     def reset(self, slot: int, trajectory: int, drawn: int) -> None:
-        """``slot`` now holds ``trajectory``, which has drawn ``drawn`` tokens so far; its cache row empties."""
+        """``slot`` now holds ``trajectory``, which has drawn ``drawn`` tokens so far; it holds no blocks."""
         if not 0 <= trajectory < NO_TRAJECTORY:
             raise ValueError(f"trajectory id {trajectory} out of range")
         self.trajectory[slot], self.drawn[slot] = trajectory, drawn
-        self.decoding[slot], self.budget[slot], self.rows_end[slot] = False, 0, 0
+        self.decoding[slot], self.budget[slot], self.rows_end[slot], self.partial[slot] = False, 0, 0, 0
+        self.table[slot] = self.kv_blocks
         self._keys_stale = True
-        with placement.on_mesh(self.mesh):
-            self.cache = _empty_rows(self.cache, self._rows(np.arange(self.slots) == slot))
 
-    def _reserve(self, new_tokens: np.ndarray) -> None:
-        needed = int((self.rows_end + new_tokens).max())
-        if needed > self.slot_limit:
-            raise ValueError(f"a slot needs {needed} cache slots; rows hold at most max_tokens={self.max_tokens}")
-        if needed > self.cache.max_len:
-            slots = min(max(bucket(needed, MIN_LENGTH_BUCKET), MIN_CACHE_SLOTS), self.slot_limit)
-            with placement.on_mesh(self.mesh):
-                self.cache = self._rows(decode_loop.grow_cache(self.cache, slots))
+    def set_blocks(self, slot: int, blocks) -> None:
+        """``slot``'s block table: its cache's blocks in slot order (ids in its device's pool)."""
+        blocks = np.asarray(blocks, np.int32)
+        if len(blocks) > self.columns or (len(blocks) and not (0 <= blocks.min() and blocks.max() < self.kv_blocks)):
+            raise ValueError(f"slot {slot}: blocks {blocks.tolist()} do not fit a table of {self.columns} columns "
+                             f"over a pool of {self.kv_blocks} blocks")
+        self.table[slot] = self.kv_blocks
+        self.table[slot, :len(blocks)] = blocks
+
+    def _check_room(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """Rows ``rows`` will hold ``tokens`` tokens: their tables must cover them (writes past a
+        table are dropped, so a short table would lose keys silently)."""
+        held = (self.table[rows] < self.kv_blocks).sum(axis=1) * self.block_tokens
+        short = np.flatnonzero(tokens > held)
+        if len(short):
+            r = int(rows[short[0]])
+            raise ValueError(f"slot {r} needs {int(tokens[short[0]])} cache slots but its blocks hold {int(held[short[0]])}"
+                             f" (max_tokens={self.max_tokens})")
+
+    def _device_table(self) -> jax.Array:
+        if self._table_on_device is None or not np.array_equal(self._table_on_device[0], self.table):
+            self._table_on_device = (self.table.copy(), self._rows(self.table))
+        return self._table_on_device[1]
 
     # -- appends -----------------------------------------------------------------------------
     def append(self, chunks: dict[int, list[int]]) -> None:
-        """Feed ``chunks[slot]`` to each slot's cache (right-padded, in ``prefill_chunk`` columns)."""
-        chunks = {slot: ids for slot, ids in chunks.items() if len(ids)}
+        """Feed ``chunks[slot]`` to each slot's cache (right-padded, in ``prefill_chunk`` columns),
+        running only the slots that have ids (see :meth:`_compact`)."""
+        chunks = {slot: list(ids) for slot, ids in chunks.items() if len(ids)}
         if not chunks:
             return
-        width = bucket(max(len(c) for c in chunks.values()), MIN_LENGTH_BUCKET)
-        ids = np.full((self.slots, width), self.pad_id, np.int32)
-        mask = np.zeros((self.slots, width), bool)
-        for slot, chunk in chunks.items():
-            ids[slot, : len(chunk)] = chunk
-            mask[slot, : len(chunk)] = True
-        self._reserve(mask.sum(axis=1))
+        rows = np.asarray(sorted(chunks), np.int64)
+        lengths = np.asarray([len(chunks[int(r)]) for r in rows], np.int64)
+        self._check_room(rows, self.rows_end[rows] + lengths)
+        width = bucket(int(lengths.max()), MIN_LENGTH_BUCKET)
         step = width if self.prefill_chunk == 0 else min(self.prefill_chunk, width)
-        columns = -(-width // step) * step
-        if columns > width:
-            ids = np.pad(ids, ((0, 0), (0, columns - width)), constant_values=self.pad_id)
-            mask = np.pad(mask, ((0, 0), (0, columns - width)))
-        for first in range(0, columns, step):
-            if mask[:, first:first + step].any():
-                self._extend(ids[:, first:first + step], mask[:, first:first + step])
-        self.rows_end += mask.sum(axis=1)
+        for first in range(0, width, step):
+            part = {int(r): chunks[int(r)][first:first + step] for r in rows}
+            self._extend({r: ids for r, ids in part.items() if ids}, step)
 
-    def _extend(self, ids: np.ndarray, mask: np.ndarray) -> None:
-        short = bucket(MIN_EXTEND_TOKENS // self.rows_per_device) - ids.shape[1]
-        if short > 0:  # the session's floor on a call's positions per device (session.MIN_EXTEND_TOKENS)
-            ids = np.pad(ids, ((0, 0), (0, short)), constant_values=self.pad_id)
-            mask = np.pad(mask, ((0, 0), (0, short)))
+    def _compact(self, slots) -> tuple[np.ndarray, int]:
+        """Rows to run, grouped by device: ``[devices, per_device]`` session rows (``-1``: padding),
+        ``per_device`` a power of two >= :data:`MIN_ROWS` (few compiled shapes)."""
+        by_device = [[] for _ in range(self.devices)]
+        for slot in sorted(slots):
+            by_device[slot // self.rows_per_device].append(slot)
+        per_device = min(bucket(max(map(len, by_device)), MIN_ROWS), self.rows_per_device)
+        out = np.full((self.devices, per_device), -1, np.int64)
+        for d, group in enumerate(by_device):
+            out[d, :len(group)] = group
+        return out, per_device
+
+    def _extend(self, chunks: dict[int, list[int]], width: int) -> None:
+        """One append call over the rows of ``chunks`` only; their logits replace the session's."""
+        if not chunks:
+            return
+        order, per_device = self._compact(chunks)
+        width = max(width, bucket(MIN_EXTEND_TOKENS // per_device))  # the session's floor (MIN_EXTEND_TOKENS)
+        flat = order.reshape(-1)
+        ids = np.full((len(flat), width), self.pad_id, np.int32)
+        mask = np.zeros((len(flat), width), bool)
+        table = np.full((len(flat), self.columns), self.kv_blocks, np.int32)
+        end = np.zeros((len(flat),), np.int32)
+        local = np.full((len(flat),), self.rows_per_device, np.int32)  # where each row's logits go (padding: dropped)
+        for i, row in enumerate(flat):
+            if row < 0:
+                continue
+            chunk = chunks[int(row)]
+            ids[i, :len(chunk)], mask[i, :len(chunk)] = chunk, True
+            table[i], end[i], local[i] = self.table[row], self.rows_end[row], row % self.rows_per_device
         with placement.on_mesh(self.mesh):
-            logits, self.cache = _extend(self.graphdef, self.params, self.layer_weights, self._rows(ids),
-                                         self._rows(mask), self.cache)
-            self.logits = _take_rows(self._rows(mask.any(axis=1)), logits, self.logits)
+            logits, self.k, self.v = _extend(self.graphdef, self.params, self.layer_weights, self._rows(ids),
+                                             self._rows(mask), self.k, self.v, self._rows(table), self._rows(end))
+            self.logits = _put_rows(self.logits, self._rows(local.reshape(self.devices, per_device)), logits)
+        for row, chunk in chunks.items():
+            self.rows_end[row] += len(chunk)
 
     # -- actions -----------------------------------------------------------------------------
     def start_action(self, slot: int, budget: int) -> None:
@@ -176,7 +223,7 @@ class SlotSession:
 
     def stop_action(self, slot: int) -> None:
         """Abandon ``slot``'s unfinished action (preemption): its ids leave the cache, nothing is drawn."""
-        self.decoding[slot], self.budget[slot] = False, 0
+        self.decoding[slot], self.budget[slot], self.partial[slot] = False, 0, 0
         self._started.discard(slot)
 
     @property
@@ -188,17 +235,23 @@ class SlotSession:
         started = np.zeros((self.slots,), bool)
         started[sorted(self._started)] = True
         self._started.clear()
-        self._reserve(np.where(self.decoding, self.budget, 0))
+        decoding = np.flatnonzero(self.decoding)
+        partial = np.where(started, 0, self.partial)
+        self._check_room(decoding, self.rows_end[decoding] + np.minimum(partial[decoding] + int(steps),
+                                                                         self.budget[decoding]))
         with placement.on_mesh(self.mesh):
             if self._keys_stale:
                 self.keys = self._rows(decode_loop.row_keys(self.key, self.trajectory))
                 self._keys_stale = False
-            state = DecodeState(cache=self.cache, logits=self.logits, keys=self.keys, drawn=self._rows(self.drawn),
+            end = (self.rows_end + np.where(self.decoding, partial, 0)).astype(np.int32)
+            cache = PagedKVCache(k=self.k, v=self.v, table=self._device_table(), end=self._rows(end))
+            state = DecodeState(cache=cache, logits=self.logits, keys=self.keys, drawn=self._rows(self.drawn),
                                 step=jnp.zeros((), jnp.int32), **self.state)
             state = decode_segment(self.graphdef, self.params, self.layer_weights, state, self._rows(started),
                                    self._rows(~self.decoding),
                                    self._rows(self.budget), self.sampling, steps=int(steps), pad_id=self.pad_id)
-        self.cache, self.logits, self.keys = state.cache, state.logits, state.keys  # the inputs were donated
+        self.k, self.v, self.logits, self.keys = state.cache.k, state.cache.v, state.logits, state.keys  # donated
+        self._table_on_device = (self._table_on_device[0], state.cache.table)  # the input table was donated too
         self.state = dict(tokens=state.tokens, logprobs=state.logprobs, lengths=state.lengths, done=state.done,
                           finish=state.finish, stop_state=state.stop_state)
         done, lengths = jax.device_get((state.done, state.lengths))
@@ -213,36 +266,33 @@ class SlotSession:
             out[int(slot)] = SampledAction(tokens[slot, :n], logprobs[slot, :n], FinishReason(int(finish[slot])))
             self.drawn[slot] += n
             self.rows_end[slot] += n
-            self.decoding[slot], self.budget[slot] = False, 0
+            self.decoding[slot], self.budget[slot], self.partial[slot] = False, 0, 0
         self._last.update(out)
         return out
 
     def cut(self, cuts: dict[int, int]) -> None:
         """Keep only the first ``cuts[slot]`` ids of each slot's last action (the Search-R1 cut).
 
-        As ``DecodeSession.cut_last_actions``: the dropped slots become invalid and the last
-        kept id is written again, so the next-token logits follow it.
+        As ``DecodeSession.cut_last_actions``: the dropped ids leave the row (its end moves back;
+        the next write overwrites them) and the last kept id is written again, so the
+        next-token logits follow it.
         """
-        drop = np.zeros((self.slots,), np.int32)
         rewrite: dict[int, list[int]] = {}
         for slot, kept in cuts.items():
             action = self._last[slot]
             if not 1 <= kept <= len(action.ids):
                 raise ValueError(f"slot {slot}: cannot keep {kept} of {len(action.ids)} sampled ids")
             if kept < len(action.ids):
-                drop[slot] = len(action.ids) - kept + 1
+                self.rows_end[slot] -= len(action.ids) - kept + 1
                 rewrite[slot] = [int(action.ids[kept - 1])]
-        if not rewrite:
-            return
-        with placement.on_mesh(self.mesh):
-            self.cache = _forget_last_slots(self.cache, self._rows(drop))
-        self.rows_end -= drop
-        ids = np.full((self.slots, MIN_LENGTH_BUCKET), self.pad_id, np.int32)
-        mask = np.zeros((self.slots, MIN_LENGTH_BUCKET), bool)
-        for slot, (token,) in rewrite.items():
-            ids[slot, 0], mask[slot, 0] = token, True
-        self._extend(ids, mask)
-        self.rows_end += mask.sum(axis=1)
+        if rewrite:
+            self._extend(rewrite, MIN_LENGTH_BUCKET)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "devices", "blocks", "block"))
+def _new_pools(config, devices: int, blocks: int, block: int):
+    """Every layer's k and v pools, created on device (no host zeros)."""
+    return init_paged_pools(config, devices, blocks, block)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -250,30 +300,28 @@ def _layer_weights(graphdef: nnx.GraphDef, params: nnx.State):
     return nnx.merge(graphdef, params).layer_weights()
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("k", "v"))
 def _extend(graphdef: nnx.GraphDef, params: nnx.State, layer_weights, tokens: jax.Array, token_mask: jax.Array,
-            cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """``decode_loop.extend`` with the session's layer weights (sliced once, not per call)."""
-    return nnx.merge(graphdef, params).forward_cached(tokens, cache, token_mask=token_mask,
-                                                      layer_weights=layer_weights)
+            k: tuple, v: tuple, table: jax.Array, end: jax.Array) -> tuple[jax.Array, tuple, tuple]:
+    """``forward_cached`` of the gathered rows with the session's layer weights: (logits, k pools, v pools)."""
+    cache = PagedKVCache(k=k, v=v, table=table, end=end)
+    logits, cache = nnx.merge(graphdef, params).forward_cached(tokens, cache, token_mask=token_mask,
+                                                               layer_weights=layer_weights)
+    return logits, cache.k, cache.v
 
 
-@jax.jit
-def _take_rows(rows: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
-    return jnp.where(rows[:, None], new, old)
+@functools.partial(jax.jit, donate_argnames=("logits",))
+def _put_rows(logits: jax.Array, local: jax.Array, new: jax.Array) -> jax.Array:
+    """``new`` [D x R, V] into rows ``local`` [D, R] of each device's part of ``logits`` [B, V]
+    (an index past the device's rows is dropped); batched over devices, so it stays local."""
+    devices, per_device = local.shape
+    batch, vocab = logits.shape
 
+    def one_device(rows, index, values):
+        return rows.at[index].set(values, mode="drop")
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _empty_rows(cache: KVCache, rows: jax.Array) -> KVCache:
-    """Rows ``rows`` hold nothing: ``end`` 0 and every slot invalid (their old keys are never read)."""
-    return KVCache(k=cache.k, v=cache.v, valid=cache.valid & ~rows[:, None], end=jnp.where(rows, 0, cache.end))
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _forget_last_slots(cache: KVCache, drop: jax.Array) -> KVCache:
-    end = cache.end - drop
-    slots = jnp.arange(cache.max_len, dtype=end.dtype)
-    return KVCache(k=cache.k, v=cache.v, valid=cache.valid & (slots[None, :] < end[:, None]), end=end)
+    return jax.vmap(one_device)(logits.reshape(devices, batch // devices, vocab), local,
+                                new.reshape(devices, per_device, vocab)).reshape(batch, vocab)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("state",))

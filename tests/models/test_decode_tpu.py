@@ -149,3 +149,37 @@ def test_the_decoder_through_the_kernel_decodes_what_it_decodes_through_blockwis
     assert diff <= TOL * max(scale, 1.0), f"logits differ by {diff} (scale {scale})"
     for ours, theirs in zip(jax.tree.leaves(kernel_cache), jax.tree.leaves(blockwise_cache), strict=True):
         np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=TOL * max(scale, 1.0), rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_paged_kernel_reads_each_rows_blocks_through_its_table_like_the_dense_kernel(dtype):
+    """The same four rows with their 16-slot blocks scattered over a pool (NaN in every block no
+    table names, so a read outside a row's own blocks would show): the output equals the dense
+    kernel's bit for bit (same arithmetic, other addresses), and the new keys land where the
+    table says; the masked row writes nothing."""
+    from llds_jax.models.attention.decode_tpu import paged_decode_and_write
+
+    q, k_new, v_new, k_cache, v_cache, _ = _case(4, 2, dtype)
+    block, columns, blocks = 16, SLOTS // 16, 24
+    slot = jnp.array([9, 40, 63, 0])
+    token = jnp.array([True, True, False, True])
+    ids = jnp.arange(SLOTS)[None]
+    dense_mask = AttentionMask.cached(slot[:, None], (ids < slot[:, None]) | ((ids == slot[:, None]) & token[:, None]))
+    table = np.random.default_rng(0).permutation(blocks)[:4 * columns].reshape(4, columns).astype(np.int32)
+
+    def pool_of(cache):  # [B, KVH, S, Dh] -> [1, NB, KVH, block, Dh] through the table; NaN elsewhere
+        pool = jnp.full((blocks, cache.shape[1], block, cache.shape[3]), jnp.nan, cache.dtype)
+        for b in range(4):
+            for c in range(columns):
+                pool = pool.at[table[b, c]].set(cache[b, :, c * block:(c + 1) * block])
+        return pool[None]
+
+    k_pool, v_pool = pool_of(k_cache), pool_of(v_cache)
+    dense, k_all, _ = decode_and_write(q, k_new, v_new, k_cache, v_cache, dense_mask, block=block, interpret=True)
+    paged, k_out, _ = paged_decode_and_write(q, k_new, v_new, k_pool, v_pool, jnp.asarray(table), slot, token,
+                                             interpret=True)
+    np.testing.assert_array_equal(np.asarray(paged[token].astype(jnp.float32)),
+                                  np.asarray(dense[token].astype(jnp.float32)))
+    written = jnp.where(token[:, None, None, None], k_all, k_cache)  # the dense kernel writes masked rows too
+    np.testing.assert_array_equal(np.asarray(pool_of(written)[0].astype(jnp.float32)),
+                                  np.asarray(k_out[0].astype(jnp.float32)))

@@ -135,3 +135,21 @@ def test_paper_schedule_meets_the_issue_targets(shared_dir):
     assert targets["qwen7b-8xh100"]["waves"]["waves"] == 14 and targets["qwen7b-8xh100"]["waves"]["slots"] == 194
     assert len(load_reference(reference, 2560, max_action_tokens=500, max_obs_tokens=500,
                               max_prompt_tokens=2048)) == 2560
+
+
+def test_each_device_has_its_own_pool_and_preempts_only_its_own_trajectories():
+    """Slot ``s`` is on device ``s % devices``; a trajectory's blocks come from its device's pool, and
+    a dry pool preempts the newest trajectory on that device, never one elsewhere."""
+    scheduler = Scheduler([100, 100, 100, 100], slots=4, block_size=100, kv_blocks=3, max_tokens=300, devices=2)
+    admitted = scheduler.admit()
+    assert [slot for slot, _ in admitted] == [0, 1, 2, 3]
+    for _, index in admitted:
+        assert scheduler.reserve(index, 0) == []
+        scheduler.appended(index)
+    assert scheduler.entries[0].blocks == [0] and scheduler.entries[2].blocks == [1]  # device 0's pool
+    assert scheduler.entries[1].blocks == [0] and scheduler.entries[3].blocks == [1]  # device 1's pool
+    assert scheduler.reserve(0, 200) == [2]  # device 0 needs 2 more blocks: its newest (trajectory 2) goes
+    assert scheduler.entries[0].blocks == [0, 2, 1] and scheduler.entries[2].phase is Phase.PENDING
+    assert [e.phase for e in (scheduler.entries[1], scheduler.entries[3])] == [Phase.DECODE] * 2
+    with pytest.raises(ValueError, match="multiple of devices"):
+        Scheduler([1], slots=3, max_tokens=10, devices=2)

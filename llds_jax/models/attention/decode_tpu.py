@@ -210,3 +210,161 @@ def _sharded(run, scalars, grouped, k_new, v_new, valid, k_cache, v_cache):
     return jax.shard_map(run, mesh=mesh, in_specs=((rows,) * len(scalars), spec, spec, spec, jax.P(spec[0], None, None),
                                                    spec, spec),
                          out_specs=(spec, spec, spec), check_vma=False)(*args)
+
+
+def paged_decode_and_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                           table: jax.Array, slot: jax.Array, real: jax.Array, *, interpret: bool = False
+                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The decode kernel over a paged cache (``attention/paged.py``): q [B, 1, H, Dh]; k_new, v_new
+    [B, 1, KVH, Dh]; pools [D, NB, KVH, block, Dh] (donated); ``table`` [B, C]; ``slot`` [B] the
+    new token's slot; ``real`` [B] whether the row's token is real (else nothing is written and
+    its output is unused). Row ``b`` reads blocks ``table[b, :ceil(slot / block)]`` by DMA — only
+    its own live blocks — and writes the new key/value into block ``table[b, slot // block]``.
+    Same arithmetic as :func:`decode_and_write` (the new key first, then the blocks in order)."""
+    batch, length, heads, head_dim = q.shape
+    devices, blocks, kv_heads, block, _ = k_pool.shape
+    if length != 1:
+        raise ValueError(f"paged_decode_and_write serves one query per row; got T={length}")
+    if block % row_tile(k_pool.dtype):
+        raise ValueError(f"paged_decode_and_write: a {block}-token block is not a multiple of the "
+                         f"{row_tile(k_pool.dtype)}-row memory tile of {jnp.dtype(k_pool.dtype).name}")
+    slot = slot.astype(jnp.int32)
+    columns = table.shape[1]
+    column = jnp.minimum(slot // block, columns - 1)
+    target = jnp.take_along_axis(table, column[:, None], axis=1)[:, 0]
+    writes = real & (slot < columns * block) & (target < blocks)
+    live = jnp.clip(-(-slot // block), 0, columns)
+    scalars = (live, slot, real.astype(jnp.int32), jnp.where(writes, target, -1).astype(jnp.int32),
+               table.astype(jnp.int32).reshape(-1))
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    k_new, v_new = (x.astype(k_pool.dtype).transpose(0, 2, 1, 3) for x in (k_new, v_new))  # [B, KVH, 1, Dh]
+    run = functools.partial(_paged_call, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if devices == 1 or mesh.empty:
+        if devices != 1:
+            raise ValueError(f"paged_decode_and_write: {devices} device pools without a mesh to split them over")
+        out, k_pool, v_pool = run(scalars, grouped, k_new, v_new, k_pool[0], v_pool[0])
+        return out.reshape(batch, 1, heads, head_dim), k_pool[None], v_pool[None]
+    rows_spec = current_rules().spec(("batch",), (batch,), mesh)[0]
+    rows, pool = jax.P(rows_spec), jax.P(rows_spec)
+
+    def per_device(scalars, grouped, k_new, v_new, k_pool, v_pool):
+        out, k_pool, v_pool = run(scalars, grouped, k_new, v_new, k_pool[0], v_pool[0])
+        return out, k_pool[None], v_pool[None]
+
+    out, k_pool, v_pool = jax.shard_map(per_device, mesh=mesh, in_specs=((rows,) * len(scalars), rows, rows, rows, pool,
+                                                                         pool),
+                                        out_specs=(rows, pool, pool), check_vma=False)(
+        scalars, grouped, k_new, v_new, k_pool, v_pool)
+    return out.reshape(batch, 1, heads, head_dim), k_pool, v_pool
+
+
+def _paged_kernel(live_ref, slot_ref, real_ref, target_ref, table_ref, q_ref, k_new_ref, v_new_ref, k_hbm, v_hbm,
+                  o_ref, k_out, v_out, k_buf, v_buf, k_rows, v_rows, sems, *, block: int, columns: int, scale: float):
+    row, head = pl.program_id(0), pl.program_id(1)
+    live, slot = live_ref[row], slot_ref[row]
+
+    def block_copies(i, buf):
+        physical = table_ref[row * columns + i]
+        return (pltpu.make_async_copy(k_hbm.at[physical, head], k_buf.at[buf], sems.at[_READ, 0, buf]),
+                pltpu.make_async_copy(v_hbm.at[physical, head], v_buf.at[buf], sems.at[_READ, 1, buf]))
+
+    @pl.when(live > 0)
+    def _prefetch_first():
+        for copy in block_copies(0, 0):
+            copy.start()
+
+    q = q_ref[...]  # [G, Dh]
+
+    def scores_of(keys):
+        return jax.lax.dot_general(q, keys.astype(q.dtype), (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32) * scale
+
+    def weighted(probs, values):
+        values = values.astype(q.dtype)
+        return jax.lax.dot_general(probs.astype(values.dtype), values, (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+    k_new = k_new_ref[...].astype(q.dtype).astype(jnp.float32)
+    new_score = jnp.sum(q.astype(jnp.float32) * k_new, axis=-1, keepdims=True) * scale  # [G, 1]
+    m = jnp.where(real_ref[row] != 0, new_score, MASKED_SCORE)
+    total = jnp.ones_like(m)
+    acc = jnp.broadcast_to(v_new_ref[...].astype(q.dtype).astype(jnp.float32), q.shape)
+
+    def fold(i, carry):
+        m, total, acc = carry
+        buf = i % 2
+
+        @pl.when(i + 1 < live)
+        def _prefetch_next():
+            for copy in block_copies(i + 1, 1 - buf):
+                copy.start()
+
+        for copy in block_copies(i, buf):
+            copy.wait()
+        scores = scores_of(k_buf[buf])  # [G, block]
+        ids = i * block + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+        scores = jnp.where(ids < slot, scores, MASKED_SCORE)  # a row's slots before its new one are all real
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
+        probs = jnp.exp(scores - m_new)
+        rescale = jnp.exp(m - m_new)
+        total = rescale * total + jnp.sum(probs, axis=-1, keepdims=True)
+        return m_new, total, rescale * acc + weighted(probs, v_buf[buf])
+
+    m, total, acc = jax.lax.fori_loop(0, live, fold, (m, total, acc))
+    o_ref[...] = (acc / total).astype(o_ref.dtype)
+    target = target_ref[row]
+
+    @pl.when(target >= 0)
+    def _write_new_row():  # after every read; a tile of sublanes read, patched and written back (as decode_and_write)
+        group = k_rows.shape[0]
+        offset = slot % block
+        start = pl.multiple_of((offset // group) * group, group)
+        pairs = ((k_out, k_rows, k_new_ref, 0), (v_out, v_rows, v_new_ref, 1))
+        tiles = [pltpu.make_async_copy(pool.at[target, head, pl.ds(start, group)], rows, sems.at[_WRITE, which, 0])
+                 for pool, rows, _, which in pairs]
+        for copy in tiles:
+            copy.start()
+        for copy in tiles:
+            copy.wait()
+        for _, rows, new, _ in pairs:
+            here = jax.lax.broadcasted_iota(jnp.int32, rows.shape, 0) == offset - start
+            rows[...] = jnp.where(here, new[...], rows[...])
+        writes = [pltpu.make_async_copy(rows, pool.at[target, head, pl.ds(start, group)], sems.at[_WRITE, which, 1])
+                  for pool, rows, _, which in pairs]
+        for copy in writes:
+            copy.start()
+        for copy in writes:
+            copy.wait()
+
+
+def _paged_call(scalars, grouped, k_new, v_new, k_pool, v_pool, *, interpret: bool):
+    """One device: grouped [b, kvh, G, Dh], k/v_new [b, kvh, 1, Dh], pools [NB, kvh, block, Dh]."""
+    batch, kv_heads, group, head_dim = grouped.shape
+    block = k_pool.shape[2]
+    columns = scalars[-1].shape[0] // batch
+    tile = row_tile(k_pool.dtype)
+    per_head = lambda rows: pl.BlockSpec((None, None, rows, head_dim), lambda b, h, *_: (b, h, 0, 0))  # noqa: E731
+    in_hbm = pl.BlockSpec(memory_space=pl.ANY)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(scalars),
+        grid=(batch, kv_heads),
+        in_specs=[per_head(group), per_head(1), per_head(1), in_hbm, in_hbm],
+        out_specs=[per_head(group), in_hbm, in_hbm],
+        scratch_shapes=[pltpu.VMEM((2, block, head_dim), k_pool.dtype), pltpu.VMEM((2, block, head_dim), v_pool.dtype),
+                        pltpu.VMEM((tile, head_dim), k_pool.dtype), pltpu.VMEM((tile, head_dim), v_pool.dtype),
+                        pltpu.SemaphoreType.DMA((2, 2, 2))],
+    )
+    first_pool = len(scalars) + 3
+    kernel = functools.partial(_paged_kernel, block=block, columns=columns, scale=1.0 / math.sqrt(head_dim))
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=(jax.ShapeDtypeStruct(grouped.shape, grouped.dtype),
+                   jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
+                   jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)),
+        input_output_aliases={first_pool: 1, first_pool + 1: 2},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+        name="paged_decode_attention",
+    )(*scalars, grouped, k_new, v_new, k_pool, v_pool)
