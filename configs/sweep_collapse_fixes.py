@@ -30,6 +30,7 @@ ARMS = (  # priority order: the baseline and LLDS first
     ("tis_s0", GRPO + (("rl.rollout_correction", "tis"), ("rl.rollout_correction_cap", 2.0))),
     ("rpp_s0", GRPO + (("rl.advantage_estimator", "reinforce_pp"), ("rl.kl_coef", 0.0),
                        ("rl.reinforce_pp_kl_coef", 0.001))),
+    ("dyn_s0", GRPO + (("train.dynamic_sampling", True), ("train.dynamic_sampling_max_draws", 4))),
     ("llds_ma_s0", (("seed", 0), ("rl.llds_coef", 0.1), ("rl.mask_answer", True), ("rl.answer_weight", 0.0))),
 )
 
