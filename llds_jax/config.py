@@ -101,6 +101,10 @@ def base_config() -> ml_collections.ConfigDict:
         loggers=("tensorboard",),
         wandb_project="llds_jax", wandb_mode="offline",  # offline: no account or network; `wandb sync` later
         mlflow_tracking_uri="", mlflow_experiment="llds_jax",  # "" = the file store <workdir>/mlruns
+        # DAPO dynamic sampling (train/dynamic_sampling.py): train only on groups whose rewards differ,
+        # drawing up to dynamic_sampling_max_draws prompt batches per step (the first included).
+        dynamic_sampling=False,
+        dynamic_sampling_max_draws=4,
         profile_steps=(),          # RL steps whose jax.profiler trace goes to <workdir>/profile (train/profiling.py)
         delta_diagnostics=True,    # one extra no-grad forward after the updates: Δ = logπ_new − logπ_old (LLD rate)
         delta_every=1,             # ... on every k-th RL step only (steps 0, k, 2k, ...): the forward costs ≈ 1/3 of an update
@@ -287,6 +291,9 @@ def _check_train(config) -> None:
                  "train.micro_batch_tokens"):
         _non_negative(config, path)
     _positive(config, "train.delta_every")
+    _positive(config, "train.dynamic_sampling_max_draws")
+    if not isinstance(t.get("dynamic_sampling", False), bool):
+        raise TrainConfigError(f"train.dynamic_sampling={t.dynamic_sampling!r} must be True or False")
     for path in ("train.peak_flops", "train.peak_bytes_per_s"):
         value = t.get(path.split(".")[1], 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:

@@ -102,7 +102,7 @@ def plan(config) -> list[tuple[str, list[str]]]:
     for arm, arm_overrides in arms:
         for point in expand_grid(section.grid):
             overrides = {**dict(arm_overrides), **point}
-            name = "+".join(filter(None, (arm, run_name(point))))
+            name = "+".join(filter(None, (arm, point and run_name(point)))) or "base"  # an arm alone: its name
             workdir = str(Path(section.workdir_root) / name)
             resolve_run(section.base_config, overrides, workdir, section.get("num_devices") or None)
             runs.append((name, command(section.base_config, overrides, workdir)))

@@ -81,7 +81,7 @@ _MONITOR_WHEN = "monitor.enabled"
 
 TABLE: tuple[Metric, ...] = (
     # -- reward (loop.em_rewards) ----------------------------------------------------------------
-    Metric(REWARD_MEAN, "EM", "mean exact-match reward of the step's trajectories"),
+    Metric(REWARD_MEAN, "EM", "mean exact-match reward of the step's trajectories (every draw under dynamic sampling)"),
     Metric("reward/max", "EM", "best reward of the step", hosts="max"),
     Metric("reward/group_solved_frac", "fraction", "prompts with at least one rewarded trajectory"),
     # -- rollout behaviour (RolloutBatch.stats(), per-trajectory means) ------------------------
@@ -106,6 +106,16 @@ TABLE: tuple[Metric, ...] = (
     Metric("rollout_corr/masked_frac", "fraction", "action tokens masked IS removes from the loss (0 unless mis)"),
     Metric("rollout_corr/weight_mean", "weight", "mean weight on the pg term over action tokens (0 where masked; "
            "what token TIS would apply when none)"),
+    # -- dynamic sampling (train.dynamic_sampling; logged when off too: one draw, uniform groups "filled") --
+    Metric("dynamic/draws", "batches", "prompt batches rolled out this step (≤ train.dynamic_sampling_max_draws)",
+           hosts="max"),
+    Metric("dynamic/prompts_drawn", "groups", "groups rolled out this step over all draws", hosts="sum"),
+    Metric("dynamic/mixed_groups_drawn", "groups", "of those, groups whose rewards are not all equal", hosts="sum"),
+    Metric("dynamic/mixed_frac", "fraction", "mixed groups / groups drawn"),
+    Metric("dynamic/groups_kept", "groups", "mixed groups in the trained batch", hosts="sum"),
+    Metric("dynamic/filled_groups", "groups", "uniform (zero-advantage) groups in the trained batch: the cap was hit "
+           "(dynamic sampling) or plain GRPO's", hosts="sum"),
+    Metric("reward/trained_mean", "EM", "mean reward of the trained batch (reward/mean: of every trajectory drawn)"),
     # -- the update (per-mini-batch outputs of train.step, reduced by the learner) -------------
     Metric(LOSS_TOTAL, "loss", "pg + kl_coef·kl − entropy_coef·entropy + λ·llds", hosts="global",
            mini_batches="mean"),

@@ -26,6 +26,7 @@ from llds_jax.diagnostics import keys
 from llds_jax.diagnostics.monitor import MonitorConfig, MonitorReport, Phase, phase_spans, replay
 from llds_jax.errors import InputError
 
+_STYLES = ("-", "--", ":", "-.")
 PHASE_COLOURS = {Phase.STEADY_DECAY: "#f5b041", Phase.ACCELERATION: "#e74c3c"}
 _ACTION_KEY = re.compile(r"^diag/(ll|logodds)_(correct|incorrect)/action(\d+)$")
 
@@ -41,9 +42,12 @@ class Panel:
     log_y: bool = False
 
 
-def panels_for(present: set[str]) -> list[Panel]:
+def panels_for(present: set[str], first_action_only: bool = False) -> list[Panel]:
+    """The panels, with only the keys in ``present``' families; ``first_action_only``: per-action
+    panels keep action 0 (a comparison of many runs; action 0 is the one the paper sees decay first)."""
     def by_action(kind: str, measure: str = "ll") -> tuple[str, ...]:
-        matches = [k for k in present if (m := _ACTION_KEY.match(k)) and m[1] == measure and m[2] == kind]
+        matches = [k for k in present if (m := _ACTION_KEY.match(k)) and m[1] == measure and m[2] == kind
+                   and not (first_action_only and int(m[3]) > 0)]
         return tuple(sorted(matches, key=lambda k: int(_ACTION_KEY.match(k)[3])))
 
     return [
@@ -188,7 +192,7 @@ def write_report(runs: Sequence[Run], out_dir: str | Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     present = set().union(*(row.keys() for run in runs for row in run.rows))
     drawn = []
-    for panel in panels_for(present):
+    for panel in panels_for(present, first_action_only=len(runs) > 2):
         if not any(np.isfinite(run.series(k)).any() for run in runs for k in panel.keys):
             continue
         figure, axis = plt.subplots(figsize=(8, 4.2), constrained_layout=True)
@@ -231,13 +235,16 @@ def _draw_panel(axis, panel: Panel, runs: Sequence[Run]) -> None:
     single = len(runs) == 1
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for run_index, run in enumerate(runs):
+        run_labelled = False
         for key_index, key in enumerate(panel.keys):
             values = run.series(key)
             if not np.isfinite(values).any():
                 continue
             colour = colours[(key_index if single else run_index) % len(colours)]
-            style = "-" if single else ["-", "--", ":", "-."][key_index % 4]
-            label = key if single else f"{run.name}: {key}"
+            style = "-" if single else _STYLES[key_index % len(_STYLES)]
+            # Compare: a run's colour and a key's line style each get one legend entry (not runs × keys).
+            label = key if single else (None if run_labelled else run.name)
+            run_labelled = True
             steps = run.steps
             axis.plot(steps, values, color=colour, alpha=0.25, linewidth=0.8)
             axis.plot(steps, _rolling_mean(values, 9), color=colour, linestyle=style, linewidth=1.6, label=label)
@@ -253,6 +260,9 @@ def _draw_panel(axis, panel: Panel, runs: Sequence[Run]) -> None:
                     axis.axvline(onset.step, color=colours[run_index % len(colours)],
                                  linestyle="--" if phase is Phase.STEADY_DECAY else ":", linewidth=1.2,
                                  label=f"{run.name}: phase {int(phase)} onset")
+    if not single and len(panel.keys) > 1:
+        for key_index, key in enumerate(panel.keys):
+            axis.plot([], [], color="grey", linestyle=_STYLES[key_index % len(_STYLES)], label=key)
     if panel.log_y:
         axis.set_yscale("log")
     axis.set_title(panel.title, fontsize=10)

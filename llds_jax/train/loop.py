@@ -18,6 +18,8 @@ same numbers (the monitor decides alike everywhere); only process 0 writes them.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -32,9 +34,11 @@ from llds_jax.diagnostics import DeathSpiralMonitor, MonitorConfig, keys, step_d
 from llds_jax.diagnostics.from_rollout import response_batch_from_sums
 from llds_jax.diagnostics.monitor import Action
 from llds_jax.parallel import distributed
-from llds_jax.rollout.multi_turn import run_rollouts
+from llds_jax.rollout.batch_ops import concatenate
+from llds_jax.rollout.multi_turn import pad_token_id, run_rollouts
 from llds_jax.rollout.reward import em_rewards
 from llds_jax.train.batch import TrainBatch
+from llds_jax.train.dynamic_sampling import Draw, draw_metrics, mixed_groups, select
 from llds_jax.train.learner import Learner
 from llds_jax.train.metrics import MetricsWriter
 from llds_jax.train.profiling import StepProfiler
@@ -127,21 +131,23 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
     for step in bar:
         profiler.begin(step)
         started = time.perf_counter()
-        batch = next(prompts)
-        share = host_prompt_share(learner, len(batch.records), config.rollout.n_samples)
         key = jax.random.fold_in(base_key, step)
         if multi_host:  # hosts sample different prompts: independent noise per host
             key = jax.random.fold_in(key, jax.process_index())
         policy = learner.sampler_policy()
-        rollout = run_rollouts(policy, tokenizer,
-                               [r.question for r in batch.records[share]], retriever, config.rollout, key=key,
-                               group_ids=list(range(share.start, share.stop)))
-        golden = [batch.records[g].golden_answers for g in rollout.group_ids]
-        rewards = (reward_fn or em_rewards)(rollout.answers, golden)
+        draw = functools.partial(draw_prompts, prompts, learner, policy, tokenizer, retriever, config, key,
+                                 reward_fn or em_rewards)
+        first = draw(0)
+        if config.train.get("dynamic_sampling", False):
+            rollout, rewards, records, metrics = dynamic_batch(first, draw, config, pad_id=pad_token_id(tokenizer))
+        else:
+            rollout, rewards = first.rollout, first.rewards
+            records = dict(enumerate(first.records, start=int(rollout.group_ids[0])))
+            metrics = {**rollout_metrics(rollout, rewards), **draw_metrics([first], len(first.records)),
+                       "reward/trained_mean": float(rewards.mean()), "data/epoch": float(first.epoch)}
         host_batch = TrainBatch.from_rollout(rollout, rewards, length=learner.seq_len,
                                              ma_search_count=config.rl.ma_search_count,
                                              with_sampler_logp=config.rl.rollout_correction != "none")
-        metrics = rollout_metrics(rollout, rewards)
         update_metrics, extra = learner.update(learner.upload(host_batch))
         metrics.update(update_metrics)
         rows, length, scored, pairs = computed_rows(learner, extra["batch"], rollout.lengths)
@@ -158,7 +164,6 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
         metrics.update(step_diagnostics(diag_batch))
         profiler.end(step)
         metrics[keys.STEP_SECONDS] = time.perf_counter() - started
-        metrics["data/epoch"] = float(batch.epoch)
         metrics = combine_over_hosts(metrics)
         if monitor is not None:
             report = monitor.update(step, metrics)
@@ -171,7 +176,7 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
                            f"λ = {report.llds_lambda:g}")
         writer.write(step, metrics, phase="rl")
         if distributed.is_main_process():
-            write_samples(writer.workdir, step, batch.records, rollout, rewards, config.train.samples_per_step)
+            write_samples(writer.workdir, step, records, rollout, rewards, config.train.samples_per_step)
         bar.set_postfix(reward=f"{metrics[keys.REWARD_MEAN]:.3f}", llds=f"{metrics[keys.LLDS_VALUE]:.2e}",
                         search=f"{metrics[keys.SEARCHES]:.2f}")
         history.append(metrics)
@@ -181,6 +186,55 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
     bar.close()
     profiler.close()
     return history
+
+
+def draw_prompts(prompts: PromptIterator, learner: Learner, policy, tokenizer, retriever, config, key,
+                 reward_fn: Callable[[list, list], np.ndarray], number: int) -> Draw:
+    """The next prompt batch (this host's share) rolled out with ``policy`` and scored.
+
+    ``number`` > 0: the step's extra draws under dynamic sampling, each with its own sampling key.
+    """
+    batch = next(prompts)
+    share = host_prompt_share(learner, len(batch.records), config.rollout.n_samples)
+    rollout = run_rollouts(policy, tokenizer, [r.question for r in batch.records[share]], retriever, config.rollout,
+                           key=jax.random.fold_in(key, number) if number else key,
+                           group_ids=list(range(share.start, share.stop)))
+    golden = [batch.records[g].golden_answers for g in rollout.group_ids]
+    return Draw(rollout, reward_fn(rollout.answers, golden), batch.records[share], batch.epoch)
+
+
+def dynamic_batch(first: Draw, draw: Callable[[int], Draw], config, *, pad_id: int):
+    """``train.dynamic_sampling``: draw until ``prompts_per_step`` mixed groups (or the cap); train on those.
+
+    Returns the trained rollout (this host's share of groups, group ids as without dynamic
+    sampling), its rewards, the records by group id and the step's host metrics: reward and
+    rollout statistics over *every* trajectory drawn (the policy's own reward, not the filtered
+    batch's), the ``dynamic/*`` counts, ``reward/trained_mean`` over the trained batch.
+    Several hosts draw in step (a collective per draw) so the prompt iterators stay aligned.
+    """
+    share = len(first.records)
+    draws = [first]
+    cap = int(config.train.get("dynamic_sampling_max_draws", 1))
+    while len(draws) < cap and _any_host(sum(mixed_groups(d.rewards, d.rollout.group_ids).sum() for d in draws)
+                                         < share):
+        draws.append(draw(len(draws)))
+    first_group = int(first.rollout.group_ids[0])
+    chosen = select(draws, share, pad_id=pad_id, first_group=first_group)
+    offset = int(first.rollout.group_ids.max()) + 1  # draws reuse group ids: keep them apart for the metrics
+    every = concatenate([dataclasses.replace(d.rollout, group_ids=d.rollout.group_ids + i * offset)
+                         for i, d in enumerate(draws)], pad_id=pad_id)
+    metrics = rollout_metrics(every, np.concatenate([d.rewards for d in draws]))
+    metrics.update(chosen.metrics)
+    metrics["reward/trained_mean"] = float(chosen.rewards.mean())
+    metrics["data/epoch"] = float(draws[-1].epoch)
+    return chosen.rollout, chosen.rewards, dict(enumerate(chosen.records, start=first_group)), metrics
+
+
+def _any_host(flag: bool) -> bool:
+    """``flag`` or-ed over processes (a collective on several hosts)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    return distributed.reduce_over_hosts({"flag": float(flag)}, lambda _: "max")["flag"] > 0
 
 
 def make_monitor(config, llds_lambda: float | None = None,

@@ -122,3 +122,26 @@ def test_probe_results_beside_a_run_are_plotted_over_checkpoints(tmp_path):
     summary = report_main(report_config(workdir=str(workdir)))
     assert_valid_png(summary.parent / "probe.png")
     assert "![probe](probe.png)" in summary.read_text()
+
+
+def test_a_comparison_of_seven_runs_keeps_one_legend_entry_per_run_and_key(tmp_path):
+    """The collapse-fixes page overlays 7 arms: per-action panels keep action 0, legends are runs + keys."""
+    import matplotlib.pyplot as plt
+
+    from llds_jax.diagnostics.report import Panel, _draw_panel, load_run, panels_for
+
+    present = {f"diag/logodds_{kind}/action{k}" for kind in ("correct", "incorrect") for k in range(3)}
+    logodds = next(p for p in panels_for(present, first_action_only=True) if p.name == "logodds_by_action")
+    assert logodds.keys == ("diag/logodds_correct/action0", "diag/logodds_incorrect/action0")
+    assert len(next(p for p in panels_for(present) if p.name == "logodds_by_action").keys) == 6
+
+    runs = [write_run(tmp_path / f"arm{i}", death_spiral_run(i), with_sft_rows=False) for i in range(7)]
+    summary = report_main(report_config(report={"compare": ",".join(map(str, runs)), "out_dir": str(tmp_path / "c")}))
+    assert_valid_png(summary.parent / "overview.png")
+    assert sum(line.startswith("| arm") for line in summary.read_text().splitlines()) == 7
+    figure, axis = plt.subplots()
+    _draw_panel(axis, Panel("ll", "ll", ("diag/ll_correct/all", "diag/ll_incorrect/all"), "nats"),
+                [load_run(run) for run in runs])
+    labels = [text.get_text() for text in axis.get_legend().get_texts() if "onset" not in text.get_text()]
+    plt.close(figure)
+    assert labels == [f"arm{i}" for i in range(7)] + ["diag/ll_correct/all", "diag/ll_incorrect/all"]

@@ -36,7 +36,8 @@ def test_the_paged_decode_compiles_for_xla_tpu_with_the_pallas_kernel():
 
     from llds_jax.parallel.mesh import make_mesh
     from llds_jax.parallel.rules import DEFAULT
-    from llds_jax.plan.run import _abstract_paged_cache, _abstract_train_state, _cached_forward, _row_array
+    from llds_jax.plan.aot import abstract_train_state
+    from llds_jax.plan.run import _abstract_paged_cache, _cached_forward, _row_array
     from llds_jax.plan.targets import tpu_target
     from llds_jax.rollout.kv_plan import EngineMemory
 
@@ -48,7 +49,7 @@ def test_the_paged_decode_compiles_for_xla_tpu_with_the_pallas_kernel():
     target = tpu_target("v5e:2x4")
     mesh = make_mesh((1, 8, 1), list(target.devices))
     model_cfg = decoder_config(c.model)
-    graphdef, state, _ = _abstract_train_state(c, model_cfg, mesh, DEFAULT)
+    graphdef, state, _ = abstract_train_state(c, model_cfg, mesh, DEFAULT)
     cache = _abstract_paged_cache(model_cfg, c.rollout, EngineMemory(2, 4, 128, 0, 0, 0), 8, mesh, DEFAULT)
     with jax.set_mesh(mesh):
         hlo = _cached_forward(graphdef, mesh, DEFAULT).lower(
