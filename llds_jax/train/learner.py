@@ -48,6 +48,7 @@ from llds_jax.sampling import placement
 from llds_jax.train.batch import TrainBatch, check_action_tokens, padded_length
 from llds_jax.train.checkpoint import Checkpointer, Restored, resume
 from llds_jax.train.packing import PackingSizes, pack
+from llds_jax.train.signatures import SignatureLog
 from llds_jax.train.state import TrainState
 from llds_jax.train.state_layout import train_state_layout
 from llds_jax.train.step import StepSizes, build_update_fns, packing_for_run
@@ -151,6 +152,7 @@ class Learner:
     reference_is_policy_in: weakref.ref | None = None
     # The jitted step reductions, by (action slots, with Δ): built on first use (step_reductions).
     reductions: dict = dataclasses.field(default_factory=dict)
+    reduction_signatures: SignatureLog = dataclasses.field(default_factory=SignatureLog)
 
     @classmethod
     def create(cls, model: nnx.Module, config, mesh, ref_model: nnx.Module | None = None,
@@ -388,17 +390,19 @@ class Learner:
                 return sums, {**sampler_gap(sampler_logp, old_logp, action_mask),
                               **correction_metrics(old_logp - sampler_logp, action_mask, rl)}
 
-            self.reductions[num_actions, with_delta] = jax.jit(reduce)
+            name = "step_reductions_delta" if with_delta else "step_reductions"
+            self.reductions[num_actions, with_delta] = jax.jit(self.reduction_signatures.counted(name, reduce))
         return self.reductions[num_actions, with_delta]
 
     def _reference_is_policy(self) -> bool:
         return self.reference_is_policy_in is not None and self.reference_is_policy_in() is self.state
 
     def compile_counts(self) -> dict[str, int]:
-        """Jit cache sizes (one entry per compiled signature): at most 1 for a whole run (π_ref: 0 until step 1)."""
-        fns = {"policy_logprobs": self.fns.policy_logprobs, "update": self.fns.update}
-        if self.fns.reference_logprobs is not None:
-            fns["reference_logprobs"] = self.fns.reference_logprobs
-        for (_, with_delta), fn in self.reductions.items():
-            fns["step_reductions_delta" if with_delta else "step_reductions"] = fn
-        return {name: fn._cache_size() for name, fn in fns.items()}
+        """Input signatures each jitted function was traced for (``train.signatures``: jit's own cache size
+        is evicted in long-lived processes): at most 1 for a whole run (π_ref: 0 until step 1)."""
+        names = ["policy_logprobs", "update"] + (["reference_logprobs"] if self.fns.reference_logprobs is not None else [])
+        counts = {name: self.fns.signatures.count(name) for name in names}
+        for _, with_delta in self.reductions:
+            name = "step_reductions_delta" if with_delta else "step_reductions"
+            counts[name] = self.reduction_signatures.count(name)
+        return counts

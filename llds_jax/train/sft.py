@@ -53,6 +53,7 @@ from llds_jax.train.batch import (
     next_token_targets,
     scored_positions_per_row,
 )
+from llds_jax.train.signatures import SignatureLog
 from llds_jax.train.state import TrainState, apply_update, make_optimizer
 from llds_jax.train.state_layout import train_state_layout
 from llds_jax.train.step import forward_logprobs
@@ -194,7 +195,8 @@ class SFTStep:
         self.scored = scored_positions_per_row(config, length, "sft")
         self.batch_shardings = {k: batch_sharding(mesh, rules, 2, (n, length))
                                 for k in ("input_ids", "attention_mask", "action_mask")}
-        self._step = jax.jit(self._update, in_shardings=(self.state_shardings, self.batch_shardings),
+        self._signatures = SignatureLog()
+        self._step = jax.jit(self._signatures.counted("sft_step", self._update), in_shardings=(self.state_shardings, self.batch_shardings),
                              out_shardings=(self.state_shardings, NamedSharding(mesh, PartitionSpec())),
                              donate_argnums=(0,))
 
@@ -233,7 +235,7 @@ class SFTStep:
         return nnx.merge(self.graphdef, self.state.params)
 
     def compile_count(self) -> int:
-        return self._step._cache_size()
+        return self._signatures.count("sft_step")  # train.signatures: jit's cache size is evicted
 
 
 def run_sft(model: nnx.Module, tokenizer, retriever, config, mesh, writer, *, steps: int,

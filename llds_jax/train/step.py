@@ -95,6 +95,7 @@ from llds_jax.train.batch import (
     token_aligned,
 )
 from llds_jax.train.packing import PackedRows, PackingSizes, data_parallel_size, packing_sizes
+from llds_jax.train.signatures import SignatureLog
 from llds_jax.train.state import TrainState, apply_update, learning_rate, make_optimizer
 
 
@@ -254,6 +255,7 @@ class UpdateFns(NamedTuple):
     policy_logprobs: Any  # (params, input_ids, attention_mask, action_mask) -> token-aligned logp [N, T]
     reference_logprobs: Any  # (ref_params, input_ids, attention_mask, action_mask) -> token-aligned logp [N, T]
     update: Any  # (state, batch) -> (state, metrics with a leading [num_mini_batches] axis, StepOutputs)
+    signatures: SignatureLog | None = None  # signatures each of the three was traced for (compile counts)
 
 
 def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: TrainBatch, mesh, config,
@@ -500,12 +502,14 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         if batch_shardings.packed is None:
             raise ValueError("build_update_fns(packing=...) needs batch_shardings with packed rows")
         token_sh, pass_fn = (batch_shardings.packed, batch_shardings.action_mask), packed_logprobs
-    policy_logprobs = jax.jit(pass_fn, in_shardings=(state_shardings.params, *token_sh), out_shardings=logp_sharding)
+    log = SignatureLog()
+    policy_logprobs = jax.jit(log.counted("policy_logprobs", pass_fn),
+                              in_shardings=(state_shardings.params, *token_sh), out_shardings=logp_sharding)
     reference_logprobs = None
     if state_shardings.ref_params is not None:
-        reference_logprobs = jax.jit(pass_fn, in_shardings=(state_shardings.ref_params, *token_sh),
-                                     out_shardings=logp_sharding)
+        reference_logprobs = jax.jit(log.counted("reference_logprobs", pass_fn),
+                                     in_shardings=(state_shardings.ref_params, *token_sh), out_shardings=logp_sharding)
     outputs_sharding = StepOutputs(batch_sharding(mesh, rules, 1), replicated, replicated)
-    update_jit = jax.jit(update, in_shardings=(state_shardings, batch_shardings),
+    update_jit = jax.jit(log.counted("update", update), in_shardings=(state_shardings, batch_shardings),
                          out_shardings=(state_shardings, replicated, outputs_sharding), donate_argnums=(0,))
-    return UpdateFns(policy_logprobs, reference_logprobs, update_jit)
+    return UpdateFns(policy_logprobs, reference_logprobs, update_jit, log)
