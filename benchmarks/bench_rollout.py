@@ -27,7 +27,8 @@ planner's memory arithmetic derives for each target; ``--json`` prints
     .venv/bin/python benchmarks/bench_rollout.py --paper-schedule [--json]
 
 ``--default-job`` takes the default job's rollout section and prompt count
-(``configs/cpu_smoke.py``) instead of the flags, and times ``--engines`` side by side.
+(``configs/cpu_smoke.py``) instead of the flags and times only measurement 1, ``--engines`` side by
+side (the question a default-engine choice needs; 2 and 3 do not depend on the engine).
 
 Every measurement records wall and CPU seconds; append and re-prefill alternate per repeat.
 Refuses to run on a loaded machine unless ``--allow-noisy`` (benchmarks/_harness.py);
@@ -285,6 +286,9 @@ def main():
     session.log(f"{len(questions)} questions x {cfg.n_samples} samples, max_turns {cfg.max_turns} (+ final turn) ...")
     rollout_with_model(session, model, tokenizer, questions, retriever, cfg, args.rollout_repeats,
                        engines=tuple(args.engines.split(",")))
+    if args.default_job:
+        session.finish()
+        return
     rollout_scripted_search(session, tokenizer, questions, retriever, cfg, args.rollout_repeats)
     continuation_vs_reprefill(session, model, batch=len(questions) * cfg.n_samples, chunk=args.chunk,
                               histories=[int(h) for h in args.histories.split(",")], repeats=args.repeats)

@@ -85,19 +85,35 @@ def decode_and_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: 
 def _kernel(live_ref, slot_ref, new_visible_ref, q_ref, k_new_ref, v_new_ref, valid_ref, k_hbm, v_hbm,
             o_ref, k_out, v_out, k_buf, v_buf, k_rows, v_rows, sems, *, block: int, scale: float):
     row, head = pl.program_id(0), pl.program_id(1)
-    live, slot = live_ref[row], slot_ref[row]
+    slot = slot_ref[row]
 
     def block_copies(i, buf):
         start = pl.multiple_of(i * block, block)
         return (pltpu.make_async_copy(k_hbm.at[row, head, pl.ds(start, block)], k_buf.at[buf], sems.at[_READ, 0, buf]),
                 pltpu.make_async_copy(v_hbm.at[row, head, pl.ds(start, block)], v_buf.at[buf], sems.at[_READ, 1, buf]))
 
+    o_ref[...] = _attend_live_blocks(
+        q_ref[...], k_new_ref, v_new_ref, new_visible_ref[row] != 0, live_ref[row], slot, block_copies, k_buf, v_buf,
+        block_valid=lambda i: valid_ref[pl.ds(i, 1), :] != 0, block=block, scale=scale).astype(o_ref.dtype)
+
+    @pl.when(slot < k_hbm.shape[2])
+    def _write_new_row():
+        # k_out / v_out alias k_hbm / v_hbm (one buffer on TPU; the interpreter copies the input in
+        # and returns the output, so both sides go through the output).
+        _write_row(lambda cache, start, rows: cache.at[row, head, pl.ds(start, rows)], slot,
+                   k_out, v_out, k_rows, v_rows, k_new_ref, v_new_ref, sems)
+
+
+def _attend_live_blocks(q, k_new_ref, v_new_ref, new_visible, live, slot, block_copies, k_buf, v_buf, *,
+                        block_valid, block: int, scale: float):
+    """FlashAttention's online softmax of q [G, Dh] over the new key, then the ``live`` key blocks that
+    ``block_copies(i, buf)`` DMAs into ``k_buf`` / ``v_buf`` (double-buffered: block i + 1 loads while
+    block i is folded); a key is visible if ``block_valid(i)`` flags it (None: every key) and its slot is
+    before ``slot``. Returns fp32 [G, Dh]. The one fold both kernels (dense rows, paged pool) share."""
     @pl.when(live > 0)
     def _prefetch_first():
         for copy in block_copies(0, 0):
             copy.start()
-
-    q = q_ref[...]  # [G, Dh]
 
     def scores_of(keys):  # fp32 [G, n]
         return jax.lax.dot_general(q, keys.astype(q.dtype), (((1,), (1,)), ((), ())),
@@ -112,7 +128,7 @@ def _kernel(live_ref, slot_ref, new_visible_ref, q_ref, k_new_ref, v_new_ref, va
     # (a one-key product on the vector unit: Mosaic does not lower an N = 1 matmul)
     k_new = k_new_ref[...].astype(q.dtype).astype(jnp.float32)
     new_score = jnp.sum(q.astype(jnp.float32) * k_new, axis=-1, keepdims=True) * scale  # [G, 1]
-    m = jnp.where(new_visible_ref[row] != 0, new_score, MASKED_SCORE)
+    m = jnp.where(new_visible, new_score, MASKED_SCORE)
     total = jnp.ones_like(m)
     acc = jnp.broadcast_to(v_new_ref[...].astype(q.dtype).astype(jnp.float32), q.shape)
 
@@ -129,7 +145,9 @@ def _kernel(live_ref, slot_ref, new_visible_ref, q_ref, k_new_ref, v_new_ref, va
             copy.wait()
         scores = scores_of(k_buf[buf])  # [G, block]
         ids = i * block + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-        visible = (valid_ref[pl.ds(i, 1), :] != 0) & (ids < slot)
+        visible = ids < slot
+        if block_valid is not None:
+            visible = visible & block_valid(i)
         scores = jnp.where(visible, scores, MASKED_SCORE)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
         probs = jnp.exp(scores - m_new)
@@ -138,32 +156,31 @@ def _kernel(live_ref, slot_ref, new_visible_ref, q_ref, k_new_ref, v_new_ref, va
         return m_new, total, rescale * acc + weighted(probs, v_buf[buf])
 
     m, total, acc = jax.lax.fori_loop(0, live, fold, (m, total, acc))
-    o_ref[...] = (acc / total).astype(o_ref.dtype)
+    return acc / total
 
-    @pl.when(slot < k_hbm.shape[2])
-    def _write_new_row():
-        # After every read, so the slot's old content (masked above) is never raced. A DMA
-        # offset must be tile-aligned, so the row's whole tile of sublanes is read, patched and
-        # written back. k_out / v_out alias k_hbm / v_hbm (one buffer on TPU; the interpreter
-        # copies the input in and returns the output, so both sides go through the output).
-        group = k_rows.shape[0]
-        start = pl.multiple_of((slot // group) * group, group)
-        pairs = ((k_out, k_rows, k_new_ref, 0), (v_out, v_rows, v_new_ref, 1))
-        tiles = [pltpu.make_async_copy(cache.at[row, head, pl.ds(start, group)], rows, sems.at[_WRITE, which, 0])
-                 for cache, rows, _, which in pairs]
-        for copy in tiles:
-            copy.start()
-        for copy in tiles:
-            copy.wait()
-        for _, rows, new, _ in pairs:
-            here = jax.lax.broadcasted_iota(jnp.int32, rows.shape, 0) == slot - start
-            rows[...] = jnp.where(here, new[...], rows[...])
-        writes = [pltpu.make_async_copy(rows, cache.at[row, head, pl.ds(start, group)], sems.at[_WRITE, which, 1])
-                  for cache, rows, _, which in pairs]
-        for copy in writes:
-            copy.start()
-        for copy in writes:
-            copy.wait()
+
+def _write_row(tile_at, offset, k_out, v_out, k_rows, v_rows, k_new_ref, v_new_ref, sems):
+    """Write the new key/value at row ``offset`` of the cache region ``tile_at(cache, start, rows)``
+    names. Runs after every read, so the slot's old content (masked there) is never raced. A DMA
+    offset must be tile-aligned, so the row's whole tile of sublanes is read, patched and written back."""
+    group = k_rows.shape[0]
+    start = pl.multiple_of((offset // group) * group, group)
+    pairs = ((k_out, k_rows, k_new_ref, 0), (v_out, v_rows, v_new_ref, 1))
+    tiles = [pltpu.make_async_copy(tile_at(cache, start, group), rows, sems.at[_WRITE, which, 0])
+             for cache, rows, _, which in pairs]
+    for copy in tiles:
+        copy.start()
+    for copy in tiles:
+        copy.wait()
+    for _, rows, new, _ in pairs:
+        here = jax.lax.broadcasted_iota(jnp.int32, rows.shape, 0) == offset - start
+        rows[...] = jnp.where(here, new[...], rows[...])
+    writes = [pltpu.make_async_copy(rows, tile_at(cache, start, group), sems.at[_WRITE, which, 1])
+              for cache, rows, _, which in pairs]
+    for copy in writes:
+        copy.start()
+    for copy in writes:
+        copy.wait()
 
 
 def _kernel_call(scalars, grouped, k_new, v_new, valid, k_cache, v_cache, *, block: int, interpret: bool):
@@ -262,80 +279,22 @@ def paged_decode_and_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_p
 def _paged_kernel(live_ref, slot_ref, real_ref, target_ref, table_ref, q_ref, k_new_ref, v_new_ref, k_hbm, v_hbm,
                   o_ref, k_out, v_out, k_buf, v_buf, k_rows, v_rows, sems, *, block: int, columns: int, scale: float):
     row, head = pl.program_id(0), pl.program_id(1)
-    live, slot = live_ref[row], slot_ref[row]
+    slot, target = slot_ref[row], target_ref[row]
 
     def block_copies(i, buf):
         physical = table_ref[row * columns + i]
         return (pltpu.make_async_copy(k_hbm.at[physical, head], k_buf.at[buf], sems.at[_READ, 0, buf]),
                 pltpu.make_async_copy(v_hbm.at[physical, head], v_buf.at[buf], sems.at[_READ, 1, buf]))
 
-    @pl.when(live > 0)
-    def _prefetch_first():
-        for copy in block_copies(0, 0):
-            copy.start()
-
-    q = q_ref[...]  # [G, Dh]
-
-    def scores_of(keys):
-        return jax.lax.dot_general(q, keys.astype(q.dtype), (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32) * scale
-
-    def weighted(probs, values):
-        values = values.astype(q.dtype)
-        return jax.lax.dot_general(probs.astype(values.dtype), values, (((1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-
-    k_new = k_new_ref[...].astype(q.dtype).astype(jnp.float32)
-    new_score = jnp.sum(q.astype(jnp.float32) * k_new, axis=-1, keepdims=True) * scale  # [G, 1]
-    m = jnp.where(real_ref[row] != 0, new_score, MASKED_SCORE)
-    total = jnp.ones_like(m)
-    acc = jnp.broadcast_to(v_new_ref[...].astype(q.dtype).astype(jnp.float32), q.shape)
-
-    def fold(i, carry):
-        m, total, acc = carry
-        buf = i % 2
-
-        @pl.when(i + 1 < live)
-        def _prefetch_next():
-            for copy in block_copies(i + 1, 1 - buf):
-                copy.start()
-
-        for copy in block_copies(i, buf):
-            copy.wait()
-        scores = scores_of(k_buf[buf])  # [G, block]
-        ids = i * block + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-        scores = jnp.where(ids < slot, scores, MASKED_SCORE)  # a row's slots before its new one are all real
-        m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
-        probs = jnp.exp(scores - m_new)
-        rescale = jnp.exp(m - m_new)
-        total = rescale * total + jnp.sum(probs, axis=-1, keepdims=True)
-        return m_new, total, rescale * acc + weighted(probs, v_buf[buf])
-
-    m, total, acc = jax.lax.fori_loop(0, live, fold, (m, total, acc))
-    o_ref[...] = (acc / total).astype(o_ref.dtype)
-    target = target_ref[row]
+    # a row's slots before its new one are all real: no per-key validity to read
+    o_ref[...] = _attend_live_blocks(
+        q_ref[...], k_new_ref, v_new_ref, real_ref[row] != 0, live_ref[row], slot, block_copies, k_buf, v_buf,
+        block_valid=None, block=block, scale=scale).astype(o_ref.dtype)
 
     @pl.when(target >= 0)
-    def _write_new_row():  # after every read; a tile of sublanes read, patched and written back (as decode_and_write)
-        group = k_rows.shape[0]
-        offset = slot % block
-        start = pl.multiple_of((offset // group) * group, group)
-        pairs = ((k_out, k_rows, k_new_ref, 0), (v_out, v_rows, v_new_ref, 1))
-        tiles = [pltpu.make_async_copy(pool.at[target, head, pl.ds(start, group)], rows, sems.at[_WRITE, which, 0])
-                 for pool, rows, _, which in pairs]
-        for copy in tiles:
-            copy.start()
-        for copy in tiles:
-            copy.wait()
-        for _, rows, new, _ in pairs:
-            here = jax.lax.broadcasted_iota(jnp.int32, rows.shape, 0) == offset - start
-            rows[...] = jnp.where(here, new[...], rows[...])
-        writes = [pltpu.make_async_copy(rows, pool.at[target, head, pl.ds(start, group)], sems.at[_WRITE, which, 1])
-                  for pool, rows, _, which in pairs]
-        for copy in writes:
-            copy.start()
-        for copy in writes:
-            copy.wait()
+    def _write_new_row():
+        _write_row(lambda pool, start, rows: pool.at[target, head, pl.ds(start, rows)], slot % block,
+                   k_out, v_out, k_rows, v_rows, k_new_ref, v_new_ref, sems)
 
 
 def _paged_call(scalars, grouped, k_new, v_new, k_pool, v_pool, *, interpret: bool):
