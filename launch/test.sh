@@ -28,16 +28,14 @@ step lint .venv/bin/ruff check llds_jax tests benchmarks tools configs
 # an entry the other is half-way through writing.
 JAX_COMPILATION_CACHE_DIR=$(mktemp -d) && export JAX_COMPILATION_CACHE_DIR JAX_COMPILATION_CACHE_MAX_SIZE=$((16 * 2**30))
 trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
-# Every test, slow ones included, in one pytest: two workers for two cores, started once; LLVM at
-# optimisation level 0 (tests/conftest.py: tests/xla_flags.py; ≈ 40 % fewer CPU seconds, the same results).
+# Every test, slow ones included, in one pytest: two workers for two cores, started once.
 # --dist loadscope: a module's tests go to one worker, so a module-scoped fixture (a tiny training run,
 # a rollout in three wave sizes, a real-weights load) is built once, not once per worker that gets one
 # of its tests. --no-loadscope-reorder: modules run in the order tests/conftest.py gives (the ones holding
 # slow tests first, so no long module starts last); --durations=25: the slowest tests in the log.
 step tests .venv/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder --durations=25 "$@"
 # The tests whose result can differ between ISAs (tests/isa_sensitive.py) again under a second XLA:CPU code
-# generator: another ISA and vector width (reduction order differs between hosts), single-threaded Eigen, and
-# LLVM at XLA's default optimisation level (the first step runs tests at level 0: tests/xla_flags.py).
+# generator: another ISA and vector width (reduction order differs between hosts), single-threaded Eigen.
 # Tolerances must come from the quantities, not from one CPU's rounding.
 mapfile -t numeric < <(.venv/bin/python -c "import tests.isa_sensitive as t; print(*t.ISA_SENSITIVE, sep='\n')")
 step "numeric tests (AVX2, 128-bit vectors, 1 Eigen thread)" env \

@@ -2,9 +2,7 @@
 
 import os
 
-from tests.xla_flags import xla_flags  # noqa: E402  (the test code generator: tests/xla_flags.py)
-
-os.environ.setdefault("XLA_FLAGS", xla_flags(devices=8))
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
