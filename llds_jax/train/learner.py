@@ -400,9 +400,4 @@ class Learner:
     def compile_counts(self) -> dict[str, int]:
         """Input signatures each jitted function was traced for (``train.signatures``: jit's own cache size
         is evicted in long-lived processes): at most 1 for a whole run (π_ref: 0 until step 1)."""
-        names = ["policy_logprobs", "update"] + (["reference_logprobs"] if self.fns.reference_logprobs is not None else [])
-        counts = {name: self.fns.signatures.count(name) for name in names}
-        for _, with_delta in self.reductions:
-            name = "step_reductions_delta" if with_delta else "step_reductions"
-            counts[name] = self.reduction_signatures.count(name)
-        return counts
+        return {**self.fns.signatures.counts(), **self.reduction_signatures.counts()}

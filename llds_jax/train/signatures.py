@@ -40,3 +40,7 @@ class SignatureLog:
 
     def count(self, name: str) -> int:
         return len(self._seen.get(name, ()))
+
+    def counts(self) -> dict[str, int]:
+        """Every function wrapped so far, by name."""
+        return {name: len(seen) for name, seen in self._seen.items()}

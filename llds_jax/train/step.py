@@ -255,7 +255,7 @@ class UpdateFns(NamedTuple):
     policy_logprobs: Any  # (params, input_ids, attention_mask, action_mask) -> token-aligned logp [N, T]
     reference_logprobs: Any  # (ref_params, input_ids, attention_mask, action_mask) -> token-aligned logp [N, T]
     update: Any  # (state, batch) -> (state, metrics with a leading [num_mini_batches] axis, StepOutputs)
-    signatures: SignatureLog | None = None  # signatures each of the three was traced for (compile counts)
+    signatures: SignatureLog  # signatures each jitted function above was traced for (compile counts)
 
 
 def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: TrainBatch, mesh, config,

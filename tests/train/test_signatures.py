@@ -23,3 +23,4 @@ def test_a_name_counts_zero_until_its_function_is_called():
     log = SignatureLog()
     jax.jit(log.counted("later", lambda x: x))
     assert log.count("later") == 0 and log.count("unknown") == 0
+    assert log.counts() == {"later": 0}
