@@ -38,6 +38,21 @@ class SignatureLog:
 
         return traced
 
+    def reusing(self, name: str, owner: str, owner_jitted: Callable, own_jitted: Callable) -> Callable:
+        """``name``'s calls, run by ``owner_jitted`` (``owner``'s program, same code and shardings) when ``owner``
+        has traced the call's signature already, else by ``own_jitted``. The π_ref pass is π_old's program whenever
+        π_ref has π_θ's dtypes: two jit objects would compile the same program twice. Each call's signature is
+        recorded under ``name``, so ``counts()`` still says how many programs ``name`` needed."""
+        seen = self._seen.setdefault(name, set())
+        owner_seen = self._seen.setdefault(owner, set())
+
+        def call(*args, **kwargs):
+            key = signature((args, kwargs))
+            seen.add(key)
+            return (owner_jitted if key in owner_seen else own_jitted)(*args, **kwargs)
+
+        return call
+
     def count(self, name: str) -> int:
         return len(self._seen.get(name, ()))
 

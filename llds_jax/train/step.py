@@ -507,8 +507,11 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
                               in_shardings=(state_shardings.params, *token_sh), out_shardings=logp_sharding)
     reference_logprobs = None
     if state_shardings.ref_params is not None:
-        reference_logprobs = jax.jit(log.counted("reference_logprobs", pass_fn),
-                                     in_shardings=(state_shardings.ref_params, *token_sh), out_shardings=logp_sharding)
+        own = jax.jit(log.counted("reference_logprobs", pass_fn),
+                      in_shardings=(state_shardings.ref_params, *token_sh), out_shardings=logp_sharding)
+        # π_ref laid out as π_θ (the usual case) runs π_old's program where its dtypes match: no second compile.
+        reference_logprobs = (log.reusing("reference_logprobs", "policy_logprobs", policy_logprobs, own)
+                              if state_shardings.ref_params == state_shardings.params else own)
     outputs_sharding = StepOutputs(batch_sharding(mesh, rules, 1), replicated, replicated)
     update_jit = jax.jit(log.counted("update", update), in_shardings=(state_shardings, batch_shardings),
                          out_shardings=(state_shardings, replicated, outputs_sharding), donate_argnums=(0,))
