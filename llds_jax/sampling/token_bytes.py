@@ -47,7 +47,7 @@ def _is_byte_level(tokenizer) -> bool:
 def vocab_bytes(tokenizer, vocab_size: int | None = None) -> tuple[bytes, ...]:
     """Per-id byte strings for ids ``0 .. vocab_size-1`` (default: the tokenizer's length).
 
-    Cached per tokenizer object, since building it walks the whole vocabulary.
+    Cached per tokenizer object and size, since building it walks the whole vocabulary.
     """
     size = len(tokenizer) if vocab_size is None else vocab_size
     return _vocab_bytes_cached(tokenizer, size)
@@ -55,7 +55,18 @@ def vocab_bytes(tokenizer, vocab_size: int | None = None) -> tuple[bytes, ...]:
 
 @functools.lru_cache(maxsize=8)
 def _vocab_bytes_cached(tokenizer, size: int) -> tuple[bytes, ...]:
-    n = min(size, len(tokenizer))
+    """The tokenizer's table cut or padded (empty bytes) to ``size``. One walk of the vocabulary
+    serves every size: a run asks for the tokenizer's length (SFT warm-up) and for the model's
+    padded vocabulary (rollouts), and each walk of Qwen's 151k tokens takes half a second."""
+    table = _tokenizer_bytes(tokenizer, len(tokenizer))
+    if size == len(table):
+        return table
+    return table[:size] + (b"",) * (size - len(table))
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_bytes(tokenizer, n: int) -> tuple[bytes, ...]:
+    """Bytes of ids ``0 .. n-1`` (``n`` = the tokenizer's length, in the key so added tokens refresh it)."""
     pieces = tokenizer.convert_ids_to_tokens(list(range(n)))
     special = set(tokenizer.all_special_ids)
     special.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
@@ -76,7 +87,6 @@ def _vocab_bytes_cached(tokenizer, size: int) -> tuple[bytes, ...]:
                 continue
             fallback = _BYTE_FALLBACK.match(piece)
             out.append(bytes([int(fallback.group(1), 16)]) if fallback else piece.replace("▁", " ").encode())
-    out.extend(b"" for _ in range(size - n))
     return tuple(out)
 
 
