@@ -7,6 +7,8 @@ accumulation), so their differences are a few fp32 ulps x S ≈ 1e-6. The issue'
 give differences of O(0.1)).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,20 +47,26 @@ def _seen(mask: AttentionMask) -> np.ndarray:
     return np.asarray(mask.dense().any(-1))[:, :, None, None]
 
 
+def _out_and_grads(attention, q, k, v, mask, weights):
+    """attention's output and d/dq, d/dk, d/dv of sum(output * weights)."""
+    out, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, mask), q, k, v)
+    return out, pullback(weights)
+
+
+# Jitted once per shape for the module: the oracle side is the same program in many tests.
+_naive_out_and_grads = jax.jit(functools.partial(_out_and_grads, naive_attention))
+
+
 def _max_differences(fn, q, k, v, mask, rows=None):
     """max |fn - naive| of the outputs and of d/dq, d/dk, d/dv of a random projection of
-    them, over the query ``rows`` [B, T] (default: every row that sees a key)."""
+    them, over the query ``rows`` [B, T] (default: every row that sees a key). Each side is
+    one jitted program (compiling beats dispatching a while loop's ops one at a time)."""
     seen = _seen(mask) if rows is None else np.asarray(rows)[:, :, None, None]
     weights = jnp.asarray(np.random.default_rng(7).standard_normal(q.shape), jnp.float32) * seen
-
-    def loss(attention):
-        return lambda q, k, v: jnp.sum(attention(q, k, v, mask) * weights)
-
-    ref, got = naive_attention(q, k, v, mask), fn(q, k, v, mask)
+    ref, grads_ref = _naive_out_and_grads(q, k, v, mask, weights)
+    got, grads_got = jax.jit(functools.partial(_out_and_grads, fn))(q, k, v, mask, weights)
     assert np.all(np.isfinite(np.asarray(got))), "a query row came out non-finite"
     out_diff = float(jnp.max(jnp.where(seen, jnp.abs(ref - got), 0.0)))
-    grads_ref = jax.grad(loss(naive_attention), argnums=(0, 1, 2))(q, k, v)
-    grads_got = jax.grad(loss(fn), argnums=(0, 1, 2))(q, k, v)
     return [out_diff] + [float(jnp.max(jnp.abs(a - b))) for a, b in zip(grads_ref, grads_got)]
 
 
@@ -90,11 +98,13 @@ def test_a_query_block_never_reads_keys_past_its_own_last_query():
     reach them (one [T, T] pass would read every key for every query: 0 x NaN = NaN)."""
     q, k, v = _qkv(2, 24, 24, 4, 2)
     mask = AttentionMask.causal(jnp.ones((2, 24), bool))
-    clean = blockwise_attention(q, k, v, mask, query_block=8)
-    poisoned = blockwise_attention(q, k.at[:, 16:].set(jnp.nan), v.at[:, 16:].set(jnp.nan), mask, query_block=8)
+    blocked = jax.jit(lambda k, v: blockwise_attention(q, k, v, mask, query_block=8))  # one program, both calls
+    clean = blocked(k, v)
+    poisoned = blocked(k.at[:, 16:].set(jnp.nan), v.at[:, 16:].set(jnp.nan))
     np.testing.assert_array_equal(np.asarray(poisoned[:, :16]), np.asarray(clean[:, :16]))
     assert np.isnan(np.asarray(poisoned[:, 16:])).all()
-    unblocked = blockwise_attention(q, k, v.at[:, 16:].set(jnp.nan), mask, block_size=24, query_block=24)
+    unblocked = jax.jit(lambda v: blockwise_attention(q, k, v, mask, block_size=24, query_block=24))(
+        v.at[:, 16:].set(jnp.nan))
     assert np.isnan(np.asarray(unblocked[:, :16])).any(), "the one-pass form should read the poisoned values"
 
 
@@ -137,9 +147,8 @@ def test_query_with_no_visible_key_is_finite():
     blockwise the keys it read; both only need to be finite (the row is never used)."""
     q, k, v = _qkv(1, 9, 9, 4, 2)
     mask = AttentionMask.causal(jnp.asarray([[0, 0, 0, 0, 1, 1, 1, 1, 1]], bool))
-    out = blockwise_attention(q, k, v, mask, block_size=4)
-    grads = jax.grad(lambda q, k, v: jnp.sum(blockwise_attention(q, k, v, mask, block_size=4)),
-                     argnums=(0, 1, 2))(q, k, v)
+    out, grads = jax.jit(functools.partial(_out_and_grads, lambda *a: blockwise_attention(*a, block_size=4)))(
+        q, k, v, mask, jnp.ones_like(q))  # d/dq, d/dk, d/dv of sum(output)
     assert all(np.all(np.isfinite(np.asarray(x))) for x in (out, *grads))
 
 
@@ -150,12 +159,14 @@ def test_decode_never_reads_key_blocks_past_the_furthest_query():
     q, k, v = _qkv(2, 1, 64, 4, 2)
     valid = jnp.arange(64)[None, :] <= jnp.array([[9], [7]])
     mask = AttentionMask.cached(jnp.array([[9], [7]]), valid)
-    clean = blockwise_attention(q, k, v, mask, block_size=8)
+    blocked = jax.jit(lambda k, v: blockwise_attention(q, k, v, mask, block_size=8))  # each: one program, two calls
+    naive = jax.jit(lambda k, v: naive_attention(q, k, v, mask))
+    clean = blocked(k, v)
     poisoned_k, poisoned_v = k.at[:, 16:].set(jnp.nan), v.at[:, 16:].set(jnp.nan)
-    poisoned = blockwise_attention(q, poisoned_k, poisoned_v, mask, block_size=8)
+    poisoned = blocked(poisoned_k, poisoned_v)
     np.testing.assert_array_equal(np.asarray(poisoned), np.asarray(clean))
-    assert np.isnan(np.asarray(naive_attention(q, poisoned_k, poisoned_v, mask))).any()
-    diff = float(jnp.max(jnp.abs(clean - naive_attention(q, k, v, mask))))
+    assert np.isnan(np.asarray(naive(poisoned_k, poisoned_v))).any()
+    diff = float(jnp.max(jnp.abs(clean - naive(k, v))))
     assert diff <= TOL, f"decode output differs from naive by {diff}"
 
 
@@ -173,11 +184,11 @@ def test_a_key_block_cache_skips_blocks_past_the_furthest_query_and_equals_naive
     last = jnp.array([[13], [7]])
     slots = last - length + 1 + jnp.arange(length)[None, :]
     mask = AttentionMask.cached(slots, jnp.arange(64)[None, :] <= last)
-    clean = block_cache_attention(q, _key_blocks(k, 8), _key_blocks(v, 8), mask)
-    poisoned = block_cache_attention(q, _key_blocks(k.at[:, 16:].set(jnp.nan), 8),
-                                     _key_blocks(v.at[:, 16:].set(jnp.nan), 8), mask)
+    blocked = jax.jit(lambda k, v: block_cache_attention(q, _key_blocks(k, 8), _key_blocks(v, 8), mask))
+    clean = blocked(k, v)
+    poisoned = blocked(k.at[:, 16:].set(jnp.nan), v.at[:, 16:].set(jnp.nan))  # the same program
     np.testing.assert_array_equal(np.asarray(poisoned), np.asarray(clean))
-    diff = float(jnp.max(jnp.abs(clean - naive_attention(q, k, v, mask))))
+    diff = float(jnp.max(jnp.abs(clean - jax.jit(naive_attention)(q, k, v, mask))))
     assert diff <= TOL, f"key-block cache attention differs from naive by {diff}"
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -11,6 +10,18 @@ from llds_jax.models.testing import tiny_model
 from llds_jax.sampling import SamplingParams
 from llds_jax.sampling.generate import resolve_stop_table
 from llds_jax.sampling.session import DecodeSession
+
+
+def _forward_logprobs(model, rows: list[list[int]]) -> list[np.ndarray]:
+    """log-softmax of one uncached forward over each whole row, [len(row), V] per row. The rows are
+    right-padded to one width and masked, so one compiled program serves every row (not one per
+    length); a causal model's logits at a real token read no later position, pads included."""
+    width = max(map(len, rows))
+    ids, mask = np.zeros((len(rows), width), np.int32), np.zeros((len(rows), width), bool)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)], mask[i, :len(row)] = row, True
+    logp = np.asarray(jax.jit(lambda i, m: jax.nn.log_softmax(model(i, m), axis=-1))(ids, mask))
+    return [logp[i, :len(row)] for i, row in enumerate(rows)]
 
 
 def test_session_continuation_equals_one_forward_over_the_whole_conversation():
@@ -47,8 +58,7 @@ def test_session_continuation_equals_one_forward_over_the_whole_conversation():
                 conversation[row].extend(chunk)
     assert session.cache.max_len > initial_slots, "the 500-token chunk should have grown the cache past one key block"
 
-    for row, seq in enumerate(conversation):
-        logp = jax.nn.log_softmax(jax.jit(model)(jnp.asarray([seq]))[0], axis=-1)
+    for row, logp in enumerate(_forward_logprobs(model, conversation)):
         for position, token, logprob in sampled[row]:
             expected = float(logp[position - 1, token])
             assert abs(expected - logprob) < 1e-4, (row, position, expected, logprob)
@@ -73,13 +83,15 @@ def test_cutting_an_action_continues_as_if_decoding_had_stopped_at_the_cut():
     session.observe(chunks)
     second = session.act(np.array([True, True, True, True]), np.array([5, 5, 5, 5]))
 
+    conversations, starts = [], []
     for row in range(4):
         keep = len(first[row].ids) if kept[row] is None else kept[row]
         conversation = prompts[row] + first[row].ids[:keep].tolist() + chunks[row]
-        start = len(conversation)
+        starts.append(len(conversation))
         conversation += second[row].ids.tolist()
         assert int(session.cache.next_positions()[row]) == len(conversation), row
-        logp = jax.nn.log_softmax(jax.jit(model)(jnp.asarray([conversation]))[0], axis=-1)
+        conversations.append(conversation)
+    for row, (logp, start) in enumerate(zip(_forward_logprobs(model, conversations), starts, strict=True)):
         expected = [float(logp[start + i - 1, t]) for i, t in enumerate(second[row].ids)]
         np.testing.assert_allclose(second[row].logprobs, expected, atol=1e-4, err_msg=f"row {row}")
 
