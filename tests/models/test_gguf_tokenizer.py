@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
-import transformers
 
 from llds_jax.models.gguf_tokenizer import load_gguf_tokenizer
 from llds_jax.utils.assets import smollm2_gguf_path
+from tests.models import smollm2_reference
 
 TEXTS = [
     "Hello <search> world </search>",
@@ -25,7 +25,7 @@ def gguf_path():
 
 
 def test_matches_transformers_gguf_tokenizer(gguf_path):
-    reference = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    reference = smollm2_reference.transformers_tokenizer()  # transformers' own load of gguf_path
     ours = load_gguf_tokenizer(gguf_path)
     for text in TEXTS:
         assert ours(text)["input_ids"] == reference(text)["input_ids"], text

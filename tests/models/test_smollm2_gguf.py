@@ -11,31 +11,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
 from flax import nnx
 
-from llds_jax.models import from_pretrained, init_cache
-from llds_jax.utils.assets import smollm2_gguf_path
+from llds_jax.models import init_cache
+from tests.models import smollm2_reference
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def gguf_file():
-    return smollm2_gguf_path()
+def ours():
+    return smollm2_reference.our_model()  # loaded once per process (smollm2_reference.py)
 
 
 @pytest.fixture(scope="module")
-def ours(gguf_file):
-    return from_pretrained(gguf_file)
-
-
-@pytest.fixture(scope="module")
-def reference(gguf_file):
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32).eval()
-    return tokenizer, model
+def reference():
+    return smollm2_reference.transformers_tokenizer(), smollm2_reference.transformers_model()
 
 
 def test_gguf_config_is_read_from_metadata(ours):
