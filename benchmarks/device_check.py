@@ -145,8 +145,9 @@ def job_config(dry_run: bool, tokenizer: str):
     return config
 
 
-def run_passes(out: Path, tokenizer: str, dry_run: bool, repeats: int = 2) -> dict:
-    """π_old + π_ref, the update and the Δ forward of the job, timed after their compile.
+def run_passes(out: Path, tokenizer: str, dry_run: bool, repeats: int | None = None) -> dict:
+    """π_old + π_ref, the update and the Δ forward of the job, timed after their compile: the median
+    of ``repeats`` calls (default 2; 1 in the dry run, which pins the wiring, not the timings).
 
     The batch is the shape a random policy's rollout has at the job's caps (every action runs to
     its cap, an invalid-action message after each but the last): the step's training passes
@@ -161,6 +162,7 @@ def run_passes(out: Path, tokenizer: str, dry_run: bool, repeats: int = 2) -> di
     from llds_jax.train.learner import Learner
     from llds_jax.train.utilisation import peak_memory_bytes
 
+    repeats = repeats or (1 if dry_run else 2)
     config = job_config(dry_run, tokenizer)
     mesh = make_mesh(tuple(config.mesh.shape))
     model, _ = load_model_and_tokenizer(config.model, mesh)
@@ -350,6 +352,12 @@ def main(argv=None) -> int:
     if args.dry_run:  # the job as this CPU runs it: one device, whatever device count a caller forced
         os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                                          os.environ.get("XLA_FLAGS", "")).strip()
+        # The passes part and the training job compile the same update and π_old/π_ref programs: one
+        # persistent compilation cache lets the job load them (the same executables) instead of compiling
+        # them again. Not on the device, where the job's first (compiling) step is one of the measurements.
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "jax_cache"))
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     hardware = args.hardware or _gpu_hardware()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     result = {"device": hardware or "CPU (dry run)", "commit": commit.strip() or "?"}

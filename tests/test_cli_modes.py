@@ -96,7 +96,8 @@ def test_train_exits_zero(trained_run):
 
 
 def test_sft_exits_zero(tiny_config, tmp_path):
-    result = run_main("--mode=sft", f"--config={tiny_config}", f"--config.workdir={tmp_path}")
+    # 2 steps (sft.steps defaults to 20): run_sft's check that the step compiled once still sees a second step.
+    result = run_main("--mode=sft", f"--config={tiny_config}", f"--config.workdir={tmp_path}", "--config.sft.steps=2")
     assert_exit(result, 0)
     assert list(tmp_path.rglob("config.json")), "sft exported no HF directory"
 
@@ -114,13 +115,30 @@ def test_report_exits_zero(trained_run):
     assert list(trained_run.rglob("*.png")), "report drew nothing"
 
 
+PROBE_SECTION = '''
+
+_tiny_job = get_config
+
+
+def get_config():  # 2 probed questions, not the default 32: 64 rollouts at a wave width of their own
+    from llds_jax.lab.probe import default_probe_config
+
+    c = _tiny_job()
+    c.probe = default_probe_config()
+    c.probe.questions = 2
+    return c
+'''
+
+
 def test_probe_exits_zero_and_writes_probe_json_and_a_run_without_checkpoints_exits_2(trained_run, tiny_config,
                                                                                     tmp_path):
-    result = run_main("--mode=probe", f"--config={tiny_config}", f"--config.workdir={trained_run}")
+    config = tmp_path / "probe_config.py"
+    config.write_text(tiny_config.read_text() + PROBE_SECTION)
+    result = run_main("--mode=probe", f"--config={config}", f"--config.workdir={trained_run}")
     assert_exit(result, 0)
     probes = sorted(trained_run.glob("probe/*/probe.json"))
     assert probes and "lld_share" in json.loads(probes[-1].read_text())
-    result = run_main("--mode=probe", f"--config={tiny_config}", f"--config.workdir={tmp_path}")
+    result = run_main("--mode=probe", f"--config={config}", f"--config.workdir={tmp_path}")
     assert_exit(result, 2)
     assert "checkpoints does not exist" in result.stderr
 
