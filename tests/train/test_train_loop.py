@@ -141,8 +141,12 @@ def test_old_names_are_not_current_names():
     assert set(keys.RENAMED.values()) <= current
 
 
-def test_second_invocation_resumes_without_warmup(first_run, loop_config):
+def test_second_invocation_resumes_without_warmup(first_run, loop_config, tmp_path):
+    """Resumes a copy of the first run's workdir, which the other tests read (so they pass in any order)."""
+    import shutil
+
     config = loop_config.copy_and_resolve_references()
+    config.workdir = str(shutil.copytree(loop_config.workdir, tmp_path / "run"))
     config.train.total_steps = 3
     config.eval.data = ""
     summary = train(config)
