@@ -145,30 +145,12 @@ def job_config(dry_run: bool, tokenizer: str):
     return config
 
 
-def run_passes(out: Path, tokenizer: str, dry_run: bool, repeats: int | None = None) -> dict:
-    """π_old + π_ref, the update and the Δ forward of the job, timed after their compile: the median
-    of ``repeats`` calls (default 2; 1 in the dry run, which pins the wiring, not the timings).
-
-    The batch is the shape a random policy's rollout has at the job's caps (every action runs to
-    its cap, an invalid-action message after each but the last): the step's training passes
-    without the rollout's compile and decode in front of them.
-    """
-    import jax
+def rollout_shaped_arrays(config, length: int, dry_run: bool) -> tuple[dict, int]:
+    """The batch a random policy's rollout makes at ``config``'s caps (every action runs to its cap, an
+    invalid-action message after each but the last): host arrays and the real tokens per row."""
     import numpy as np
 
-    from llds_jax.models.loading import load_model_and_tokenizer
-    from llds_jax.parallel.mesh import make_mesh
-    from llds_jax.train.batch import TrainBatch
-    from llds_jax.train.learner import Learner
-    from llds_jax.train.utilisation import peak_memory_bytes
-
-    repeats = repeats or (1 if dry_run else 2)
-    config = job_config(dry_run, tokenizer)
-    mesh = make_mesh(tuple(config.mesh.shape))
-    model, _ = load_model_and_tokenizer(config.model, mesh)
-    learner = Learner.create(model, config, mesh)
-    del model
-    rows, length, rollout = int(config.train.prompts_per_step) * int(config.rollout.n_samples), learner.seq_len, config.rollout
+    rows, rollout = int(config.train.prompts_per_step) * int(config.rollout.n_samples), config.rollout
     prompt, action, feedback = 150 if not dry_run else 40, int(rollout.max_action_tokens), 40 if not dry_run else 8
     rng = np.random.default_rng(0)
     arrays = {name: np.zeros((rows, length), dtype) for name, dtype in
@@ -186,6 +168,33 @@ def run_passes(out: Path, tokenizer: str, dry_run: bool, repeats: int | None = N
         arrays["attention_mask"][:, end:position] = True
     arrays.update(num_searches=np.zeros(rows, np.float32), rewards=(rng.random(rows) < 0.3).astype(np.float32),
                   group_ids=np.repeat(np.arange(rows // int(rollout.n_samples)), int(rollout.n_samples)))
+    return arrays, position
+
+
+def run_passes(out: Path, tokenizer: str, dry_run: bool, repeats: int | None = None) -> dict:
+    """π_old + π_ref, the update and the Δ forward of the job, timed after their compile: the median
+    of ``repeats`` calls (default 2; 1 in the dry run, which pins the wiring, not the timings).
+
+    The batch is ``rollout_shaped_arrays``: the step's training passes without the rollout's compile
+    and decode in front of them.
+    """
+    import jax
+
+    from llds_jax.models.loading import load_model_and_tokenizer
+    from llds_jax.parallel.mesh import make_mesh
+    from llds_jax.train.batch import TrainBatch
+    from llds_jax.train.learner import Learner
+    from llds_jax.train.utilisation import peak_memory_bytes
+
+    repeats = repeats or (1 if dry_run else 2)
+    config = job_config(dry_run, tokenizer)
+    mesh = make_mesh(tuple(config.mesh.shape))
+    model, _ = load_model_and_tokenizer(config.model, mesh)
+    learner = Learner.create(model, config, mesh)
+    del model
+    length = learner.seq_len
+    rows = int(config.train.prompts_per_step) * int(config.rollout.n_samples)
+    arrays, position = rollout_shaped_arrays(config, length, dry_run)
     batch = learner.upload(TrainBatch.from_arrays(arrays, length=length))
     timings = []
     for _ in range(repeats + 1):  # the first compiles (and skips π_ref: it equals π_old then)
