@@ -9,23 +9,26 @@ own scale, and the parameter bound is the well-conditioned Adam bound of test_up
 from __future__ import annotations
 
 import functools
+import importlib.util
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from train_helpers import mixed_rollout, tiny_train_config
+from train_helpers import SEQ, mixed_rollout, tiny_train_config
 
 from llds_jax.models.attention import AttentionMask, blockwise_attention, cudnn_attention, naive_attention
 from llds_jax.models.logprobs import sequence_logprobs
 from llds_jax.models.testing import tiny_model
 from llds_jax.parallel.mesh import make_mesh
 from llds_jax.parallel.placement import shard_model
-from llds_jax.train.batch import TrainBatch
+from llds_jax.train.batch import TrainBatch, padded_length, scored_positions_per_row
 from llds_jax.train.learner import Learner
-from llds_jax.train.packing import PackingSizes, pack, plan_rows
+from llds_jax.train.packing import PackingSizes, pack, packing_sizes, plan_rows
 
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 F32_EPS = float(np.finfo(np.float32).eps)
 WELL_CONDITIONED_EPS = 1e-4  # Adam eps at which the params after a step have a per-entry bound (test_update_step)
 
@@ -55,6 +58,29 @@ def test_first_fit_keeps_each_mini_batch_and_cuts_nothing():
         assert np.array_equal(row_ids[scored + 1], arrays["input_ids"][j, targets + 1]), f"trajectory {j}: targets"
     assert packed.mini_count.sum() <= sizes.slots
     assert np.array_equal(packed.mini_first, np.concatenate([[0], np.cumsum(packed.mini_count)[:-1]]))
+
+
+@pytest.mark.parametrize(("tokens", "shards", "rows"), [
+    (0, 1, 1), (0, 8, 8), (0, 3, 3),  # default: one row per data shard, the finest split
+    (32, 8, 8), (96, 2, 4), (256, 1, 8),  # a token budget: whole rows, rounded up to the shards
+    (10_000, 1, 8), (10_000, 3, 9),  # never above what a mini-batch (8) can fill, in whole shards
+])
+def test_rows_per_micro_batch_come_from_the_token_budget_in_whole_shards(tokens, shards, rows):
+    config = tiny_train_config(packing=True, micro_batch_tokens=tokens, micro_batch_size=8, mini_batch_size=8)
+    assert packing_sizes(config, width=SEQ, scored=SEQ - 1, data_parallel=shards).rows == rows
+
+
+def test_paper_configs_pack_micro_batches_as_wide_as_their_padded_ones():
+    """On one H100 the 0.5B passes took 2.5× as long at one 4,096-token row a micro-batch as at 16
+    (docs/performance.md): the accelerator configs keep the padded micro-batch's rows."""
+    for name in ("qwen0p5b", "qwen3b", "qwen7b", "device_check"):
+        spec = importlib.util.spec_from_file_location(name, CONFIGS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        config = module.get_config()
+        width = padded_length(config)
+        sizes = packing_sizes(config, width, scored_positions_per_row(config, width), data_parallel=1)
+        assert sizes.rows == min(config.train.micro_batch_size, config.train.mini_batch_size), name
 
 
 def test_a_row_holds_what_fits_and_a_full_length_trajectory_gets_its_own():
