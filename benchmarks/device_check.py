@@ -171,6 +171,17 @@ def rollout_shaped_arrays(config, length: int, dry_run: bool) -> tuple[dict, int
     return arrays, position
 
 
+def job_learner(config):
+    """The job's learner on its own mesh: the model of ``config.model`` (random weights here) placed once."""
+    from llds_jax.models.loading import load_model_and_tokenizer
+    from llds_jax.parallel.mesh import make_mesh
+    from llds_jax.train.learner import Learner
+
+    mesh = make_mesh(tuple(config.mesh.shape))
+    model, _ = load_model_and_tokenizer(config.model, mesh)
+    return Learner.create(model, config, mesh)
+
+
 def run_passes(out: Path, tokenizer: str, dry_run: bool, repeats: int | None = None) -> dict:
     """π_old + π_ref, the update and the Δ forward of the job, timed after their compile: the median
     of ``repeats`` calls (default 2; 1 in the dry run, which pins the wiring, not the timings).
@@ -180,21 +191,15 @@ def run_passes(out: Path, tokenizer: str, dry_run: bool, repeats: int | None = N
     """
     import jax
 
-    from llds_jax.models.loading import load_model_and_tokenizer
-    from llds_jax.parallel.mesh import make_mesh
     from llds_jax.train.batch import TrainBatch
-    from llds_jax.train.learner import Learner
     from llds_jax.train.utilisation import peak_memory_bytes
 
     repeats = repeats or (1 if dry_run else 2)
     config = job_config(dry_run, tokenizer)
-    mesh = make_mesh(tuple(config.mesh.shape))
-    model, _ = load_model_and_tokenizer(config.model, mesh)
-    learner = Learner.create(model, config, mesh)
-    del model
+    learner = job_learner(config)
     length = learner.seq_len
-    rows = int(config.train.prompts_per_step) * int(config.rollout.n_samples)
     arrays, position = rollout_shaped_arrays(config, length, dry_run)
+    rows = len(arrays["rewards"])
     batch = learner.upload(TrainBatch.from_arrays(arrays, length=length))
     timings = []
     for _ in range(repeats + 1):  # the first compiles (and skips π_ref: it equals π_old then)
