@@ -24,6 +24,7 @@ ISA_SENSITIVE: dict[str, str | tuple[str, ...]] = {
         "test_blockwise_matches_naive_on_left_and_right_padding",
         "test_blockwise_matches_naive_over_a_cache_with_holes",
         "test_causal_by_index_and_segment_ids_equal_our_mask_on_real_tokens",
+        "test_cudnn_packed_layout_matches_naive_on_packed_rows",
         "test_cudnn_path_falls_back_to_blockwise_when_a_row_has_a_hole",
         "test_cudnn_rotation_to_right_padding_matches_naive",
         "test_decode_never_reads_key_blocks_past_the_furthest_query",

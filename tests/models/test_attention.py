@@ -24,7 +24,11 @@ from llds_jax.models.attention import (
     splash_attention,
 )
 from llds_jax.models.attention.cudnn import (
+    _THD_ARGUMENTS,
+    PACKED_RUNS,
     cudnn_attention,
+    cudnn_packed_available,
+    packed_runs,
     rotated_dot_product_attention,
     rows_are_contiguous,
 )
@@ -250,6 +254,67 @@ def test_cudnn_path_falls_back_to_blockwise_when_a_row_has_a_hole():
     diffs = _max_differences(lambda *a: cudnn_attention(*a, implementation="xla"), q, k, v,
                              AttentionMask.causal(jnp.asarray(holey)))
     assert max(diffs) <= TOL, f"cudnn path on a holey row: |out|,|dq|,|dk|,|dv| differ by {diffs}"
+
+
+def _thd_reference(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale):
+    """cuDNN's packed ("THD") causal attention as its JAX entry point documents it, densely (this
+    host has no cuDNN): run i of row b is tokens [offset, offset + length); a query reads earlier
+    keys of its own run; a token in no run gets 0."""
+    assert q_seqlen is kv_seqlen and q_offsets is kv_offsets, "self-attention: one description"
+    length = q.shape[1]
+    index = jnp.arange(length)
+    begin, size = q_offsets[:, :-1, None], q_seqlen[:, :, None]
+    inside = (size >= 0) & (index[None, None, :] >= begin) & (index[None, None, :] < begin + size)  # [B, M, T]
+    covered = inside.any(1)
+    run_begin = jnp.max(jnp.where(inside, begin, 0), axis=1)  # a token's run starts here
+    index_b = jnp.broadcast_to(index, covered.shape).astype(jnp.int32)
+    mask = AttentionMask(index_b, covered, True, key_start=jnp.where(covered, run_begin, index_b).astype(jnp.int32))
+    dense = naive_attention(q, k, v, mask)
+    assert scale == pytest.approx(q.shape[-1] ** -0.5)
+    return jnp.where(covered[:, :, None, None], dense, 0.0)
+
+
+def test_packed_runs_describe_each_segment_and_each_padding_run():
+    segments = jnp.asarray([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+    offsets, lengths, runs = packed_runs(AttentionMask.packed(segments).key_start, max_runs=4)
+    np.testing.assert_array_equal(offsets, [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1]])
+    np.testing.assert_array_equal(lengths, [[3, 2, 3, -1], [8, -1, -1, -1]])
+    np.testing.assert_array_equal(runs, [3, 1])
+
+
+def test_cudnn_packed_layout_matches_naive_on_packed_rows():
+    """The packed-row mapping (runs -> offsets and lengths) through a dense stand-in for cuDNN's
+    packed kernel: values and gradients equal the oracle's packed mask on real tokens."""
+    segments = np.zeros((2, 40), np.int32)
+    segments[0, :11], segments[0, 11:25], segments[0, 25:33] = 1, 2, 3  # then padding
+    segments[1, :5], segments[1, 5:40] = 1, 2
+    q, k, v = _qkv(2, 40, 40, 4, 2)
+    mask = AttentionMask.packed(jnp.asarray(segments))
+    diffs = _max_differences(lambda *a: cudnn_attention(*a, packed_kernel=_thd_reference), q, k, v, mask,
+                             rows=segments > 0)
+    assert max(diffs) <= TOL, f"packed cuDNN layout |out|,|dq|,|dk|,|dv| differ by {diffs}"
+
+
+def test_a_row_with_more_runs_than_the_packed_layout_holds_takes_the_blockwise_kernel():
+    length = 2 * (PACKED_RUNS + 1)
+    segments = jnp.asarray(np.repeat(np.arange(1, PACKED_RUNS + 2), 2)[None, :], jnp.int32)  # 65 runs of 2
+    q, k, v = _qkv(1, length, length, 2, 1)
+    poisoned = lambda q, *_, **__: jnp.full_like(q, jnp.nan)  # noqa: E731  (taken: the output is NaN)
+    mask = AttentionMask.packed(segments)
+    got = jax.jit(lambda *a: cudnn_attention(*a, mask, packed_kernel=poisoned))(q, k, v)
+    np.testing.assert_allclose(got, naive_attention(q, k, v, mask), atol=TOL)
+
+
+def test_the_private_cudnn_entry_point_still_takes_the_packed_arguments():
+    """The packed path calls a private JAX module: fail here, on the JAX that CI installs, when its
+    signature drifts (on a GPU host, ``cudnn_packed_available`` then falls back to blockwise)."""
+    import inspect  # noqa: PLC0415
+
+    from jax._src.cudnn import fused_attention_stablehlo as fused  # noqa: PLC0415
+
+    assert _THD_ARGUMENTS <= set(inspect.signature(fused.dot_product_attention).parameters)
+    assert hasattr(fused.MaskType, "PADDING_CAUSAL")
+    assert not cudnn_packed_available(), "this host has no GPU"
 
 
 @pytest.mark.parametrize("requested,platform,expected", [
