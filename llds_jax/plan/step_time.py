@@ -40,7 +40,14 @@ EFFICIENCY = {
             "hbm": (0.50, "assumed: half the measured copy bandwidth")},
 }
 # Fixed seconds per decode step beyond its bytes (launches, the sampler's control flow), per platform.
-DECODE_STEP_OVERHEAD = {"gpu": (0.0, "assumed: none"), "tpu": (0.0, "assumed: none"), "cpu": (0.0, "assumed: none")}
+# Seconds a decode step costs beyond its bytes: kernel launches, the loop over key blocks, sampling.
+# GPU: launch/device_check.sh on one H100 (2a07fdd; Qwen2.5-0.5B, 24 layers, 320 rows, 4,096-slot cache,
+# blockwise decode over 128-slot key blocks) decoded 2,000 steps in 59.0 s where their bytes at 0.60
+# of HBM take 5.8 s: (59.0 - 5.8) / 2,000 = 26.6 ms a step. One shape; not scaled by layers or slots.
+DECODE_STEP_OVERHEAD = {
+    "gpu": (0.0266, "measured: one H100 ran Qwen2.5-0.5B's decode (320 rows, 4,096 slots) at 29.5 ms a step, "
+                    "2.9 ms of it bytes at 0.60 of HBM (launch/device_check.sh, 2a07fdd)"),
+    "tpu": (0.0, "assumed: none"), "cpu": (0.0, "assumed: none")}
 # Published step times of the paper's job elsewhere (seconds per step), for the table.
 ANCHORS = (
     ("Search-R1 Qwen2.5-3B, 8xH100 (maintainers: 200 steps in 2-3 h)", "36-54 s"),

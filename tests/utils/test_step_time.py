@@ -10,7 +10,7 @@ import pytest
 from llds_jax.config import base_config
 from llds_jax.data.lengths import TrajectoryLengths, load_lengths, reference_lengths, row_lengths
 from llds_jax.models.testing import tiny_config
-from llds_jax.plan.step_time import predict_step_time, step_lengths, waves_schedule
+from llds_jax.plan.step_time import DECODE_STEP_OVERHEAD, predict_step_time, step_lengths, waves_schedule
 from llds_jax.utils import flops
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,6 +85,25 @@ def test_each_phase_is_its_count_over_the_stated_rate():
     parts = [v for k, v in step.seconds.items() if k not in ("rollout", "total")]
     assert step.seconds["total"] == pytest.approx(sum(parts))
     assert {"peak", "matmul_efficiency", "hbm_efficiency", "retrieval", "lengths"} <= set(step.assumptions)
+
+
+def test_gpu_decode_steps_carry_the_overhead_the_h100_measured():
+    """Decode on a GPU is charged its bytes plus a fixed cost a step (the device check's measurement);
+    ``plan.decode_step_overhead_s`` ≥ 0 overrides it."""
+    config = base_config()
+    config.rollout.max_turns, config.train.prompts_per_step, config.rollout.n_samples = 1, 2, 2
+    cfg, peak = tiny_config("qwen2", dtype="bfloat16"), flops.Peak(1e12, 1e11, "test")
+    lengths = [_t(10, [5, 2], [4]), _t(10, [3, 6], [4])]
+
+    def decode(overhead: float) -> tuple[float, int, str]:
+        config.plan.decode_step_overhead_s = overhead
+        step = predict_step_time(config, cfg, platform="gpu", peak=peak, devices=1, hosts=1, rows_per_wave=4,
+                                 train_rows=4, train_length=64, scored_per_row=16, state_bytes=8e9, lengths=lengths)
+        return step.seconds["rollout_decode"], step.schedule.decode_steps, step.assumptions["decode_step_overhead"]
+
+    (bytes_only, steps, _), (measured, _, why) = decode(0.0), decode(-1.0)
+    assert measured == pytest.approx(bytes_only + DECODE_STEP_OVERHEAD["gpu"][0] * steps)
+    assert 0.02 < DECODE_STEP_OVERHEAD["gpu"][0] < 0.03 and "measured" in why and "26.6 ms" in why
 
 
 def _plan_json(tmp_path, config: str) -> tuple[str, dict]:
