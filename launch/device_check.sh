@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU check (docs/performance.md, "Device check"): decoder parity against transformers,
-# 3 steps of a Qwen2.5-0.5B-shaped job with random weights at the paper's shapes, and the plan's
-# prediction of that step, in one table. Needs no network; ≤ 8 min on one H100.
+# 2 steps of a Qwen2.5-0.5B-shaped job with random weights at the paper's shapes, and the plan's
+# prediction of that step, in one table. Needs no network; ≈ 9 min on one H100.
 #
 #   launch/device_check.sh --tokenizer DIR [--out DIR] [--plan-json FILE] [--skip parity|train] [--with-passes]
 #                          [-- CONFIG FLAGS]
