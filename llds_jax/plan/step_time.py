@@ -39,8 +39,7 @@ EFFICIENCY = {
     "cpu": {"matmul": (0.50, "assumed: half the measured fp32 matmul peak"),
             "hbm": (0.50, "assumed: half the measured copy bandwidth")},
 }
-# Fixed seconds per decode step beyond its bytes (launches, the sampler's control flow), per platform.
-# Seconds a decode step costs beyond its bytes: kernel launches, the loop over key blocks, sampling.
+# Fixed seconds per decode step beyond its bytes (launches, the loop over key blocks, sampling), per platform.
 # GPU: launch/device_check.sh on one H100 (2a07fdd; Qwen2.5-0.5B, 24 layers, 320 rows, 4,096-slot cache,
 # blockwise decode over 128-slot key blocks) decoded 2,000 steps in 59.0 s where their bytes at 0.60
 # of HBM take 5.8 s: (59.0 - 5.8) / 2,000 = 26.6 ms a step. One shape; not scaled by layers or slots.
