@@ -253,11 +253,13 @@ def measured_phases(workdir: Path) -> dict:
 # ------------------------------------------------------------------------------ 3. predict
 def predict(config, workdir: Path, hardware: str, plan_json: str) -> dict:
     """The step-time model for the job's config on ``hardware``, from the run's own sampled lengths when
-    it ran (else Search-R1 3B's reference lengths); the planned memory."""
+    it ran (else Search-R1 3B's reference lengths), with the job's packed rows when it packs (one
+    device: one data shard); the planned memory."""
     from llds_jax.data.lengths import reference_lengths, run_lengths
     from llds_jax.models.loading import decoder_config
     from llds_jax.plan.step_time import predict_step_time
     from llds_jax.train.batch import padded_length
+    from llds_jax.train.packing import packing_sizes
     from llds_jax.train.step import StepSizes
     from llds_jax.utils import flops
 
@@ -271,11 +273,13 @@ def predict(config, workdir: Path, hardware: str, plan_json: str) -> dict:
     else:
         peak = flops.cpu_peak()
     trajectories = int(config.train.prompts_per_step) * int(config.rollout.n_samples)
+    scored = StepSizes.from_config(config).scored_positions
+    packing = packing_sizes(config, padded_length(config), scored, 1) if config.train.get("packing", False) else None
     step = predict_step_time(
         config, model_cfg, platform="gpu" if hardware in ("H100", "H200") else "cpu", peak=peak, devices=1, hosts=1,
         rows_per_wave=trajectories, train_rows=trajectories, train_length=padded_length(config),
-        scored_per_row=StepSizes.from_config(config).scored_positions,
-        state_bytes=16 * flops.parameters(model_cfg), lengths=lengths, length_label=label)
+        scored_per_row=scored, state_bytes=16 * flops.parameters(model_cfg), lengths=lengths, length_label=label,
+        packing=packing)
     planned = None
     source = Path(plan_json) if plan_json else workdir / "plan.json"
     if source.exists():

@@ -22,6 +22,7 @@ def test_dry_run_runs_every_part_and_prints_the_table(tmp_path, shared_dir):
     assert set(result["passes"]["steady"]) == {"logprobs_s", "update_s", "delta_s"}
     assert result["train"]["exit"] == 0 and result["measured"]["steps"] == 2
     assert result["predicted"]["step_time"]["step_time_s"]["total"] > 0
+    assert "packed rows" in result["predicted"]["step_time"]["assumptions"]["training_batch"]  # as the job trains
     table = (tmp_path / "device_check.md").read_text()
     for heading in ("Parity vs transformers", "Training passes after their compile", "measured (median"):
         assert heading in table
