@@ -314,7 +314,8 @@ def test_the_private_cudnn_entry_point_still_takes_the_packed_arguments():
 
     assert _THD_ARGUMENTS <= set(inspect.signature(fused.dot_product_attention).parameters)
     assert hasattr(fused.MaskType, "PADDING_CAUSAL")
-    assert not cudnn_packed_available(), "this host has no GPU"
+    if jax.default_backend() != "gpu":
+        assert not cudnn_packed_available(), "no GPU in this process: the packed path must stay off"
 
 
 @pytest.mark.parametrize("requested,platform,expected", [
