@@ -273,11 +273,11 @@ def predict(config, workdir: Path, hardware: str, plan_json: str) -> dict:
     else:
         peak = flops.cpu_peak()
     trajectories = int(config.train.prompts_per_step) * int(config.rollout.n_samples)
-    scored = StepSizes.from_config(config).scored_positions
-    packing = packing_sizes(config, padded_length(config), scored, 1) if config.train.get("packing", False) else None
+    length, scored = padded_length(config), StepSizes.from_config(config).scored_positions
+    packing = packing_sizes(config, length, scored, 1) if config.train.get("packing", False) else None
     step = predict_step_time(
         config, model_cfg, platform="gpu" if hardware in ("H100", "H200") else "cpu", peak=peak, devices=1, hosts=1,
-        rows_per_wave=trajectories, train_rows=trajectories, train_length=padded_length(config),
+        rows_per_wave=trajectories, train_rows=trajectories, train_length=length,
         scored_per_row=scored, state_bytes=16 * flops.parameters(model_cfg), lengths=lengths, length_label=label,
         packing=packing)
     planned = None

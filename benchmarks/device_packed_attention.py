@@ -78,13 +78,13 @@ def main() -> None:
     mask = AttentionMask.packed(jnp.asarray(segments))
     real = jnp.asarray(segments > 0)
     q, k, v, probe = qkv_and_probe(args.rows, args.length, real)
-    packed = value_and_grads(lambda q, k, v: cudnn_attention(q, k, v, mask), probe)
-    blockwise = value_and_grads(lambda q, k, v: blockwise_attention(q, k, v, mask), probe)
+    kernels = {"cudnn_packed": lambda q, k, v: cudnn_attention(q, k, v, mask),
+               "blockwise_packed": lambda q, k, v: blockwise_attention(q, k, v, mask)}
+    packed, blockwise = (value_and_grads(kernel, probe) for kernel in kernels.values())
     result = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=args.rows, length=args.length,
                   trajectories=len(lengths), mean_length=float(np.mean(lengths)), fill=float(real.mean()))
     on_real = real[:, :, None, None]
-    outs = [jax.jit(lambda q, k, v, f=f: f(q, k, v))(q, k, v) for f in
-            (lambda q, k, v: cudnn_attention(q, k, v, mask), lambda q, k, v: blockwise_attention(q, k, v, mask))]
+    outs = [jax.jit(kernel)(q, k, v) for kernel in kernels.values()]
     result["out_max_abs_diff"] = float(jnp.max(jnp.where(on_real, jnp.abs(outs[0] - outs[1]).astype(jnp.float32), 0)))
     for name, got, want in zip(("dq", "dk", "dv"), packed(q, k, v)[1], blockwise(q, k, v)[1], strict=True):
         result[f"{name}_max_abs_diff"] = float(jnp.max(jnp.where(on_real, jnp.abs(got - want).astype(jnp.float32), 0)))
