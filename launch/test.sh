@@ -28,19 +28,23 @@ step lint .venv/bin/ruff check llds_jax tests benchmarks tools configs
 # an entry the other is half-way through writing.
 JAX_COMPILATION_CACHE_DIR=$(mktemp -d) && export JAX_COMPILATION_CACHE_DIR JAX_COMPILATION_CACHE_MAX_SIZE=$((16 * 2**30))
 trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
-# Every test, slow ones included, in one pytest: two workers for two cores, started once.
-# --dist loadscope: a module's tests go to one worker, so a module-scoped fixture (a tiny training run,
-# a rollout in three wave sizes, a real-weights load) is built once, not once per worker that gets one
-# of its tests. --no-loadscope-reorder: modules run in the order tests/conftest.py gives (the ones holding
-# slow tests first, so no long module starts last); --durations=25: the slowest tests in the log.
-step tests .venv/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder --durations=25 "$@"
-# The tests whose result can differ between ISAs (tests/isa_sensitive.py) again under a second XLA:CPU code
-# generator: another ISA and vector width (reduction order differs between hosts), single-threaded Eigen.
-# Tolerances must come from the quantities, not from one CPU's rounding.
-mapfile -t numeric < <(.venv/bin/python -c "import tests.isa_sensitive as t; print(*t.ISA_SENSITIVE, sep='\n')")
-step "numeric tests (AVX2, 128-bit vectors, 1 Eigen thread)" env \
-  XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX2 --xla_cpu_prefer_vector_width=128 --xla_cpu_multi_thread_eigen=false" \
-  .venv/bin/python -m pytest -n 2 --dist loadscope -m "isa_sensitive and not slow" --durations=10 "${numeric[@]}" "$@"
+# Two XLA:CPU code generators (tests/codegen_sensitive.py). Every test, slow ones included, runs once under the
+# second: AVX2, 128-bit vectors, one Eigen thread, XLA's element-wise fusion emitters, no LLVM optimisation; it
+# compiles about 3x faster, and compiling is most of the suite's time. The tests whose result can differ between
+# code generators (numeric kernels, reductions, objectives, gradients) run again under this host's default, the
+# one a user's CPU run gets; reduction order and rounding differ between the two, so tolerances must come from
+# the quantities, not from one CPU's rounding.
+mapfile -t codegen < <(.venv/bin/python -c "import tests.codegen_sensitive as t; print(t.SECOND_CODEGEN)")
+mapfile -t numeric < <(.venv/bin/python -c "import tests.codegen_sensitive as t; print(*t.CODEGEN_SENSITIVE, sep='\n')")
+# Two workers for two cores, started once. --dist loadscope: a module's tests go to one worker, so a
+# module-scoped fixture (a tiny training run, a rollout in three wave sizes, a real-weights load) is built once,
+# not once per worker that gets one of its tests. --no-loadscope-reorder: modules run in the order
+# tests/conftest.py gives (the ones holding slow tests first, so no long module starts last); --durations=25:
+# the slowest tests in the log.
+step "tests (second code generator)" env XLA_FLAGS="--xla_force_host_platform_device_count=8 ${codegen[0]}" \
+  .venv/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder --durations=25 "$@"
+step "numeric tests (this host's default code generator)" env XLA_FLAGS="--xla_force_host_platform_device_count=8" \
+  .venv/bin/python -m pytest -n 2 --dist loadscope -m codegen_sensitive --durations=10 "${numeric[@]}" "$@"
 
 if [ "${#failed[@]}" -ne 0 ]; then
   printf 'FAILED step: %s\n' "${failed[@]}"

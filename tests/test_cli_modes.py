@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.codegen_sensitive import child_xla_flags
+
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
@@ -47,8 +49,7 @@ def get_config():
 
 
 def run_main(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user has
-    env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags(), JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")  # one CPU device, as a user has
     return subprocess.run([sys.executable, "-m", "llds_jax.main", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout, check=False)
 
@@ -210,8 +211,7 @@ def _free_port() -> int:
 
 def test_serve_exits_zero_when_stopped(small_corpus, tmp_path):
     """A service stopped by SIGTERM (what a job scheduler sends) or SIGINT (Ctrl-C) shuts down cleanly."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags(), JAX_PLATFORMS="cpu")
     for stop in (signal.SIGTERM, signal.SIGINT):
         port = _free_port()
         proc = subprocess.Popen(

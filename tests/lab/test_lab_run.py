@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.codegen_sensitive import child_xla_flags
+
 REPO = Path(__file__).resolve().parents[2]
 
 SHRINK = {
@@ -32,8 +34,8 @@ SHRINK = {
 def test_lab_grpo_builds_the_lab_and_logs_lld_diagnostics(tmp_path):
     workdir, lab_dir = tmp_path / "run", tmp_path / "lab"
     args = [f"--config.{key}={value}" for key, value in SHRINK.items()]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", LLDS_JAX_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags(), JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1",
+               LLDS_JAX_CACHE=str(tmp_path / "cache"))
     result = subprocess.run(
         [sys.executable, "-m", "llds_jax.main", "--config=configs/lab_grpo.py", f"--config.workdir={workdir}",
          f"--config.lab.dir={lab_dir}", *args],

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.codegen_sensitive import child_xla_flags
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
 # Keys that legitimately differ between two runs of the same step: clocks and throughput.
@@ -43,7 +45,7 @@ def train_command(workdir: Path, shared_dir: Path) -> list[str]:
 def start(cmd: list[str], log: Path, cache: Path | None = None) -> subprocess.Popen:
     # One persistent compilation cache (the reference run's): later launches load the programs the
     # first compiled (the same executables, so results stay bit-identical) instead of recompiling.
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(1),
                JAX_COMPILATION_CACHE_DIR=str(cache or log.parent / "jax_cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
@@ -194,7 +196,7 @@ def test_kill_9_mid_save_leaves_only_complete_checkpoints(tmp_path):
     from llds_jax.train.checkpoint import Checkpointer, abstract_like
 
     log = tmp_path / "writer.log"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(1))
     writer = subprocess.Popen([sys.executable, "-c", MID_SAVE_WRITER, str(tmp_path)], cwd=REPO, env=env,
                               stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     ckdir = tmp_path / "checkpoints"

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from llds_jax.train.checkpoint import Checkpointer, with_shardings
+from tests.codegen_sensitive import child_xla_flags
 from tests.scale import toy_train
 from tests.scale.multihost_worker import STEPS
 
@@ -36,7 +37,7 @@ def run_two_processes(module: str, out_dir: Path, timeout: float = 300, args: li
     port = free_port()
     procs = []
     for pid in range(2):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(4),
                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid))
         log = open(out_dir / f"process_{pid}.log", "w")  # noqa: SIM115 (closed below)
         procs.append((subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env,
