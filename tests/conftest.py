@@ -34,30 +34,32 @@ def pytest_addoption(parser):
                      help="run the collected tests in reverse order (every test must pass in any order)")
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects: the codegen_sensitive marks must be on
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the code-generator marks must be on
 def pytest_collection_modifyitems(config, items):
     """Mark the tests ``tests/codegen_sensitive.py`` names; put the modules holding ``slow`` tests first (most first), so
     that under ``-n 2 --dist loadscope --no-loadscope-reorder`` (``launch/test.sh``) the longest modules
     start at once and the many short ones fill both workers at the end; ``--reverse-order`` reverses it all."""
     import ast  # noqa: PLC0415
 
-    from tests.codegen_sensitive import ALL, CODEGEN_SENSITIVE  # noqa: PLC0415
+    from tests.codegen_sensitive import ALL, CODEGEN_SENSITIVE, DEFAULT_CODEGEN_ONLY  # noqa: PLC0415
 
     root = Path(__file__).resolve().parents[1]
-    checked: set[str] = set()
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        names = CODEGEN_SENSITIVE.get(module)
-        if names is None:
-            continue
-        if names is not ALL and module not in checked:  # a renamed test must not drop out silently
-            checked.add(module)
-            tree = ast.parse((root / module).read_text(encoding="utf-8"))
-            defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
-            if missing := sorted(set(names) - defined):
-                raise pytest.UsageError(f"tests/codegen_sensitive.py names {missing} in {module}, which defines none of them")
-        if names is ALL or item.originalname in names:
-            item.add_marker(pytest.mark.codegen_sensitive)
+    defined: dict[str, set[str]] = {}
+    for marker, listed in (("codegen_sensitive", CODEGEN_SENSITIVE), ("default_codegen_only", DEFAULT_CODEGEN_ONLY)):
+        for item in items:
+            module = item.nodeid.split("::")[0]
+            names = listed.get(module)
+            if names is None:
+                continue
+            if names is not ALL:  # a renamed test must not drop out silently
+                if module not in defined:
+                    tree = ast.parse((root / module).read_text(encoding="utf-8"))
+                    defined[module] = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+                if missing := sorted(set(names) - defined[module]):
+                    raise pytest.UsageError(
+                        f"tests/codegen_sensitive.py names {missing} in {module}, which defines none of them")
+            if names is ALL or item.originalname in names:
+                item.add_marker(getattr(pytest.mark, marker))
     slow_tests = Counter(item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow_tests[item.nodeid.split("::")[0]])  # stable: file order otherwise
     if config.getoption("--reverse-order"):

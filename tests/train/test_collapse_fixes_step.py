@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_update_step import tiny_learner
+from test_update_step import _assert_close, tiny_learner
 from train_helpers import synthetic_rollout, tiny_train_config
 
 from llds_jax.train.batch import TrainBatch
@@ -40,8 +40,9 @@ def _step(learner, arrays, sampler_logp):
 def test_weights_of_one_leave_the_update_unchanged(pi_old):
     arrays, logp, plain = pi_old
     metrics = _step(_learner("tis"), arrays, logp)
-    for key in ("loss/pg", "loss/total", "grad/norm_preclip"):
-        np.testing.assert_allclose(metrics[key], plain[key], rtol=1e-5, err_msg=key)
+    for key in ("loss/pg", "loss/total"):  # ≈ 0 by cancellation of O(1) per-token terms (|A| ~ 1): scale 1
+        _assert_close(key, metrics[key], plain[key], floor=1.0)
+    _assert_close("grad/norm_preclip", metrics["grad/norm_preclip"], plain["grad/norm_preclip"])
     assert plain["grad/norm_preclip"][0] > 1e-6
 
 
