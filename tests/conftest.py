@@ -44,21 +44,18 @@ def pytest_collection_modifyitems(config, items):
     from tests.codegen_sensitive import ALL, CODEGEN_SENSITIVE, DEFAULT_CODEGEN_ONLY  # noqa: PLC0415
 
     root = Path(__file__).resolve().parents[1]
-    defined: dict[str, set[str]] = {}
+    collected = {item.nodeid.split("::")[0] for item in items}
+    for listed in (CODEGEN_SENSITIVE, DEFAULT_CODEGEN_ONLY):  # a renamed test must not drop out silently
+        for module, names in listed.items():
+            if names is ALL or module not in collected:
+                continue
+            tree = ast.parse((root / module).read_text(encoding="utf-8"))
+            if missing := sorted(set(names) - {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}):
+                raise pytest.UsageError(f"tests/codegen_sensitive.py names {missing} in {module}, which defines none of them")
     for marker, listed in (("codegen_sensitive", CODEGEN_SENSITIVE), ("default_codegen_only", DEFAULT_CODEGEN_ONLY)):
         for item in items:
-            module = item.nodeid.split("::")[0]
-            names = listed.get(module)
-            if names is None:
-                continue
-            if names is not ALL:  # a renamed test must not drop out silently
-                if module not in defined:
-                    tree = ast.parse((root / module).read_text(encoding="utf-8"))
-                    defined[module] = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
-                if missing := sorted(set(names) - defined[module]):
-                    raise pytest.UsageError(
-                        f"tests/codegen_sensitive.py names {missing} in {module}, which defines none of them")
-            if names is ALL or item.originalname in names:
+            names = listed.get(item.nodeid.split("::")[0])
+            if names is ALL or (names is not None and item.originalname in names):
                 item.add_marker(getattr(pytest.mark, marker))
     slow_tests = Counter(item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow_tests[item.nodeid.split("::")[0]])  # stable: file order otherwise
