@@ -30,7 +30,7 @@ JAX_COMPILATION_CACHE_DIR=$(mktemp -d) && export JAX_COMPILATION_CACHE_DIR JAX_C
 trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 # Two XLA:CPU code generators (tests/codegen_sensitive.py). Every test, slow ones included, runs once under the
 # second: AVX2, 128-bit vectors, one Eigen thread, XLA's element-wise fusion emitters, no LLVM optimisation (the
-# processes a test starts: level 1); it compiles about 4x faster, and compiling is most of the suite's time. The tests whose result can differ between
+# processes a test starts too, but the device check's dry run: level 1); it compiles about 4x faster, and compiling is most of the suite's time. The tests whose result can differ between
 # code generators (numeric kernels, reductions, objectives, gradients) run again under this host's default, the
 # one a user's CPU run gets; reduction order and rounding differ between the two, so tolerances must come from
 # the quantities, not from one CPU's rounding. The few tests that read XLA:CPU's cost analysis as a target's
@@ -45,7 +45,8 @@ mapfile -t numeric < <(.venv/bin/python -c "import tests.codegen_sensitive as t;
 step "tests (second code generator)" env XLA_FLAGS="--xla_force_host_platform_device_count=8 ${codegen[0]}" \
   .venv/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder --durations=25 -m "not default_codegen_only" "$@"
 step "numeric tests (this host's default code generator)" env XLA_FLAGS="--xla_force_host_platform_device_count=8" \
-  .venv/bin/python -m pytest -n 2 --dist loadscope -m "codegen_sensitive or default_codegen_only" --durations=10 "${numeric[@]}" "$@"
+  .venv/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder -m "codegen_sensitive or default_codegen_only" --durations=10 \
+  "${numeric[@]}" "$@"
 
 if [ "${#failed[@]}" -ne 0 ]; then
   printf 'FAILED step: %s\n' "${failed[@]}"

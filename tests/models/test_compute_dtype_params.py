@@ -46,6 +46,7 @@ def test_bf16_compute_with_precast_weights_is_bit_identical():
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, tied", [("qwen2", True), ("qwen2", False)])
 def test_the_gradient_through_weights_cast_once_is_the_masters_gradient(family, tied):
     """The update differentiates w.r.t. weights cast once per optimizer update, the embedding table

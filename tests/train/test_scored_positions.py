@@ -47,6 +47,7 @@ def run(bound: int, steps: int = 2, **rl):
     return learner, history
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rl", [dict(), dict(aggregation="token-sum-norm", entropy_coef=1e-3, llds_gate="response")],
                          ids=["default", "token-sum-norm+entropy+R-gate"])
 def test_compacted_step_equals_the_full_step(rl):

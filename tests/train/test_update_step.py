@@ -67,6 +67,7 @@ def well_conditioned_reference():
     return run_steps((1, 1, 1), steps=1, eps=WELL_CONDITIONED_EPS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
 def test_one_step_on_mesh_equals_single_device(mesh_shape, well_conditioned_reference):
     _, history = run_steps(mesh_shape, steps=1, eps=WELL_CONDITIONED_EPS)
