@@ -30,7 +30,8 @@ JAX_COMPILATION_CACHE_DIR=$(mktemp -d) && export JAX_COMPILATION_CACHE_DIR JAX_C
 trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 # Two XLA:CPU code generators (tests/codegen_sensitive.py). Every test, slow ones included, runs once under the
 # second: AVX2, 128-bit vectors, one Eigen thread, XLA's element-wise fusion emitters, no LLVM optimisation (the
-# processes a test starts too, but the device check's dry run: level 1); it compiles about 4x faster, and compiling is most of the suite's time. The tests whose result can differ between
+# processes a test starts too, but the device check's dry run: level 1); it compiles about 4x faster (compiling
+# was about 70 % of the suite's time under the default alone). The tests whose result can differ between
 # code generators (numeric kernels, reductions, objectives, gradients) run again under this host's default, the
 # one a user's CPU run gets; reduction order and rounding differ between the two, so tolerances must come from
 # the quantities, not from one CPU's rounding. The few tests that read XLA:CPU's cost analysis as a target's
