@@ -160,11 +160,10 @@ def child_xla_flags(devices: int | None = None, *, min_llvm_level: int | None = 
     (None: XLA's default of one, as a user's run has); ``min_llvm_level`` raises an explicit lower LLVM
     optimisation level (the second code generator's 0) to it.
 
-    Children compile as the test process does: measured per test under the second code generator, level 0
-    is faster for the CLI-mode and fault-recovery children (``--mode=plan`` of the default job about twice
-    as fast) and within run-to-run noise for the two-process training ones; only the device check's dry run,
-    which runs each part of the GPU check over Qwen's 151,936-token vocabulary, is clearly faster at level 1
-    (83 → 66 s).
+    Children compile as the test process does: in paired runs under the second code generator, level 0 was
+    faster for the CLI-mode and fault-recovery children (``--mode=plan`` of the default job most of all) and
+    within run-to-run noise for the two-process training ones; only the device check's dry run, which runs
+    each part of the GPU check over Qwen's 151,936-token vocabulary, came out clearly faster at level 1.
     """
     prefix = "--xla_backend_optimization_level="
     flags = []
