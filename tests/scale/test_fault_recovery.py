@@ -3,7 +3,14 @@
 The trainer runs as ``python -m llds_jax.main`` (a random tiny Qwen2 decoder with the real Qwen2.5
 tokenizer, BM25 retriever, one device) exactly as a user would start it; a restarted run uses
 the same command line. One uninterrupted reference run (module fixture) is what both kill -9
-runs must reproduce.
+runs must reproduce, death-spiral monitor included.
+
+The monitor is set so that its state is visible in every row from early on — a 3-step likelihood
+window (read from ``ratio/mean``, which varies step to step; the tiny random policy never earns a
+reward, so ``diag/ll_correct/all`` is always null), a 1-step surge window and a surge threshold
+every finite gradient-norm ratio passes, so phase III latches at step 1. A run killed inside step 2
+must replay the recorded steps on resume: without that its step 2 would have a one-point window
+(slope null) and no surge history (phase 1).
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ import pytest
 from tests.codegen_sensitive import child_xla_flags
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 2
+STEPS = 3
+MONITOR = {"monitor.likelihood_key": "ratio/mean", "monitor.window": 3, "monitor.surge_window": 1,
+           "monitor.surge_ratio": 1e-6, "monitor.entropy_surge_ratio": 1e6, "monitor.patience": 1}
 # Keys that legitimately differ between two runs of the same step: clocks and throughput.
 # memory/device_peak_bytes is the process's high-water mark since it started (a resumed process has not run the
 # steps before the kill, and its compiles differ), not a result of the step: like the timings it is not compared.
@@ -36,7 +45,7 @@ def train_command(workdir: Path, shared_dir: Path) -> list[str]:
         "train.prompts_per_step": 2, "rollout.n_samples": 2, "train.mini_batch_size": 2,
         "train.micro_batch_size": 2, "train.logprob_batch_size": 4, "rollout.max_turns": 1,
         "rollout.max_action_tokens": 8, "rollout.max_obs_tokens": 32, "rollout.max_prompt_tokens": 256,
-        "rollout.max_context": 384,
+        "rollout.max_context": 384, **MONITOR,
     }
     return [sys.executable, "-m", "llds_jax.main", "--config=configs/cpu_smoke.py",
             *(f"--config.{k}={v}" for k, v in overrides.items())]
@@ -115,20 +124,23 @@ def test_kill_9_mid_step_then_same_command_resumes_and_matches_uninterrupted_run
     compile_counts = json.loads((reference_dir / "summary.json").read_text())["compile_counts"]
     assert compile_counts and set(compile_counts.values()) == {1}, compile_counts
 
-    # Kill -9 as soon as step 0's checkpoint has committed: the process is then inside step 1.
+    # Kill -9 as soon as step 1's checkpoint has committed: the process is then inside step 2.
     cmd = train_command(killed_dir, shared_dir)
     victim = start(cmd, tmp_path / "killed.log", cache)
-    wait_for(lambda: (killed_dir / "checkpoints" / "0").is_dir(), victim, tmp_path / "killed.log")
+    wait_for(lambda: (killed_dir / "checkpoints" / "1").is_dir(), victim, tmp_path / "killed.log")
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
     assert victim.returncode == -signal.SIGKILL
-    assert not (killed_dir / "checkpoints" / "1").exists(), "step 1 must not have completed before the kill"
+    assert not (killed_dir / "checkpoints" / "2").exists(), "step 2 must not have completed before the kill"
 
     resumed = start(cmd, tmp_path / "resumed.log", cache)
     finish(resumed, tmp_path / "resumed.log")
-    assert "resumed from step 0" in (tmp_path / "resumed.log").read_text()
+    assert "resumed from step 1" in (tmp_path / "resumed.log").read_text()
 
-    actual = assert_step_matches_reference(reference_dir, killed_dir, step=1)
+    # The monitor's windows are full by step 2 and phase III latched at step 1: its state is non-trivial.
+    want = rl_records(reference_dir)[2]
+    assert want["monitor/phase"] == 3 and want["monitor/ll_slope"] is not None, want
+    actual = assert_step_matches_reference(reference_dir, killed_dir, step=2)
     assert actual["loss/total"] is not None and actual["llds/value"] is not None
 
 
@@ -172,10 +184,11 @@ def test_kill_9_mid_save_of_trainer_then_same_command_resumes_from_last_complete
     finish(resumed, tmp_path / "resumed.log")
     assert "resumed from step 0" in (tmp_path / "resumed.log").read_text()
     assert [r["step"] for r in map(json.loads, (killed_dir / "metrics.jsonl").read_text().splitlines())
-            if r.get("phase") == "rl"] == [0, 1, 1], "the resumed run must redo step 1 once"
-    actual = assert_step_matches_reference(reference_dir, killed_dir, step=1)
-    assert actual["loss/total"] is not None and actual["llds/value"] is not None
-    assert Checkpointer(killed_dir.resolve()).all_steps() == [0, 1]
+            if r.get("phase") == "rl"] == [0, 1, 1, 2], "the resumed run must redo step 1 once"
+    for step in (1, 2):
+        actual = assert_step_matches_reference(reference_dir, killed_dir, step=step)
+        assert actual["loss/total"] is not None and actual["llds/value"] is not None
+    assert Checkpointer(killed_dir.resolve()).all_steps() == [0, 1, 2]
     assert not any(save_in_progress(checkpoints, step) for step in (0, 1)), list(checkpoints.iterdir())
 
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 
+import jax
+import numpy as np
 import pytest
 
-from tests.scale.test_multihost import run_two_processes
+from tests.scale.test_multihost import REPO, run_two_processes
 
 STEPS = 2
 
@@ -66,14 +68,23 @@ def test_train_in_two_processes_warms_up_trains_logs_once_checkpoints_exports_an
 
 
 @pytest.mark.slow
-def test_nonfinite_streak_stops_both_processes_at_the_same_step_with_one_checkpoint(tmp_path, shared_dir):
+def test_nonfinite_streak_stops_both_processes_at_the_same_step_with_a_checkpoint_of_the_last_finite_state(
+        tmp_path, shared_dir):
     """NaN rewards from step 1 on (``nan_reward_train``): 2 skipped updates a step, limit 4.
 
     Both hosts see the same replicated skip flags, so both trip after step 2, save step 2 together
-    and exit with status 1 and the message.
+    (a step the schedule, every 2nd step, would not save) and exit with status 1 and the message.
+    Step 1's scheduled checkpoint and the stop's hold the same params and Adam moments: a skipped
+    update changes neither (``test_nonfinite_stop.py`` pins that on the learner itself).
     """
+    from llds_jax.app.sweep import resolve_run
+    from llds_jax.models.loading import load_model_and_tokenizer
+    from llds_jax.parallel.mesh import make_mesh
+    from llds_jax.train.checkpoint import Checkpointer
+    from llds_jax.train.state_layout import train_state_layout
+
     workdir = tmp_path / "run"
-    overrides = {**tiny_run_overrides(workdir, shared_dir), "train.total_steps": 5, "train.save_every": 0,
+    overrides = {**tiny_run_overrides(workdir, shared_dir), "train.total_steps": 5, "train.save_every": 2,
                  "train.max_nonfinite_updates": 4, "train.warmup_sft_steps": 0, "eval.data": "",
                  "train.export_hf": False}
     run_two_processes("tests.scale.nan_reward_train", tmp_path, timeout=900, args=flags(overrides),
@@ -85,7 +96,22 @@ def test_nonfinite_streak_stops_both_processes_at_the_same_step_with_one_checkpo
     assert [(r["step"], r["update/skipped"]) for r in rl] == [(0, 0.0), (1, 2.0), (2, 2.0)]
     summary = json.loads((workdir / "summary.json").read_text())
     assert "4 optimizer updates in a row" in summary["stopped"] and summary["skipped_updates"] == 4
+    assert summary["rl_steps"] == 3, summary
     committed = sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-    assert committed == ["2"], committed
-    extra = json.loads((workdir / "checkpoints" / "2" / "extra" / "metadata").read_text())
-    assert extra["stopped"] == summary["stopped"]
+    assert committed == ["1", "2"], committed
+
+    # Read both back in this process, on one device: the run wrote them from 8 devices in two processes.
+    config = resolve_run(str(REPO / "configs" / "cpu_smoke.py"), overrides, str(workdir))
+    config.mesh.shape = (1, 1, 1)
+    mesh = make_mesh((1, 1, 1))
+    model, _ = load_model_and_tokenizer(config.model, mesh)
+    abstract = train_state_layout(model, config, mesh).abstract
+    ckpt = Checkpointer(workdir.resolve())
+    scheduled, stopped = ckpt.restore(1, abstract), ckpt.restore(2, abstract)
+    assert stopped.extra["stopped"] == summary["stopped"] and "stopped" not in scheduled.extra, scheduled.extra
+    counts = [(int(r.state.updates), int(r.state.skipped_updates)) for r in (scheduled, stopped)]
+    assert counts == [(2, 2), (2, 4)], counts
+    for name in ("params", "opt_state"):
+        got, want = (jax.tree.leaves(getattr(r.state, name)) for r in (stopped, scheduled))
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name} changed by a skipped update")
