@@ -75,7 +75,7 @@ def test_probe_checkpoint_isolates_each_group_and_sizes_the_sgd_step(shared_dir,
     from llds_jax.train.learner import Learner
 
     config = group_config(tiny_loop_config(str(tmp_path), str(shared_dir / "assets" / "qwen2_tokenizer")))
-    config.rollout.n_samples = 4
+    config.rollout.n_samples, config.rollout.max_action_tokens = 4, 8
     config.train.mini_batch_size = config.train.micro_batch_size = config.train.logprob_batch_size = 4
     mesh = make_mesh((1, 1, 1))
     model, tokenizer, retriever = load_policy_and_retriever(config, mesh)

@@ -145,6 +145,7 @@ def dynamic_job(tmp_path_factory, shared_dir):
     config.train.update(dict(total_steps=3, warmup_sft_steps=0, profile_steps=(), loggers=(),
                              dynamic_sampling=True, dynamic_sampling_max_draws=3))
     config.monitor.enabled = False
+    config.rollout.max_action_tokens = 8
     _, mesh, model, tokenizer, retriever, writer = _setup(config)
     learner = Learner.create(model, config, mesh)
     prompts = PromptIterator(load_questions(config.data.train), config.train.prompts_per_step, seed=0)
