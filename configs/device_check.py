@@ -48,7 +48,7 @@ def get_config(variant: str = ""):
         c.rollout.max_context = 512
         c.train.micro_batch_tokens = c.train.micro_batch_size * c.rollout.max_context  # as paper_config's
         c.rollout.max_prompt_tokens = 256
-        c.rollout.max_action_tokens = 24
+        c.rollout.max_action_tokens = 8
         c.rollout.max_obs_tokens = 64
         c.rollout.max_turns = 2
     elif variant:
