@@ -29,6 +29,8 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
+import numpy as np
+
 from llds_jax.rollout import protocol
 from llds_jax.rollout.scheduler import Phase, Scheduler, blocks_for
 from llds_jax.rollout.trajectory import Trajectory
@@ -76,6 +78,18 @@ class RetrievalThread:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def count_decode_work(lengths, context, timings: dict) -> None:
+    """Add one decode call's work to ``timings``: its steps (the longest row's tokens: rows decode
+    together), tokens, and live KV reads (a row at context c sampling n tokens reads c, c+1, …,
+    c+n−1 cached entries). ``train.utilisation`` turns them into the decode's bytes (MBU); both
+    schedules count here, so the counters mean the same whatever ``rollout.engine`` is."""
+    lengths = [int(n) for n in lengths]
+    timings["decode_steps"] = timings.get("decode_steps", 0) + max(lengths, default=0)
+    timings["decode_tokens"] = timings.get("decode_tokens", 0) + sum(lengths)
+    timings["decode_key_reads"] = timings.get("decode_key_reads", 0) + sum(
+        n * int(c) + n * (n - 1) // 2 for n, c in zip(lengths, context))
 
 
 def _history(traj: Trajectory) -> list[int]:
@@ -180,7 +194,11 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
                 clock = time.perf_counter()
                 busy = session.decoding.reshape(len(devices), -1).sum(axis=1)
                 sync_tables()
+                end_before = session.rows_end + session.partial  # a started action's partial is 0
+                decoding = session.decoding.copy()
                 ended = session.decode(segment)
+                decoded = np.where(decoding, session.rows_end + session.partial - end_before, 0)
+                count_decode_work(decoded, end_before, timings)
                 counts["busy_rows_per_device"] = [max(a, int(b)) for a, b in zip(counts["busy_rows_per_device"], busy)]
                 timings["decode_s"] += time.perf_counter() - clock
                 counts["decode_calls"] += 1

@@ -41,7 +41,7 @@ from flax import nnx
 from llds_jax.rollout import protocol
 from llds_jax.rollout.action_stop import action_stop_table
 from llds_jax.rollout.config import terminator_ids
-from llds_jax.rollout.engine import run_engine
+from llds_jax.rollout.engine import count_decode_work, run_engine
 from llds_jax.rollout.kv_plan import engine_sizing
 from llds_jax.rollout.trajectory import RolloutBatch, Trajectory, collate
 from llds_jax.rollout.turns import apply_action, cut_feedback
@@ -162,7 +162,7 @@ def _run_wave(policy, trajectories: list[Trajectory], trajectory_ids: list[int],
         context = [t.length for t in trajectories]
         sampled = policy.act(active, budgets)
         timings["decode_s"] += time.perf_counter() - clock
-        _count_decode_work(sampled, context, timings)
+        count_decode_work([0 if a is None else len(a.ids) for a in sampled], context, timings)
 
         searches, chunks, cuts = _record_actions(trajectories, sampled, vocab, tokenizer, config, search_allowed)
         if any(kept is not None for kept in cuts):
@@ -179,17 +179,6 @@ def _run_wave(policy, trajectories: list[Trajectory], trajectory_ids: list[int],
         if search_allowed:
             policy.observe(chunks)
         timings["append_s"] += time.perf_counter() - clock
-
-
-def _count_decode_work(sampled: list[SampledAction | None], context: list[int], timings: dict) -> None:
-    """Add the turn's decode steps (its longest action: rows decode together) and live KV reads
-    (a row at context c sampling n tokens reads c, c+1, …, c+n−1 cached entries) to ``timings``;
-    ``train.utilisation`` turns them into the decode's bytes (MBU)."""
-    lengths = [0 if action is None else len(action.ids) for action in sampled]
-    timings["decode_steps"] = timings.get("decode_steps", 0) + max(lengths, default=0)
-    timings["decode_tokens"] = timings.get("decode_tokens", 0) + sum(lengths)
-    timings["decode_key_reads"] = timings.get("decode_key_reads", 0) + sum(
-        n * c + n * (n - 1) // 2 for n, c in zip(lengths, context))
 
 
 def _record_actions(trajectories: list[Trajectory], sampled: list[SampledAction | None], vocab, tokenizer, config,

@@ -62,6 +62,10 @@ def test_engine_matches_the_turn_loop_bit_for_bit_at_any_slot_count(model, token
     batch = engine(model, tokenizer, bm25, slots)
     assert differences(waves, batch) == []
     assert batch.timings["slots"] == (slots or 10) and batch.timings["preemptions"] == 0  # derived: every trajectory
+    # the decode counters (MBU, tokens/s) mean the same under either schedule: the same tokens at the same contexts
+    for counter in ("decode_tokens", "decode_key_reads"):
+        assert batch.timings[counter] == waves.timings[counter] > 0, counter
+    assert 0 < batch.timings["decode_steps"] <= batch.timings["decode_tokens"]
     assert batch.searches.sum() > 0 and batch.finished.any() and (batch.turns == 4).any()  # every path ran
 
 
