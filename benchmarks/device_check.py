@@ -257,6 +257,7 @@ def predict(config, workdir: Path, hardware: str, plan_json: str) -> dict:
     device: one data shard); the planned memory."""
     from llds_jax.data.lengths import reference_lengths, run_lengths
     from llds_jax.models.loading import decoder_config
+    from llds_jax.plan.config import HARDWARE
     from llds_jax.plan.step_time import predict_step_time
     from llds_jax.train.batch import padded_length
     from llds_jax.train.packing import packing_sizes
@@ -279,7 +280,7 @@ def predict(config, workdir: Path, hardware: str, plan_json: str) -> dict:
         config, model_cfg, platform="gpu" if hardware in ("H100", "H200") else "cpu", peak=peak, devices=1, hosts=1,
         rows_per_wave=trajectories, train_rows=trajectories, train_length=length,
         scored_per_row=scored, state_bytes=16 * flops.parameters(model_cfg), lengths=lengths, length_label=label,
-        packing=packing)
+        packing=packing, device_bytes=HARDWARE[hardware][1] if hardware in HARDWARE else None)
     planned = None
     source = Path(plan_json) if plan_json else workdir / "plan.json"
     if source.exists():

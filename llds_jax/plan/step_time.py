@@ -255,7 +255,10 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
         except (ValueError, RuntimeError):  # not one trajectory fits the paged pool: no such column
             continue
         rollouts[sch.name] = (sch, rollout_seconds(sch, min(engine_devices, local), False))
-    configured = "waves" if config.rollout.get("engine", "waves") == "waves" else "engine, dense rows"
+    # the engine pages its cache (rollout/kv_plan.engine_sizing): its column is the paged plan's wherever
+    # one chip's memory is known; "dense rows" (a max_context row a slot) only without it
+    configured = ("waves" if config.rollout.get("engine", "waves") == "waves" else
+                  "engine, paged plan" if "engine, paged plan" in rollouts else "engine, dense rows")
     schedule, rollout_part = rollouts[configured]
     decode_s, prefill_s, retrieval_s = (rollout_part[k] for k in ("rollout_decode", "rollout_prefill",
                                                                   "rollout_retrieval"))
