@@ -61,7 +61,6 @@ from llds_jax.utils.assets import smollm2_gguf_path
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "llds_jax" / "data" / "bundled"
-REFERENCE_LENGTHS = ROOT.parent / "shared" / "data" / "searchr1" / "reference_rollout_lengths.jsonl"
 # name -> (config file, hardware, devices, hosts): the paper step's targets.
 PAPER_TARGETS = {"qwen3b-v5e-64": ("qwen3b.py", "v5e", 64, 16), "qwen3b-8xh100": ("qwen3b.py", "H100", 8, 1),
                  "qwen7b-8xh100": ("qwen7b.py", "H100", 8, 1)}
@@ -167,18 +166,20 @@ def _load_config(name: str):
     return module.get_config()
 
 
-def paper_schedule(reference: Path, segment: int | None, retrieval_steps: int) -> dict:
+def paper_schedule(reference: str, segment: int | None, retrieval_steps: int) -> dict:
     """Waves + barrier vs the engine on one paper step, per target (see the module docstring).
 
     Waves: the rows the planner derives today (``rollout_rows_per_wave`` on the target's
     memory and data devices, as ``plan/run.py``). Engine: ``kv_plan.engine_memory`` slots and
     KV blocks per device; on several hosts each host schedules its own contiguous rows.
     """
+    from llds_jax.data.lengths import load_lengths
     from llds_jax.models.loading import decoder_config
     from llds_jax.parallel.mesh import resolve_mesh_shape
     from llds_jax.plan.config import HARDWARE
+    from llds_jax.plan.step_time import step_lengths
     from llds_jax.rollout.kv_plan import engine_memory
-    from llds_jax.rollout.schedule_sim import load_reference, simulate_engine_groups, simulate_waves
+    from llds_jax.rollout.schedule_sim import simulate_engine_groups, simulate_waves
     from llds_jax.rollout.waves import rollout_rows_per_wave
 
     out = {}
@@ -187,8 +188,8 @@ def paper_schedule(reference: Path, segment: int | None, retrieval_steps: int) -
         rollout, model = config.rollout, decoder_config(config.model)
         segment = int(rollout.segment_tokens) if segment is None else segment  # what the engine would run
         trajectories = config.train.prompts_per_step * rollout.n_samples
-        lengths = load_reference(reference, trajectories, max_action_tokens=rollout.max_action_tokens,
-                                 max_obs_tokens=rollout.max_obs_tokens, max_prompt_tokens=rollout.max_prompt_tokens)
+        # the plan's own draw (plan.step_time.step_lengths): the same trajectories, so its step counts agree
+        lengths = step_lengths(config, load_lengths(str(reference)), trajectories, seed=int(config.seed))
         shape = resolve_mesh_shape(config.mesh.shape, devices)
         dp = shape[0] * shape[1]
         device_bytes = int(HARDWARE[hardware][1])
@@ -215,14 +216,14 @@ def paper_schedule(reference: Path, segment: int | None, retrieval_steps: int) -
 
 
 def paper_schedule_main(args) -> None:
-    targets = paper_schedule(Path(args.reference), args.segment, args.retrieval_steps)
+    targets = paper_schedule(args.reference, args.segment, args.retrieval_steps)
     segment = {t["engine"]["segment"] for t in targets.values()}
     settings = dict(reference=str(args.reference), segment_tokens=sorted(segment), retrieval_steps=args.retrieval_steps,
                     unit="decode steps (one token for every active row)")
     if args.json:
         print(json.dumps(dict(targets=targets, settings=settings)))
         return
-    print(f"one paper step, reference lengths {Path(args.reference).name}; engine segment {sorted(segment)} tokens, "
+    print(f"one paper step, reference lengths {args.reference or 'searchr1_3b (bundled)'}; engine segment {sorted(segment)} tokens, "
           f"retrieval {args.retrieval_steps} decode steps per batch")
     header = (f"{'target':<15} {'schedule':<17} {'slots':>6} {'decode':>7} {'bound':>6} {'eff':>6} "
               f"{'prefill':>8} {'retr.wait':>9} {'retr.batches':>12} {'preempt':>7}")
@@ -240,7 +241,8 @@ def paper_schedule_main(args) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--paper-schedule", action="store_true", help="simulate one paper step's schedule and exit")
-    parser.add_argument("--reference", default=str(REFERENCE_LENGTHS))
+    parser.add_argument("--reference", default="", help="plan.length_source: '' = Search-R1 3B's (bundled), "
+                        "a reference file, or a run directory")
     parser.add_argument("--segment", type=int, default=None,
                         help="engine: decode steps per device call (default: the configs' rollout.segment_tokens)")
     parser.add_argument("--retrieval-steps", type=int, default=8, help="a retrieval batch's latency in decode steps")

@@ -103,35 +103,16 @@ def step_lengths(config, lengths: list[TrajectoryLengths], count: int, seed: int
     return out
 
 
-def waves_schedule(trajectories: list[TrajectoryLengths], rows_per_wave: int, max_turns: int) -> Schedule:
-    """Today's rollout (``rollout.multi_turn``): rows in waves of ``rows_per_wave``; each turn of a wave
-    decodes until its longest action ends, then one retriever call serves the wave's searches."""
-    steps = calls = 0
-    key_reads = prefill_pairs = 0.0
-    for first in range(0, len(trajectories), rows_per_wave):
-        wave = trajectories[first: first + rows_per_wave]
-        context = [t.prompt for t in wave]
-        for turn in range(max_turns + 1):
-            acting = [i for i, t in enumerate(wave) if turn < len(t.actions)]
-            if not acting:
-                break
-            steps += max(wave[i].actions[turn] for i in acting)
-            for i in acting:
-                n = wave[i].actions[turn]
-                key_reads += n * context[i] + n * (n - 1) / 2
-                context[i] += n
-            appending = [i for i in acting if turn < len(wave[i].feedback)]
-            calls += int(any(wave[i].is_search(turn) for i in appending))
-            for i in appending:
-                f = wave[i].feedback[turn]
-                prefill_pairs += f * context[i] + f * (f + 1) / 2
-                context[i] += f
-    decode_tokens = sum(sum(t.actions) for t in trajectories)
-    prefill_tokens = sum(t.prompt + sum(t.feedback) for t in trajectories)
-    prefill_pairs += sum(flops.causal_pairs(t.prompt) for t in trajectories)
+def waves_schedule(trajectories: list[TrajectoryLengths], rows_per_wave: int) -> Schedule:
+    """Today's rollout (``rollout.multi_turn``) as ``rollout.schedule_sim.simulate_waves`` counts it:
+    rows in waves of ``rows_per_wave``; every turn of a wave decodes until its longest action ends,
+    then one retriever call serves the wave's searches."""
+    from llds_jax.rollout.schedule_sim import simulate_waves  # noqa: PLC0415
+
+    run = simulate_waves(trajectories, rows_per_wave)
     slots = min(rows_per_wave, len(trajectories))
-    bound = max(max(sum(t.actions) for t in trajectories), math.ceil(decode_tokens / slots))
-    return Schedule("waves", steps, bound, decode_tokens, key_reads, prefill_tokens, prefill_pairs, calls, slots)
+    return Schedule("waves", run["decode_steps"], run["lower_bound_steps"], run["decode_tokens"], run["key_reads"],
+                    run["prefill_tokens"], run["prefill_pairs"], run["retrieval_batches"], slots)
 
 
 def engine_schedule(config, model_cfg, trajectories: list[TrajectoryLengths], *, device_bytes: float,
@@ -155,7 +136,7 @@ def engine_schedule(config, model_cfg, trajectories: list[TrajectoryLengths], *,
                           segment=int(rollout.get("segment_tokens", 8)), prefill_chunk=int(rollout.prefill_chunk) or 512,
                           retrieval_steps=retrieval_steps, max_tokens=int(rollout.max_context), kv_blocks=kv_blocks,
                           block_size=block, devices=devices)
-    waves = waves_schedule(trajectories, max(1, len(trajectories)), int(rollout.max_turns))  # the work, not the order
+    waves = waves_schedule(trajectories, max(1, len(trajectories)))  # the work, not the order
     return dataclasses.replace(waves, name="engine, paged plan" if paged else "engine, dense rows",
                                decode_steps=int(run["decode_steps"]) + int(run["retrieval_wait_steps"]),
                                lower_bound_steps=int(run["lower_bound_steps"]),
@@ -219,7 +200,7 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     sampler_devices = devices if hosts == 1 else 1
     drawn = step_lengths(config, lengths if lengths is not None else load_lengths(str(section.get("length_source", ""))),
                          per_host, seed=int(config.seed))
-    schedule = waves_schedule(drawn, max(1, min(rows_per_wave, per_host)), int(config.rollout.max_turns))
+    schedule = waves_schedule(drawn, max(1, min(rows_per_wave, per_host)))
 
     compute_bytes = 2 if model_cfg.dtype in ("bfloat16", "float16") else 4
     overhead, overhead_why = DECODE_STEP_OVERHEAD.get(platform, DECODE_STEP_OVERHEAD["cpu"])

@@ -1,8 +1,8 @@
 """A rollout step's schedule without a model: decode steps, prefill chunks and retrieval waits.
 
-Given each trajectory's action and feedback token counts (``ReferenceTrajectory``, e.g.
-Search-R1's own 3B policy in ``shared/data/searchr1/reference_rollout_lengths.jsonl``),
-it counts what one rollout step costs in device steps under
+Given each trajectory's action and feedback token counts (``ReferenceTrajectory``, loaded by
+``data.lengths`` — the project's one loader — e.g. Search-R1's own 3B policy), it counts what
+one rollout step costs in device steps under
 
 * **waves + turn barrier** (``rollout/multi_turn.py`` today): rows in waves; every turn of a
   wave decodes until its longest action ends, then the whole wave waits for one batched
@@ -23,35 +23,15 @@ for the retriever (``retrieval_wait_steps``) are reported beside them.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
-from pathlib import Path
 
 from llds_jax.data.lengths import TrajectoryLengths
 from llds_jax.rollout.scheduler import Phase, Scheduler
+from llds_jax.utils.flops import causal_pairs
 
 # One trajectory's token counts (prompt, actions, feedback between actions): the project's one record of them.
 ReferenceTrajectory = TrajectoryLengths
-
-
-def load_reference(path: str | Path, count: int, *, max_action_tokens: int, max_obs_tokens: int,
-                   max_prompt_tokens: int) -> list[ReferenceTrajectory]:
-    """The first ``count`` trajectories of a reference-lengths file, cut to the rollout's caps.
-
-    Each line has ``first_prompt_tokens``, ``actions`` and ``feedback`` (per search). The
-    file's counts come from re-tokenised text, so a few actions read 501-502 tokens
-    against the 500 cap: they are cut to the cap, as the sampler would have.
-    """
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    if len(rows) < count:
-        raise ValueError(f"{path} has {len(rows)} trajectories, {count} requested")
-    out = []
-    for row in rows[:count]:
-        actions = tuple(min(int(a), max_action_tokens) for a in row["actions"])
-        feedback = tuple(min(int(f), max_obs_tokens) for f in row["feedback"])[: len(actions) - 1]
-        out.append(ReferenceTrajectory(min(int(row["first_prompt_tokens"]), max_prompt_tokens), actions, feedback))
-    return out
 
 
 def lower_bound_steps(trajectories: Sequence[ReferenceTrajectory], slots: int) -> int:
@@ -69,28 +49,47 @@ def _summary(trajectories, slots: int, decode_steps: int, **extra) -> dict:
                 efficiency=round(bound / decode_steps, 4), **extra)
 
 
-def simulate_waves(trajectories: Sequence[ReferenceTrajectory], rows: int, *, prefill_chunk: int,
-                   retrieval_steps: int) -> dict:
-    """Waves of ``rows`` trajectories, each turn a barrier (``multi_turn._run_wave``)."""
+def simulate_waves(trajectories: Sequence[ReferenceTrajectory], rows: int, *, prefill_chunk: int = 512,
+                   retrieval_steps: int = 0) -> dict:
+    """Waves of ``rows`` trajectories, each turn a barrier (``multi_turn._run_wave``): the project's one
+    waves simulation (``plan.step_time`` turns it into seconds).
+
+    Besides the steps: ``key_reads`` (Σ over sampled tokens of the live KV entries each attends to: a
+    row at context c sampling n tokens reads c, …, c+n−1), ``prefill_tokens`` and ``prefill_pairs``
+    (prompts and appended feedback, causal within each piece, after the context before it), and
+    ``retrieval_batches`` — one per turn in which some row's feedback came from the retriever.
+    """
     steps = chunks = waits = batches = 0
+    key_reads = prefill_pairs = 0.0
     waves = math.ceil(len(trajectories) / rows)
     for first in range(0, len(trajectories), rows):
         wave = list(trajectories[first:first + rows])
         chunks += _chunks(max(t.prompt for t in wave), prefill_chunk)
-        active = wave
+        context = [t.prompt for t in wave]
         for turn in range(max(len(t.actions) for t in wave)):
-            acting = [t for t in active if turn < len(t.actions)]
+            acting = [i for i, t in enumerate(wave) if turn < len(t.actions)]
             if not acting:
                 break
-            steps += max(t.actions[turn] for t in acting)
-            searching = [t for t in acting if turn < len(t.feedback)]
-            if searching:
+            steps += max(wave[i].actions[turn] for i in acting)
+            for i in acting:
+                n = wave[i].actions[turn]
+                key_reads += n * context[i] + n * (n - 1) / 2
+                context[i] += n
+            appending = [i for i in acting if turn < len(wave[i].feedback)]
+            if any(wave[i].is_search(turn) for i in appending):
                 waits += retrieval_steps
                 batches += 1
-                chunks += _chunks(max(t.feedback[turn] for t in searching), prefill_chunk)
-            active = searching
+            if appending:
+                chunks += _chunks(max(wave[i].feedback[turn] for i in appending), prefill_chunk)
+            for i in appending:
+                f = wave[i].feedback[turn]
+                prefill_pairs += f * context[i] + f * (f + 1) / 2
+                context[i] += f
+    prefill_pairs += sum(causal_pairs(t.prompt) for t in trajectories)
     return _summary(trajectories, rows, steps, waves=waves, prefill_chunks=chunks, retrieval_wait_steps=waits,
-                    retrieval_batches=batches)
+                    retrieval_batches=batches, key_reads=key_reads, prefill_pairs=prefill_pairs,
+                    decode_tokens=sum(t.decode_tokens for t in trajectories),
+                    prefill_tokens=sum(t.prompt + sum(t.feedback) for t in trajectories))
 
 
 def simulate_engine(trajectories: Sequence[ReferenceTrajectory], slots: int, *, segment: int, prefill_chunk: int,

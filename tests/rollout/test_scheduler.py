@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -9,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from llds_jax.data.lengths import load_lengths
+from llds_jax.plan.step_time import step_lengths, waves_schedule
 from llds_jax.rollout.schedule_sim import (
     ReferenceTrajectory,
-    load_reference,
     lower_bound_steps,
     simulate_engine,
     simulate_waves,
@@ -133,8 +135,19 @@ def test_paper_schedule_meets_the_issue_targets(shared_dir):
         if waves["waves"] > 1:
             assert waves["decode_steps"] >= 2 * engine["decode_steps"], (name, waves, engine)
     assert targets["qwen7b-8xh100"]["waves"]["waves"] == 14 and targets["qwen7b-8xh100"]["waves"]["slots"] == 194
-    assert len(load_reference(reference, 2560, max_action_tokens=500, max_obs_tokens=500,
-                              max_prompt_tokens=2048)) == 2560
+    # one draw of one loader: the bench's waves are the plan's (plan.step_time.waves_schedule) on the same rows
+    config = _config("qwen3b")
+    drawn = step_lengths(config, load_lengths(str(reference)), 2560, seed=int(config.seed))
+    assert len(drawn) == 2560
+    waves = targets["qwen3b-8xh100"]["waves"]
+    assert waves_schedule(drawn, waves["slots"]).decode_steps == waves["decode_steps"]
+
+
+def _config(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
 
 
 def test_each_device_has_its_own_pool_and_preempts_only_its_own_trajectories():
