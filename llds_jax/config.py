@@ -96,8 +96,8 @@ def base_config() -> ml_collections.ConfigDict:
         warmup_sft_steps=0,        # format warm-up steps run before RL (see the sft section)
         save_every=100,
         keep_checkpoints=3,        # newest checkpoints kept; the lab's probe reads one every few steps (issue 43)
-        tensorboard=True,          # False drops "tensorboard" from train.loggers (the older switch)
-        # Backends beside metrics.jsonl (always written): tensorboard | wandb | mlflow | jsonl (train/loggers.py).
+        # Backends beside metrics.jsonl (always written): tensorboard | wandb | mlflow | jsonl (train/loggers.py);
+        # the one TensorBoard switch: () or ("jsonl",) writes metrics.jsonl alone.
         loggers=("tensorboard",),
         wandb_project="llds_jax", wandb_mode="offline",  # offline: no account or network; `wandb sync` later
         mlflow_tracking_uri="", mlflow_experiment="llds_jax",  # "" = the file store <workdir>/mlruns
@@ -266,6 +266,9 @@ def _check_train(config) -> None:
     if "max_doc_tokens" in t:  # a config file may still set the old name, which would silently do nothing
         raise TrainConfigError(f"train.max_doc_tokens={t.max_doc_tokens!r} moved to retrieval.max_doc_tokens "
                                "(the retriever factory applies the cut for training and eval alike)")
+    if "tensorboard" in t:  # the removed second switch: train.loggers alone says which backends run
+        raise TrainConfigError(f"train.tensorboard={t.tensorboard!r} was removed: train.loggers is the one switch "
+                               "(drop 'tensorboard' from it, e.g. train.loggers=(), to write metrics.jsonl alone)")
     for path in ("train.total_steps", "train.prompts_per_step", "rollout.n_samples", "train.mini_batch_size",
                  "train.micro_batch_size", "train.logprob_batch_size", "rollout.max_context"):
         _positive(config, path)
