@@ -275,7 +275,7 @@ def predict(config, workdir: Path, hardware: str, plan_json: str) -> dict:
         peak = flops.cpu_peak()
     trajectories = int(config.train.prompts_per_step) * int(config.rollout.n_samples)
     length, scored = padded_length(config), StepSizes.from_config(config).scored_positions
-    packing = packing_sizes(config, length, scored, 1) if config.train.get("packing", False) else None
+    packing = packing_sizes(config, length, scored, 1) if config.train.packing else None
     step = predict_step_time(
         config, model_cfg, platform="gpu" if hardware in ("H100", "H200") else "cpu", peak=peak, devices=1, hosts=1,
         rows_per_wave=trajectories, train_rows=trajectories, train_length=length,

@@ -48,7 +48,6 @@ def get_config():
     c.train.warmup_sft_steps = 20
     c.train.save_every = 0
     c.train.delta_every = 2  # the Δ-log-prob diagnostic (LLD rate) on RL steps 0, 2, 4
-    c.train.tensorboard = True
     c.sft.batch_size = 4
     c.sft.lr = 1e-4
     c.sft.max_seq_len = 512

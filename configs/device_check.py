@@ -31,7 +31,7 @@ def get_config(variant: str = ""):
     c.train.warmup_sft_steps = 0
     c.train.save_every = 0        # the run still checkpoints its last step
     c.train.export_hf = False
-    c.train.tensorboard = False
+    c.train.loggers = ()  # metrics.jsonl alone
     c.train.samples_per_step = 320  # every trajectory's lengths: the plan's length_source for this run
     c.eval.data = ""
     if variant == "dry_run":

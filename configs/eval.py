@@ -24,16 +24,7 @@ def get_config():
     c.workdir = "runs/eval"
     c.model.source = "smollm2"       # or an HF dir, a .gguf file, or tiny:<family> with model.tokenizer
     c.rollout.max_turns = 2
-    c.eval = ml_collections.ConfigDict(dict(
-        # Files (.jsonl FlashRAG / .parquet Search-R1), directories of them, or bundled:<name>;
-        # a tuple or one comma-separated string.
-        data="bundled:nq_dev",
-        limit=0,              # questions per data source; 0 = all
-        greedy=True,          # False: T = rollout.temperature, top-p = rollout.top_p
-        batch_size=8,         # questions per rollout call
-        out_dir="",           # "" = <workdir>/eval
-        seed=0,
-    ))
+    c.eval.limit = 0  # every question of each source (the eval section's fields: base_config)
     c.report = ml_collections.ConfigDict(dict(
         compare="",           # "RUN_A,RUN_B": overlay several runs instead of one workdir
         out_dir="",           # "" = <workdir>/report (compare: <first run>/compare)

@@ -51,7 +51,7 @@ def get_config():
     c.train.logprob_batch_size = 20
     c.train.warmup_sft_steps = 0  # the lab policy is already pre-trained on the protocol
     c.train.save_every = 100
-    c.train.tensorboard = False
+    c.train.loggers = ()  # metrics.jsonl alone
     c.sft.data = ("lab:train",)
     c.eval.data = "lab:dev"
     c.eval.limit = 32

@@ -96,8 +96,8 @@ def base_config() -> ml_collections.ConfigDict:
         warmup_sft_steps=0,        # format warm-up steps run before RL (see the sft section)
         save_every=100,
         keep_checkpoints=3,        # newest checkpoints kept; the lab's probe reads one every few steps (issue 43)
-        tensorboard=True,          # False drops "tensorboard" from train.loggers (the older switch)
-        # Backends beside metrics.jsonl (always written): tensorboard | wandb | mlflow | jsonl (train/loggers.py).
+        # Backends beside metrics.jsonl (always written): tensorboard | wandb | mlflow | jsonl (train/loggers.py);
+        # the one TensorBoard switch: () or ("jsonl",) writes metrics.jsonl alone.
         loggers=("tensorboard",),
         wandb_project="llds_jax", wandb_mode="offline",  # offline: no account or network; `wandb sync` later
         mlflow_tracking_uri="", mlflow_experiment="llds_jax",  # "" = the file store <workdir>/mlruns
@@ -126,8 +126,15 @@ def base_config() -> ml_collections.ConfigDict:
         max_action_tokens_per_row=0,  # positions per example the loss scores (its action targets); 0 = every one
         data=("bundled:nq_train", "bundled:hotpotqa_train"),
     ))
-    c.eval = ml_collections.ConfigDict(dict(
-        data="bundled:nq_dev", limit=40, greedy=True, batch_size=8,
+    c.eval = ml_collections.ConfigDict(dict(  # --mode=eval (llds_jax.eval.run); configs/eval.py overrides
+        # Files (.jsonl FlashRAG / .parquet Search-R1), directories of them, or bundled:<name>;
+        # a tuple or one comma-separated string.
+        data="bundled:nq_dev",
+        limit=40,             # questions per data source; 0 = all
+        greedy=True,          # False: T = rollout.temperature, top-p = rollout.top_p
+        batch_size=8,         # questions per rollout call
+        out_dir="",           # "" = <workdir>/eval
+        seed=0,               # the sampling key when not greedy
     ))
     return c
 
@@ -190,7 +197,7 @@ def _check_model(config) -> None:
             raise TrainConfigError(f"{path}={_get(config, path)!r}: expected float32, bfloat16 or float16")
     if m.remat not in REMAT_POLICIES:
         raise TrainConfigError(f"model.remat={m.remat!r}: expected one of {REMAT_POLICIES}")
-    if m.get("attention", "auto") not in ATTENTION_BACKENDS:
+    if m.attention not in ATTENTION_BACKENDS:
         raise TrainConfigError(f"model.attention={m.attention!r}: expected one of {ATTENTION_BACKENDS}")
     _positive(config, "model.logprob_chunk_size")
 
@@ -219,26 +226,22 @@ def _check_rollout(config) -> None:
         _positive(config, path)
     for path in ("rollout.top_k", "rollout.max_concurrent_rows", "rollout.cpu_memory_bytes",
                  "rollout.prefill_chunk", "rollout.kv_blocks"):
-        if path.split(".")[1] in config.rollout:
-            _non_negative(config, path)
+        _non_negative(config, path)
     for path in ("rollout.segment_tokens", "rollout.kv_block_tokens", "rollout.slot_tokens", "rollout.prefill_rows"):
-        if path.split(".")[1] in config.rollout:
-            _positive(config, path)
+        _positive(config, path)
     from llds_jax.rollout.config import ENGINES  # noqa: PLC0415  (as base_config imports the section)
 
-    devices = config.rollout.get("sampler_devices", 0)
+    devices = config.rollout.sampler_devices
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < -1:
         raise TrainConfigError(f"rollout.sampler_devices={devices!r}: expected 0 (one device), -1 (every local "
                                f"device) or a device count")
-    engine = config.rollout.get("engine", "waves")
+    engine = config.rollout.engine
     if engine not in ENGINES:
         raise TrainConfigError(f"rollout.engine={engine!r}: expected one of {ENGINES}")
     _number_in(config, "rollout.temperature", 0.0)
     _number_in(config, "rollout.top_p", 0.0, 1.0)
-    if "memory_fraction" in config.rollout:
-        fraction = _number_in(config, "rollout.memory_fraction", 0.0, 1.0)
-        if fraction == 0.0:
-            raise TrainConfigError("rollout.memory_fraction=0.0 leaves the rollout no memory: use (0, 1]")
+    if _number_in(config, "rollout.memory_fraction", 0.0, 1.0) == 0.0:
+        raise TrainConfigError("rollout.memory_fraction=0.0 leaves the rollout no memory: use (0, 1]")
 
 
 def _check_rl(config) -> None:
@@ -266,6 +269,9 @@ def _check_train(config) -> None:
     if "max_doc_tokens" in t:  # a config file may still set the old name, which would silently do nothing
         raise TrainConfigError(f"train.max_doc_tokens={t.max_doc_tokens!r} moved to retrieval.max_doc_tokens "
                                "(the retriever factory applies the cut for training and eval alike)")
+    if "tensorboard" in t:  # the removed second switch: train.loggers alone says which backends run
+        raise TrainConfigError(f"train.tensorboard={t.tensorboard!r} was removed: train.loggers is the one switch "
+                               "(drop 'tensorboard' from it, e.g. train.loggers=(), to write metrics.jsonl alone)")
     for path in ("train.total_steps", "train.prompts_per_step", "rollout.n_samples", "train.mini_batch_size",
                  "train.micro_batch_size", "train.logprob_batch_size", "rollout.max_context"):
         _positive(config, path)
@@ -283,7 +289,7 @@ def _check_train(config) -> None:
             "of a step")
     if t.warmup_sft_steps < 0:
         raise TrainConfigError(f"train.warmup_sft_steps={t.warmup_sft_steps} must be ≥ 0")
-    limit = t.get("max_nonfinite_updates", 0)
+    limit = t.max_nonfinite_updates
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise TrainConfigError(f"train.max_nonfinite_updates={limit!r} must be an integer ≥ 0 (0 = never stop)")
     _positive(config, "train.keep_checkpoints")
@@ -292,10 +298,10 @@ def _check_train(config) -> None:
         _non_negative(config, path)
     _positive(config, "train.delta_every")
     _positive(config, "train.dynamic_sampling_max_draws")
-    if not isinstance(t.get("dynamic_sampling", False), bool):
+    if not isinstance(t.dynamic_sampling, bool):
         raise TrainConfigError(f"train.dynamic_sampling={t.dynamic_sampling!r} must be True or False")
     for path in ("train.peak_flops", "train.peak_bytes_per_s"):
-        value = t.get(path.split(".")[1], 0.0)
+        value = _get(config, path)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise TrainConfigError(f"{path}={value!r} must be a number ≥ 0 (0 = the device's datasheet peak)")
 
@@ -318,20 +324,18 @@ def _check_eval(config) -> None:
 
 
 def _check_monitor(config) -> None:
-    if config.get("monitor") is not None:
-        try:
-            MonitorConfig.from_mapping(config.monitor)
-        except (TypeError, ValueError) as err:
-            raise TrainConfigError(f"monitor: {err}") from err
+    try:
+        MonitorConfig.from_mapping(config.monitor)
+    except (TypeError, ValueError) as err:
+        raise TrainConfigError(f"monitor: {err}") from err
 
 
 def _check_plan(config) -> None:
-    if config.get("plan") is not None:
-        plan_validate(config.plan)
+    plan_validate(config.plan)
 
 
 def _check_resume(config) -> None:
-    value = config.get("resume", "auto")
+    value = config.resume
     if isinstance(value, bool) or not (value in ("auto", "never") or (isinstance(value, int) and value >= 0)
                                        or (isinstance(value, str) and value.isdigit())):
         raise TrainConfigError(f"resume={value!r}: expected 'auto', 'never' or a step number ≥ 0")
@@ -411,7 +415,7 @@ def batch_arithmetic(config, num_devices: int | None = None) -> str:
         f"{t.micro_batch_size // dp} per data-parallel shard (data×fsdp = {dp})",
         f"log-probs     : π_old and π_ref in chunks of {t.logprob_batch_size} "
         f"({trajectories // t.logprob_batch_size} chunks); LM head on {_scored_text(config)}",
-        *([_packing_text(config, dp)] if t.get("packing", False) else []),
+        *([_packing_text(config, dp)] if t.packing else []),
         f"schedule      : {t.total_steps} steps, lr {config.optim.lr:g}, warmup {warmup} steps "
         f"({config.optim.warmup_ratio:.1%}), first step lr 0: {config.optim.lr_first_step_zero}; "
         f"{t.total_steps * minis} optimizer updates in total",

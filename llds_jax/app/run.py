@@ -117,7 +117,7 @@ def train(config) -> dict:
     workdir, mesh, model, tokenizer, retriever, writer = _setup(config)
     records = load_questions(config.data.train, config.data.limit_per_source or None)
     prompts = PromptIterator(records, config.train.prompts_per_step, seed=config.seed, shuffle=config.data.shuffle)
-    ckpt = Checkpointer(workdir.resolve(), keep=config.train.get("keep_checkpoints", 3))  # Orbax: absolute path
+    ckpt = Checkpointer(workdir.resolve(), keep=config.train.keep_checkpoints)  # Orbax: absolute path
     timings = {}
 
     start_step = 0
@@ -143,7 +143,7 @@ def train(config) -> dict:
     del model
 
     guard = PreemptionGuard().install()
-    limit = int(config.train.get("max_nonfinite_updates", 0))
+    limit = int(config.train.max_nonfinite_updates)
     streak = NonFiniteStreak(limit) if limit else None
     stopped = []  # the non-finite streak's message, once it trips
 

@@ -163,14 +163,14 @@ def eval_main(config) -> Path:
 
     validate_sections(config)  # every section, before any data, index or weight is read
     section = config.eval
-    datasets = load_eval_datasets(section.data, section.get("limit", 0))
+    datasets = load_eval_datasets(section.data, section.limit)
     policy, tokenizer, retriever = load_policy_and_retriever(config)
-    greedy = bool(section.get("greedy", True))
+    greedy = bool(section.greedy)
     result = evaluate(policy, tokenizer, datasets, retriever, config.rollout, greedy=greedy,
-                      key=jax.random.key(int(section.get("seed", 0))), batch_size=int(section.get("batch_size", 8)))
-    out_dir = section.get("out_dir") or str(Path(config.workdir) / "eval")
+                      key=jax.random.key(int(section.seed)), batch_size=int(section.batch_size))
+    out_dir = section.out_dir or str(Path(config.workdir) / "eval")
     extra = {"model": config.model.source, "data": [str(p) for p in resolve_data_files(section.data)],
-             "limit_per_source": section.get("limit", 0), "max_turns": config.rollout.max_turns}
+             "limit_per_source": section.limit, "max_turns": config.rollout.max_turns}
     table = write_results(result, out_dir, title=f"{config.model.source}", extra=extra)
     print(table.read_text(encoding="utf-8"))
     print(f"eval written: {Path(out_dir).resolve()}")

@@ -94,9 +94,8 @@ def _expected(field: str) -> str:
 
 
 def writing_for(settings: Mapping, rng: np.random.Generator) -> Writing:
-    """The trajectories' :class:`Writing` of ``lab.policy`` settings, drawing from ``rng``."""
-    return Writing(settings.get("writing", "fixed"), rng, settings.get("seed", 0),
-                   settings.get("thought_entity_prob", 0.3))
+    """The trajectories' :class:`Writing` of checked ``lab.policy`` settings (``DEFAULT_POLICY`` merged), drawing from ``rng``."""
+    return Writing(settings["writing"], rng, settings["seed"], settings["thought_entity_prob"])
 
 
 def hf_config(settings: Mapping, tokenizer) -> dict:

@@ -48,9 +48,9 @@ def padded_vocab(size: int, multiple: int = 128) -> int:
 
 
 def _overrides(model_cfg) -> dict:
-    return dict(dtype=model_cfg.get("dtype", "float32"), param_dtype=model_cfg.get("param_dtype", "float32"),
-                remat=model_cfg.get("remat", "none"), attention=model_cfg.get("attention", "auto"),
-                scan_layers=model_cfg.get("scan_layers", True))
+    return dict(dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype,
+                remat=model_cfg.remat, attention=model_cfg.attention,
+                scan_layers=model_cfg.scan_layers)
 
 
 def resolve_model_path(source: str) -> Path:

@@ -81,6 +81,8 @@ def default_distributed_config():
 
 
 def _field(section: Any, name: str, default: Any = None) -> Any:
+    # Defaults kept on purpose: ``initialize()`` runs with no config at all (multi-host workers,
+    # tests/scale/multihost_rollout_worker.py) or a plain mapping, so the section may be absent.
     if section is None:
         return default
     if isinstance(section, Mapping):

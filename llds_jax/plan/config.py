@@ -55,23 +55,23 @@ def default_plan_config() -> ml_collections.ConfigDict:
 def validate(section) -> None:
     """The ``plan`` section's own values, checked before anything is compiled or loaded."""
     for field in ("retrieval_s", "checkpoint_bytes_per_s", "efficiency_matmul", "efficiency_hbm"):
-        value = section.get(field, 0.0)
+        value = section[field]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise PlanError(f"plan.{field}={value!r} must be a number ≥ 0")
     for field in ("efficiency_matmul", "efficiency_hbm"):
-        if section.get(field, 0.0) > 1:
-            raise PlanError(f"plan.{field}={section.get(field)!r} is a fraction of peak: at most 1 (0 = per platform)")
+        if section[field] > 1:
+            raise PlanError(f"plan.{field}={section[field]!r} is a fraction of peak: at most 1 (0 = per platform)")
     for field in ("devices", "rollout_batch", "device_memory_bytes"):
-        value = section.get(field, 0)
+        value = section[field]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise PlanError(f"plan.{field}={value!r} must be an integer ≥ 0")
-    if section.get("check_before_train", "auto") not in CHECK_MODES:
+    if section.check_before_train not in CHECK_MODES:
         raise PlanError(f"plan.check_before_train={section.check_before_train!r} is not one of {CHECK_MODES}")
-    if unknown := [p for p in section.get("phases", PHASES) if p not in PHASES]:
+    if unknown := [p for p in section.phases if p not in PHASES]:
         raise PlanError(f"plan.phases has unknown phases {unknown}; known: {PHASES}")
-    if unknown := [h for h in section.get("hardware", ()) if h not in HARDWARE]:
+    if unknown := [h for h in section.hardware if h not in HARDWARE]:
         raise PlanError(f"plan.hardware has unknown entries {unknown}; known: {tuple(HARDWARE)}")
-    if section.get("topology") and section.get("gpu"):
+    if section.topology and section.gpu:
         raise PlanError(f"plan.topology={section.topology!r} and plan.gpu={section.gpu!r}: set one of them")
-    if section.get("topology"):
+    if section.topology:
         parse_topology(str(section.topology))

@@ -54,7 +54,7 @@ from llds_jax.config import mesh_shape, validate, validate_sections
 from llds_jax.models.attention import CACHED_BLOCK, DEFAULT_BLOCK, QUERY_BLOCK, query_piece
 from llds_jax.models.loading import decoder_config
 from llds_jax.plan.aot import TooLargeToCompile, abstract_cache, abstract_train_state, compile_ahead
-from llds_jax.plan.config import CHECK_MODES, GB, HARDWARE, USABLE_FRACTION, default_plan_config
+from llds_jax.plan.config import CHECK_MODES, GB, HARDWARE, USABLE_FRACTION
 from llds_jax.plan.step_time import StepTime, format_step_time, predict_step_time
 from llds_jax.plan.targets import NeedsFreshProcess, PlanError, Target, resolve_target
 from llds_jax.utils import flops
@@ -203,7 +203,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
     from llds_jax.train.batch import TrainBatch, padded_length  # noqa: PLC0415
     from llds_jax.train.step import build_update_fns, packing_for_run  # noqa: PLC0415
 
-    section = config.get("plan") or default_plan_config()
+    section = config.plan
     if target is None:
         target = plan_devices(section)
     elif not isinstance(target, Target):
@@ -232,7 +232,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
     engine = _engine_layout(config, section, decoder_cfg, target, devices, trajectories, dp_rows)
     if engine is not None:  # the continuous engine compiles on its paged cache: its slots, its pool
         cache = _abstract_paged_cache(decoder_cfg, config.rollout, engine, dp_rows, mesh, rules)
-        sampler_rows = {"prefill": min(int(config.rollout.get("prefill_rows", 16)), engine.slots_per_device) * dp_rows,
+        sampler_rows = {"prefill": min(int(config.rollout.prefill_rows), engine.slots_per_device) * dp_rows,
                         "decode": engine.slots_per_device * dp_rows}
     parameters = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     resident = {
@@ -260,7 +260,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
                 programs["logprobs"] = compile_program("logprobs", fns.policy_logprobs, state.params,
                                                        *batch.logprob_inputs, platform=target.platform)
         prompt_tokens = int(config.rollout.max_prompt_tokens)
-        chunk = int(config.rollout.get("prefill_chunk", 0))
+        chunk = int(config.rollout.prefill_chunk)
         sampler_tokens = {"prefill": min(chunk, prompt_tokens) if chunk else prompt_tokens, "decode": 1}
         for phase in ("prefill", "decode"):
             if phase in phases:
@@ -272,7 +272,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
     dp = dp_rows
     heads = decoder_cfg.num_heads // rules.shards("act_heads", mesh, decoder_cfg.num_heads)
     context, prompt = int(config.rollout.max_context), int(config.rollout.max_prompt_tokens)
-    requested = config.model.get("attention", "auto")
+    requested = config.model.attention
     kernels = {phase: _attention_kernel(requested, target.platform, full_sequence=phase in ("update", "logprobs"))
                for phase in programs}
     def scores_read(phase, queries, keys):  # the [queries, keys] tile one kernel step holds
@@ -298,7 +298,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
         notes.append(f"packed rows: {packing.rows} × {packing.width} tokens per micro-batch "
                      f"(train.micro_batch_tokens), {packing.slots} micro-batch slots")
     step = None
-    if section.get("step_time", True):
+    if section.step_time:
         step = _step_time(config, section, decoder_cfg, target, devices, rollout_rows, trajectories, length, state,
                           packing)
     return Plan(f"{Path(str(config.model.source)).name} ({decoder_cfg.num_layers} layers, d={decoder_cfg.hidden_size})",
@@ -348,12 +348,12 @@ def _rollout_rows(config, section, decoder_cfg, target, devices, trajectories: i
         rows, source = int(section.rollout_batch), "plan.rollout_batch"
     else:
         device_bytes = HARDWARE[target.hardware][1] if target.hardware else device_memory_limit(section, devices)
-        if device_bytes is None and not int(config.rollout.get("max_concurrent_rows", 0)):
+        if device_bytes is None and not int(config.rollout.max_concurrent_rows):
             return trajectories, (f"the rollout decodes all {trajectories} trajectories of a step together (KV cache "
                                   f"{trajectories} rows x {context} slots): no target memory to size waves by; "
                                   f"set plan.topology / plan.gpu or rollout.max_concurrent_rows")
         rows = rollout_rows_per_wave(decoder_cfg, config.rollout, device_bytes or 0, dp)
-        source = ("rollout.max_concurrent_rows" if int(config.rollout.get("max_concurrent_rows", 0)) else
+        source = ("rollout.max_concurrent_rows" if int(config.rollout.max_concurrent_rows) else
                   f"derived: rollout.memory_fraction={config.rollout.memory_fraction} of {device_bytes / GB:.0f} GB")
     rows = max(dp, min(rows, trajectories) // dp * dp)
     waves = -(-trajectories // rows)
@@ -371,21 +371,21 @@ def _rollout_rows(config, section, decoder_cfg, target, devices, trajectories: i
 def _engine_layout(config, section, decoder_cfg, target, devices, trajectories: int, dp: int):
     """The continuous engine's per-device slots and KV pool on the target (``rollout/kv_plan.py``,
     as the engine sizes itself), or None under the waves or without a target memory."""
-    if config.rollout.get("engine", "waves") != "continuous":
+    if config.rollout.engine != "continuous":
         return None
     from llds_jax.rollout.kv_plan import EngineMemory, engine_memory  # noqa: PLC0415
 
     device_bytes = HARDWARE[target.hardware][1] if target.hardware else device_memory_limit(section, devices)
-    explicit = int(config.rollout.get("max_concurrent_rows", 0))
+    explicit = int(config.rollout.max_concurrent_rows)
     if explicit or not device_bytes:
         if not explicit:
             return None
-        block = int(config.rollout.get("kv_block_tokens", 128))
+        block = int(config.rollout.kv_block_tokens)
         slots = -(-min(explicit, trajectories) // dp)
-        blocks = int(config.rollout.get("kv_blocks", 0)) or slots * -(-int(config.rollout.max_context) // block)
+        blocks = int(config.rollout.kv_blocks) or slots * -(-int(config.rollout.max_context) // block)
         return EngineMemory(slots, blocks, block, 0, 0, 0)
     memory = engine_memory(decoder_cfg, config.rollout, int(device_bytes), -(-trajectories // dp))
-    configured = int(config.rollout.get("kv_blocks", 0))
+    configured = int(config.rollout.kv_blocks)
     return dataclasses.replace(memory, kv_blocks_per_device=configured) if configured else memory
 
 
@@ -439,7 +439,7 @@ PHASE_KNOBS = {
 
 def device_memory_limit(section, devices) -> int | None:
     """Bytes one device may use: ``plan.device_memory_bytes``, else what the device reports (None on CPU)."""
-    if int(section.get("device_memory_bytes", 0)):
+    if int(section.device_memory_bytes):
         return int(section.device_memory_bytes)
     from llds_jax.rollout.waves import reported_bytes_limit  # noqa: PLC0415
 
@@ -452,8 +452,8 @@ def check_fits_before_training(config, devices) -> Plan | None:
     Costs one AOT compile of each phase before the weights load: minutes on a pod, against an
     out-of-memory error an hour later, after the weights and the first rollout.
     """
-    section = config.get("plan") or default_plan_config()
-    mode = section.get("check_before_train", "auto")
+    section = config.plan
+    mode = section.check_before_train
     if mode not in CHECK_MODES:
         raise PlanError(f"plan.check_before_train={mode!r} is not one of {CHECK_MODES}")
     if mode == "never":
@@ -554,14 +554,14 @@ def plan_main(config) -> None:
     CUDA plugin skipped at start-up), the plan is made and printed by a child process.
     """
     validate_sections(config)  # every section, before a compiler or device is touched
-    section = config.get("plan") or default_plan_config()
+    section = config.plan
     try:
         plan = make_plan(config)  # validates again with the target's device count
     except NeedsFreshProcess as need:
         _plan_in_child(config, need.args[0])
         return
     print(format_plan(plan, tuple(section.hardware)), flush=True)
-    if section.get("json_out", ""):
+    if section.json_out:
         path = Path(str(section.json_out))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(plan_as_json(plan), indent=1) + "\n")

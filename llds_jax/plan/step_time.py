@@ -125,7 +125,7 @@ def engine_schedule(config, model_cfg, trajectories: list[TrajectoryLengths], *,
     from llds_jax.rollout.schedule_sim import simulate_engine  # noqa: PLC0415
 
     rollout = config.rollout
-    kv_blocks, block, devices = None, int(rollout.get("kv_block_tokens", 128)), 1
+    kv_blocks, block, devices = None, int(rollout.kv_block_tokens), 1
     if paged:  # each sampler device its own pool, as the engine's paged cache
         memory = engine_memory(model_cfg, rollout, int(device_bytes), -(-len(trajectories) // sampler_devices))
         slots, kv_blocks, block = memory.slots_per_device * sampler_devices, memory.kv_blocks_per_device, memory.block_tokens
@@ -133,7 +133,7 @@ def engine_schedule(config, model_cfg, trajectories: list[TrajectoryLengths], *,
     else:
         slots = min(len(trajectories), waves_rows * sampler_devices)
     run = simulate_engine(trajectories, slots,
-                          segment=int(rollout.get("segment_tokens", 8)), prefill_chunk=int(rollout.prefill_chunk) or 512,
+                          segment=int(rollout.segment_tokens), prefill_chunk=int(rollout.prefill_chunk) or 512,
                           retrieval_steps=retrieval_steps, max_tokens=int(rollout.max_context), kv_blocks=kv_blocks,
                           block_size=block, devices=devices)
     waves = waves_schedule(trajectories, max(1, len(trajectories)))  # the work, not the order
@@ -193,18 +193,18 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     """
     section = config.plan
     efficiency = {kind: EFFICIENCY.get(platform, EFFICIENCY["cpu"])[kind] for kind in ("matmul", "hbm")}
-    matmul = float(section.get("efficiency_matmul", 0.0)) or efficiency["matmul"][0]
-    hbm = float(section.get("efficiency_hbm", 0.0)) or efficiency["hbm"][0]
+    matmul = float(section.efficiency_matmul) or efficiency["matmul"][0]
+    hbm = float(section.efficiency_hbm) or efficiency["hbm"][0]
     trajectories = int(config.train.prompts_per_step) * int(config.rollout.n_samples)
     per_host = -(-trajectories // hosts)
     sampler_devices = devices if hosts == 1 else 1
-    drawn = step_lengths(config, lengths if lengths is not None else load_lengths(str(section.get("length_source", ""))),
+    drawn = step_lengths(config, lengths if lengths is not None else load_lengths(str(section.length_source)),
                          per_host, seed=int(config.seed))
     schedule = waves_schedule(drawn, max(1, min(rows_per_wave, per_host)))
 
     compute_bytes = 2 if model_cfg.dtype in ("bfloat16", "float16") else 4
     overhead, overhead_why = DECODE_STEP_OVERHEAD.get(platform, DECODE_STEP_OVERHEAD["cpu"])
-    if float(section.get("decode_step_overhead_s", -1.0)) >= 0:
+    if float(section.decode_step_overhead_s) >= 0:
         overhead, overhead_why = float(section.decode_step_overhead_s), "plan.decode_step_overhead_s"
 
     def rollout_seconds(sch: Schedule, samplers: int, retrieval_on_path: bool) -> dict[str, float]:
@@ -215,16 +215,16 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
         decode = max(read / (peak.bytes_per_s * hbm), work / (peak.flops * matmul)) + overhead * sch.decode_steps
         prefill = (2.0 * model_cfg.num_layers * flops.layer_weights(model_cfg) * sch.prefill_tokens
                    + flops.attention_flops(model_cfg, sch.prefill_pairs)) / (peak.flops * matmul * samplers)
-        retrieval = sch.retrieval_calls * float(section.get("retrieval_s", 0.5)) if retrieval_on_path else 0.0
+        retrieval = sch.retrieval_calls * float(section.retrieval_s) if retrieval_on_path else 0.0
         return {"rollout_decode": decode, "rollout_prefill": prefill, "rollout_retrieval": retrieval,
                 "decode_bytes": read, "decode_flops": work}
 
     rollouts = {"waves": (schedule, rollout_seconds(schedule, sampler_devices, True))}
     per_step = rollouts["waves"][1]["rollout_decode"] / max(schedule.decode_steps, 1)
-    retrieval_steps = math.ceil(float(section.get("retrieval_s", 0.5)) / max(per_step, 1e-9))
+    retrieval_steps = math.ceil(float(section.retrieval_s) / max(per_step, 1e-9))
     local = max(1, devices // hosts)
-    engine_devices = {-1: local, 0: 1}.get(int(config.rollout.get("sampler_devices", 0)),
-                                           int(config.rollout.get("sampler_devices", 0)))
+    engine_devices = {-1: local, 0: 1}.get(int(config.rollout.sampler_devices),
+                                           int(config.rollout.sampler_devices))
     waves_rows_per_device = max(1, min(rows_per_wave, per_host) // sampler_devices)
     for paged in (False, True):
         if paged and not device_bytes:
@@ -238,7 +238,7 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
         rollouts[sch.name] = (sch, rollout_seconds(sch, min(engine_devices, local), False))
     # the engine pages its cache (rollout/kv_plan.engine_sizing): its column is the paged plan's wherever
     # one chip's memory is known; "dense rows" (a max_context row a slot) only without it
-    configured = ("waves" if config.rollout.get("engine", "waves") == "waves" else
+    configured = ("waves" if config.rollout.engine == "waves" else
                   "engine, paged plan" if "engine, paged plan" in rollouts else "engine, dense rows")
     schedule, rollout_part = rollouts[configured]
     decode_s, prefill_s, retrieval_s = (rollout_part[k] for k in ("rollout_decode", "rollout_prefill",
@@ -247,7 +247,7 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
 
     if packing is not None:  # the whole step's trajectories (every host's: packing runs on one host)
         step_trajectories = step_lengths(config, lengths if lengths is not None else
-                                         load_lengths(str(section.get("length_source", ""))), trajectories,
+                                         load_lengths(str(section.length_source)), trajectories,
                                          seed=int(config.seed))
         train_rows, train_length, pairs = training_rows(step_trajectories, packing, train_length)
         scored_per_row = packing.scored
@@ -258,9 +258,9 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
                                            pairs_per_row=pairs)
     mesh_rate = peak.flops * matmul * devices
     passes = 1 + int(float(config.rl.kl_coef) > 0)
-    delta_every = int(config.train.get("delta_every", 1)) if config.train.get("delta_diagnostics", True) else 0
-    save_every = int(config.train.get("save_every", 0))
-    checkpoint_rate = float(section.get("checkpoint_bytes_per_s", 1e9)) * hosts
+    delta_every = int(config.train.delta_every) if config.train.delta_diagnostics else 0
+    save_every = int(config.train.save_every)
+    checkpoint_rate = float(section.checkpoint_bytes_per_s) * hosts
     seconds = {
         "rollout_decode": decode_s, "rollout_prefill": prefill_s, "rollout_retrieval": retrieval_s,
         "logprobs": passes * forward / mesh_rate, "update": update_flops / mesh_rate,
@@ -278,20 +278,20 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     assumptions = {
         "peak": peak.source,
         "matmul_efficiency": f"{matmul:.2f} of peak FLOP/s (update, log-probs, Δ, prefill): "
-                             + ("plan.efficiency_matmul" if section.get("efficiency_matmul", 0.0) else efficiency["matmul"][1]),
+                             + ("plan.efficiency_matmul" if section.efficiency_matmul else efficiency["matmul"][1]),
         "hbm_efficiency": f"{hbm:.2f} of HBM bandwidth (decode): "
-                          + ("plan.efficiency_hbm" if section.get("efficiency_hbm", 0.0) else efficiency["hbm"][1]),
+                          + ("plan.efficiency_hbm" if section.efficiency_hbm else efficiency["hbm"][1]),
         "decode_step_overhead": f"{overhead * 1e3:g} ms per decode step: {overhead_why}",
-        "retrieval": f"{float(section.get('retrieval_s', 0.5)):g} s per batched retriever call (plan.retrieval_s)",
-        "checkpoint": f"{float(section.get('checkpoint_bytes_per_s', 1e9)) / 1e9:g} GB/s per host "
+        "retrieval": f"{float(section.retrieval_s):g} s per batched retriever call (plan.retrieval_s)",
+        "checkpoint": f"{float(section.checkpoint_bytes_per_s) / 1e9:g} GB/s per host "
                       "(plan.checkpoint_bytes_per_s), every train.save_every steps",
         "lengths": f"{len(drawn)} trajectories per host drawn from "
-                   f"{length_label or section.get('length_source', '') or 'Search-R1 3B reference lengths (bundled)'}"
+                   f"{length_label or section.length_source or 'Search-R1 3B reference lengths (bundled)'}"
                    ", cut by the rollout caps",
         "sampler": f"waves: {sampler_devices} sampling device(s) per host x {hosts} host(s), waves of "
                    f"{rollouts['waves'][0].slots} rows; engine: {min(engine_devices, local)} device(s) per host "
                    f"(rollout.sampler_devices), retrieval {retrieval_steps} decode steps a batch on a host thread; "
-                   f"configured: rollout.engine={config.rollout.get('engine', 'waves')!r}",
+                   f"configured: rollout.engine={config.rollout.engine!r}",
         "training_batch": f"{train_rows} {'packed' if packing is not None else 'padded'} rows x {train_length} "
                           "tokens computed per pass",
         "overlap": "none: phases run one after another, as the trainer runs them",

@@ -165,13 +165,13 @@ def gpu_target(gpu: str, count: int, per_host: int) -> Target:
 
 def resolve_target(section) -> Target:
     """The target named by the ``plan`` config section (``topology``, ``gpu``, ``devices``)."""
-    topology, gpu = str(section.get("topology", "")), str(section.get("gpu", ""))
+    topology, gpu = str(section.topology), str(section.gpu)
     if topology and gpu:
         raise PlanError(f"plan.topology={topology!r} and plan.gpu={gpu!r}: set one of them")
     if topology:
         return tpu_target(topology)
     if gpu:
-        return gpu_target(gpu, int(section.devices) or 8, int(section.get("gpus_per_host", 8)))
+        return gpu_target(gpu, int(section.devices) or 8, int(section.gpus_per_host))
     count = int(section.devices)
     return Target("cpu", None, count, f"XLA:CPU SPMD, {count} devices")
 

@@ -80,14 +80,14 @@ def resolve_index_path(r: ConfigDict) -> Path:
 
 def validate(r: ConfigDict) -> None:
     """The ``retrieval`` section's own checks, run before any index is opened or weight loaded."""
-    if not r.get("url"):
+    if not r.url:
         check_method(r)
     for field in ("topk", "max_topk", "max_queries", "retries"):
-        value = r.get(field)
+        value = r[field]
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if field == "retries" else 1):
             raise RetrievalConfigError(f"retrieval.{field}={value!r} must be a positive integer")
-    limit = r.get("max_doc_tokens", 0)
+    limit = r.max_doc_tokens
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise RetrievalConfigError(f"retrieval.max_doc_tokens={limit!r} must be an integer ≥ 0 (0 = whole passages)")
-    if r.get("timeout", 1.0) <= 0:
+    if r.timeout <= 0:
         raise RetrievalConfigError(f"retrieval.timeout={r.timeout!r} must be > 0 seconds")

@@ -40,7 +40,7 @@ def build_retriever(r: ConfigDict, tokenizer=None) -> Retriever:
     The cut is applied here, from the section, so every mode that builds a policy's retriever
     (train, sft, eval) sees the same documents for the same config.
     """
-    limit = int(r.get("max_doc_tokens", 0))
+    limit = int(r.max_doc_tokens)
     if limit and tokenizer is None:
         raise RetrievalConfigError(f"retrieval.max_doc_tokens={limit} cuts passages in the policy's tokens: "
                                    "build_retriever needs the policy's tokenizer (or set it to 0)")
@@ -48,7 +48,7 @@ def build_retriever(r: ConfigDict, tokenizer=None) -> Retriever:
 
 
 def _open(r: ConfigDict) -> Retriever:
-    if r.get("url"):
+    if r.url:
         return HttpRetriever(r.url, timeout=r.timeout, retries=r.retries, backoff=r.backoff,
                              max_queries_per_request=r.max_queries)
     if check_method(r) == "bm25":

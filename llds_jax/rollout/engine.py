@@ -104,8 +104,8 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
     device's pool (0: every slot can hold ``max_context``). Returns the schedule's counts
     (decode calls, appends, retrieval batches, preemptions, peak KV blocks).
     """
-    devices = placement.sampler_devices(int(config.get("sampler_devices", 0)))
-    block = int(config.get("kv_block_tokens", 128))
+    devices = placement.sampler_devices(int(config.sampler_devices))
+    block = int(config.kv_block_tokens)
     slots = -(-int(slots) // len(devices)) * len(devices)
     kv_blocks = int(kv_blocks) or slots // len(devices) * blocks_for(cache_slot_limit(config.max_context), block)
     session = SlotSession((policy.graphdef, policy.params), policy.sampling, slots=slots,
@@ -120,7 +120,7 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
     row_of = [(s % len(devices)) * per_device + s // len(devices) for s in range(slots)]
     scheduler = Scheduler([len(t.prompt_ids) for t in trajectories], slots=slots, block_size=block,
                           kv_blocks=kv_blocks, max_tokens=int(config.max_context), devices=len(devices))
-    segment = int(config.get("segment_tokens", 8))
+    segment = int(config.segment_tokens)
     retrieval = RetrievalThread(retriever, int(config.topk))
     drawn = [0] * len(trajectories)   # tokens trajectory i has drawn (its keys' counter), cut ids included
     slot_of: dict[int, int] = {}      # trajectory -> the session row (slot) it holds

@@ -51,10 +51,10 @@ class EngineMemory:
 def engine_memory(model_config, rollout_config, device_bytes: int, trajectories_per_device: int) -> EngineMemory:
     """Slots and KV blocks one device holds (see the module docstring); raises
     :class:`RolloutMemoryError` when not one trajectory of ``max_context`` fits."""
-    fraction = float(rollout_config.get("memory_fraction", 0.9))
-    block = int(rollout_config.get("kv_block_tokens", 128))
-    slot_tokens = int(rollout_config.get("slot_tokens", 512))
-    prefill_rows = int(rollout_config.get("prefill_rows", 16))
+    fraction = float(rollout_config.memory_fraction)
+    block = int(rollout_config.kv_block_tokens)
+    slot_tokens = int(rollout_config.slot_tokens)
+    prefill_rows = int(rollout_config.prefill_rows)
     row = rollout_row_bytes(model_config, rollout_config)
     block_bytes = kv_bytes_per_slot(model_config) * block
     free = int(fraction * device_bytes - weight_bytes(model_config))
@@ -80,8 +80,8 @@ def engine_sizing(rollout_config, trajectories: int, model_config, devices: int)
     host RAM) yields and would otherwise allocate for nothing.
     """
     per_device = -(-int(trajectories) // devices)
-    explicit = int(rollout_config.get("max_concurrent_rows", 0))
-    configured = int(rollout_config.get("kv_blocks", 0))
+    explicit = int(rollout_config.max_concurrent_rows)
+    configured = int(rollout_config.kv_blocks)
     if explicit or model_config is None:
         return min(explicit or per_device * devices, per_device * devices), configured
     memory = engine_memory(model_config, rollout_config, device_memory_bytes(rollout_config), per_device)

@@ -79,7 +79,7 @@ def make_policy(model, tokenizer, config, *, key: jax.Array) -> DecodeSession:
         stop_table=action_stop_table(vocab_bytes(tokenizer, vocab_size)).transitions)
     return DecodeSession((graphdef, params), sampling, max_action_tokens=config.max_action_tokens, key=key,
                          pad_id=pad_token_id(tokenizer), max_tokens=config.max_context,
-                         prefill_chunk=int(config.get("prefill_chunk", 0)))
+                         prefill_chunk=int(config.prefill_chunk))
 
 
 def _vocab_size(policy) -> int | None:
@@ -120,9 +120,9 @@ def run_rollouts(policy, tokenizer, questions: Sequence[str], retriever, config,
         prompt_ids = protocol.encode_prompt(tokenizer, question, config.max_prompt_tokens)
         trajectories.extend(Trajectory(prompt_ids=list(prompt_ids), group_id=group) for _ in range(config.n_samples))
     rows_per_wave, batch = wave_plan(config, len(trajectories), getattr(policy, "config", None))
-    if config.get("engine", "waves") == "continuous" and isinstance(policy, DecodeSession):
+    if config.engine == "continuous" and isinstance(policy, DecodeSession):
         # slots and KV pool from the expected length (rollout/kv_plan.py), on every sampler device
-        devices = len(placement.sampler_devices(int(config.get("sampler_devices", 0))))
+        devices = len(placement.sampler_devices(int(config.sampler_devices)))
         slots, kv_blocks = engine_sizing(config, len(trajectories), policy.config, devices)
         timings.update(run_engine(policy, trajectories, vocab, tokenizer, retriever, config, timings, slots=slots,
                                   kv_blocks=kv_blocks))

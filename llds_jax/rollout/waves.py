@@ -74,7 +74,7 @@ def rollout_row_bytes(model_config, rollout_config) -> dict[str, int]:
     context = int(rollout_config.max_context)
     slots = cache_slots_at_peak(context)
     kv = kv_bytes_per_slot(model_config) * slots
-    chunk = int(rollout_config.get("prefill_chunk", 0)) or bucket(int(rollout_config.max_prompt_tokens),
+    chunk = int(rollout_config.prefill_chunk) or bucket(int(rollout_config.max_prompt_tokens),
                                                                     MIN_LENGTH_BUCKET)
     itemsize = jnp.dtype(model_config.dtype).itemsize
     c = model_config
@@ -96,12 +96,12 @@ def rollout_rows_per_wave(model_config, rollout_config, device_bytes: int, n_dat
     device (conservative: the sampler may hold a gathered copy). Raises
     :class:`RolloutMemoryError` naming the fields when not one row fits.
     """
-    explicit = int(rollout_config.get("max_concurrent_rows", 0))
+    explicit = int(rollout_config.max_concurrent_rows)
     if explicit < 0:
         raise RolloutMemoryError(f"rollout.max_concurrent_rows={explicit}: expected 0 (derive) or a row count")
     if explicit:
         return explicit
-    fraction = float(rollout_config.get("memory_fraction", 0.9))
+    fraction = float(rollout_config.memory_fraction)
     if not 0.0 < fraction <= 1.0:
         raise RolloutMemoryError(f"rollout.memory_fraction={fraction}: expected a fraction in (0, 1]")
     if n_data_devices < 1 or device_bytes <= 0:
@@ -137,7 +137,7 @@ def device_memory_bytes(rollout_config, device: jax.Device | None = None) -> int
     reported = reported_bytes_limit([device])
     if reported is not None:
         return reported
-    configured = int(rollout_config.get("cpu_memory_bytes", 0))
+    configured = int(rollout_config.cpu_memory_bytes)
     host = configured or _host_memory_bytes()
     return host // max(1, jax.local_device_count(device.platform))
 
@@ -180,7 +180,7 @@ def wave_plan(rollout_config, trajectories: int, model_config=None) -> tuple[int
     """
     if trajectories < 1:
         raise ValueError(f"a rollout of {trajectories} trajectories")
-    explicit = int(rollout_config.get("max_concurrent_rows", 0))
+    explicit = int(rollout_config.max_concurrent_rows)
     if explicit < 0:
         raise RolloutMemoryError(f"rollout.max_concurrent_rows={explicit}: expected 0 (derive) or a row count")
     if not explicit and model_config is None:
@@ -197,14 +197,14 @@ def wave_plan(rollout_config, trajectories: int, model_config=None) -> tuple[int
 def _derived_rows(rollout_config, trajectories: int, model_config) -> int:
     device_bytes, n_data = device_memory_bytes(rollout_config), data_devices_of_ambient_mesh()
     rows = rollout_rows_per_wave(model_config, rollout_config, device_bytes, n_data)
-    signature = (model_config, float(rollout_config.get("memory_fraction", 0.9)), int(rollout_config.max_context),
+    signature = (model_config, float(rollout_config.memory_fraction), int(rollout_config.max_context),
                  device_bytes, n_data)
     if _last_logged.get(signature) != rows:
         _last_logged[signature] = rows
         row = rollout_row_bytes(model_config, rollout_config)
         logger.info("rollout: %d rows per wave (%.2f GiB per device x memory_fraction %.2f, weights %.2f GiB, "
                     "%.1f MiB per row of which KV %.1f MiB, %d data devices); %d trajectories -> %d wave(s)",
-                    rows, device_bytes / 2**30, float(rollout_config.get("memory_fraction", 0.9)),
+                    rows, device_bytes / 2**30, float(rollout_config.memory_fraction),
                     weight_bytes(model_config) / 2**30, row["total"] / 2**20, row["kv_cache"] / 2**20, n_data,
                     trajectories, -(-trajectories // rows))
     return rows

@@ -167,7 +167,7 @@ def scored_positions_per_row(config, length: int, section: str = "train") -> int
     ``sft`` every position (hand-built ``SFTExample`` masks are not held to the rollout's caps). Never
     more than the ``length - 1`` targets a row has, which means every position.
     """
-    explicit = int(config[section].get("max_action_tokens_per_row", 0) or 0)
+    explicit = int(config[section].max_action_tokens_per_row or 0)
     if explicit:
         bound = explicit
     elif section == "train":

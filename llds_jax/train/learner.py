@@ -254,10 +254,10 @@ class Learner:
         compute = jnp.dtype(nnx.merge(graphdef, params).config.compute_dtype)
         cast = any(x.dtype != compute for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating))
         rollout = self.config.rollout
-        if jax.process_count() > 1 and rollout.get("engine", "waves") == "continuous":
+        if jax.process_count() > 1 and rollout.engine == "continuous":
             if cast:
                 params = params_in_compute_dtype(params, compute.name)
-            mesh = placement.sampler_mesh(placement.sampler_devices(int(rollout.get("sampler_devices", 0))))
+            mesh = placement.sampler_mesh(placement.sampler_devices(int(rollout.sampler_devices)))
             return graphdef, placement.replicate_params(params, mesh)
         if jax.process_count() > 1:
             params = jax.device_put(distributed.fetch_to_host(params), jax.local_devices()[0])

@@ -9,8 +9,8 @@ config once at the start. Peers' users already watch W&B (about ten of them) or 
 packages are optional extras (``pip install llds-jax[wandb]`` / ``[mlflow]``), imported only
 when named, so a run that does not name them never needs them.
 
-* ``tensorboard``: tensorboardX event files in ``<workdir>/tensorboard`` (``train.tensorboard =
-  False`` removes it, the older switch).
+* ``tensorboard``: tensorboardX event files in ``<workdir>/tensorboard`` (on by default; leaving
+  it out of ``train.loggers`` is the one way to turn it off).
 * ``wandb``: ``wandb.init(mode=train.wandb_mode)``, offline by default (no account, no network;
   ``wandb sync <workdir>/wandb/offline-run-*`` uploads later); W&B's own step counter advances per
   row and ``<phase>/step`` carries ours.
@@ -74,8 +74,8 @@ class WandbLogger:
     def __init__(self, workdir: Path, settings: Mapping[str, Any]):
         import wandb
 
-        self._run = wandb.init(project=settings.get("wandb_project", "llds_jax"), dir=str(workdir),
-                               mode=settings.get("wandb_mode", "offline"), name=workdir.name, reinit=True)
+        self._run = wandb.init(project=settings["wandb_project"], dir=str(workdir),
+                               mode=settings["wandb_mode"], name=workdir.name, reinit=True)
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         self._run.config.update(dict(config), allow_val_change=True)
@@ -118,16 +118,15 @@ class MlflowLogger:
 
 
 def effective_loggers(train_config) -> tuple[str, ...]:
-    """``train.loggers`` less ``"jsonl"`` (always written) and less ``"tensorboard"`` when ``train.tensorboard`` is off."""
-    names = train_config.get("loggers", ("tensorboard",))
+    """``train.loggers`` less ``"jsonl"`` (always written), each name checked against the registry."""
+    names = train_config.loggers
     names = (names,) if isinstance(names, str) else tuple(names)
     # --config.train.loggers=tensorboard,mlflow arrives as the one string "tensorboard,mlflow".
     names = tuple(part.strip() for name in names for part in str(name).split(",") if part.strip())
     for name in names:
         if name != "jsonl" and name not in LOGGERS:
             raise ValueError(f"train.loggers names {name!r}; known: jsonl, {', '.join(LOGGERS.names())}")
-    keep_tb = bool(train_config.get("tensorboard", True))
-    return tuple(dict.fromkeys(n for n in names if n != "jsonl" and (n != "tensorboard" or keep_tb)))
+    return tuple(dict.fromkeys(n for n in names if n != "jsonl"))
 
 
 def open_loggers(names, workdir: Path, settings: Mapping[str, Any]) -> list[Logger]:

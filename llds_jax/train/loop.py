@@ -127,7 +127,7 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
     multi_host = jax.process_count() > 1
     bar = tqdm(range(start_step, config.train.total_steps), desc="rl", unit="step", dynamic_ncols=True,
                initial=start_step, total=config.train.total_steps, disable=not distributed.is_main_process())
-    profiler = StepProfiler(config.train.get("profile_steps", ()), writer.workdir)  # train.profile_steps
+    profiler = StepProfiler(config.train.profile_steps, writer.workdir)  # train.profile_steps
     for step in bar:
         profiler.begin(step)
         started = time.perf_counter()
@@ -138,7 +138,7 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
         draw = functools.partial(draw_prompts, prompts, learner, policy, tokenizer, retriever, config, key,
                                  reward_fn or em_rewards)
         first = draw(0)
-        if config.train.get("dynamic_sampling", False):
+        if config.train.dynamic_sampling:
             rollout, rewards, records, metrics = dynamic_batch(first, draw, config, pad_id=pad_token_id(tokenizer))
         else:
             rollout, rewards = first.rollout, first.rewards
@@ -156,7 +156,7 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
             scored_per_row=scored, logprob_passes=extra["logprob_passes"], mesh_devices=learner.mesh.size,
             sampler_devices=device_count(policy[1]), weight_bytes=jax.tree.leaves(policy[1])[0].dtype.itemsize,
             pairs_per_row=pairs))
-        with_delta = config.train.delta_diagnostics and step % config.train.get("delta_every", 1) == 0
+        with_delta = config.train.delta_diagnostics and step % config.train.delta_every == 0
         sums, gap_metrics = learner.step_reductions(extra["batch"], rollout.sampler_logprobs, slots,
                                                     with_delta=with_delta)  # per-action sums, on device
         metrics.update(gap_metrics)
@@ -214,7 +214,7 @@ def dynamic_batch(first: Draw, draw: Callable[[int], Draw], config, *, pad_id: i
     """
     share = len(first.records)
     draws = [first]
-    cap = int(config.train.get("dynamic_sampling_max_draws", 1))
+    cap = int(config.train.dynamic_sampling_max_draws)
     while len(draws) < cap and _any_host(sum(mixed_groups(d.rewards, d.rollout.group_ids).sum() for d in draws)
                                          < share):
         draws.append(draw(len(draws)))
@@ -247,8 +247,8 @@ def make_monitor(config, llds_lambda: float | None = None,
     uninterrupted run would have. On several hosts process 0's rows are replayed on every host
     (a collective), so every host's monitor decides alike even if only process 0 can read them.
     """
-    section = config.get("monitor")
-    if section is None or not section.get("enabled", True):
+    section = config.monitor
+    if not section.enabled:
         return None
     settings = {k: v for k, v in section.to_dict().items() if k != "enabled"}
     llds_lambda = config.rl.llds_coef if llds_lambda is None else llds_lambda

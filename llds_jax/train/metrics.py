@@ -69,12 +69,11 @@ def console_line(step: int, phase: str, metrics: Mapping[str, float | None]) -> 
 class MetricsWriter:
     """Writes every step to JSONL (always), the named logger backends and a console callback."""
 
-    def __init__(self, workdir: str | Path, tensorboard: bool = True, console=print, enabled: bool | None = None,
-                 loggers=None, settings=None):
+    def __init__(self, workdir: str | Path, console=print, enabled: bool | None = None, loggers=(), settings=None):
         """``enabled=None``: write only on process 0 of a multi-host run (always on one host).
 
-        ``loggers``: backend names (``loggers.effective_loggers(config.train)``); None = TensorBoard
-        if ``tensorboard``. ``settings``: what the backends read (``config.train``: W&B mode, MLflow URI).
+        ``loggers``: backend names (``loggers.effective_loggers(config.train)``, the one switch); ()
+        = metrics.jsonl alone. ``settings``: what the backends read (``config.train``: W&B mode, MLflow URI).
         """
         if enabled is None:
             from llds_jax.parallel.distributed import is_main_process
@@ -86,8 +85,6 @@ class MetricsWriter:
         self.path = self.workdir / "metrics.jsonl"
         self._file = open(self.path, "a", buffering=1) if enabled else None
         self._console = console if enabled else None
-        if loggers is None:
-            loggers = ("tensorboard",) if tensorboard else ()
         self._loggers = open_loggers(loggers, self.workdir, settings or {}) if enabled else []
 
     def log_config(self, config: Mapping[str, Any]) -> None:

@@ -77,7 +77,7 @@ def packing_sizes(config, width: int, scored: int, data_parallel: int) -> Packin
     """
     t = config.train
     shards = max(1, int(data_parallel))
-    budget = int(t.get("micro_batch_tokens", 0) or 0)
+    budget = int(t.micro_batch_tokens or 0)
     rows = max(1, budget // width) if budget else shards
     rows = -(-rows // shards) * shards
     rows = min(rows, -(-int(t.mini_batch_size) // shards) * shards)

@@ -133,7 +133,7 @@ def packing_for_run(config, mesh, rules: ShardingRules | None = None) -> Packing
     Several hosts each hold only their rows while the packer needs a mini-batch's trajectories in
     one place, so a multi-host run keeps padded rows (the same numbers, more compute).
     """
-    if not config.train.get("packing", False) or jax.process_count() > 1:
+    if not config.train.packing or jax.process_count() > 1:
         return None
     sizes = StepSizes.from_config(config)
     return packing_sizes(config, padded_length(config), sizes.scored_positions, data_parallel_size(mesh, rules))

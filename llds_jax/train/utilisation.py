@@ -77,8 +77,8 @@ def step_utilisation(model_cfg, config, *, metrics: Mapping[str, float], rollout
     ``logprob_passes``: π_old plus π_ref when it ran; ``weight_bytes``: bytes per weight of the
     sampler's params (its compute dtype).
     """
-    peak = flops.device_peak(jax.devices()[0], float(config.train.get("peak_flops", 0.0)),
-                             float(config.train.get("peak_bytes_per_s", 0.0)))
+    peak = flops.device_peak(jax.devices()[0], float(config.train.peak_flops),
+                             float(config.train.peak_bytes_per_s))
     model_flops, _ = flops.training_flops(model_cfg, rows, length, scored_per_row, model_cfg.remat,
                                           pairs_per_row=pairs_per_row)
     forward = flops.forward_flops(model_cfg, rows, length, scored_per_row, pairs_per_row=pairs_per_row)

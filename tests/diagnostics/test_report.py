@@ -18,7 +18,7 @@ PANELS = {"reward", "likelihood", "likelihood_correct_by_action", "likelihood_in
 
 def write_run(workdir, rows, *, with_sft_rows=True):
     """Through the trainer's own writer: NaN becomes null, rows get ``phase`` and ``wall_time``."""
-    with MetricsWriter(workdir, tensorboard=False, console=None) as writer:
+    with MetricsWriter(workdir, console=None) as writer:
         if with_sft_rows:
             for step in range(3):
                 writer.write(step, {"loss/total": 1.0 / (step + 1)}, phase="sft")

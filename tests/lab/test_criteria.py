@@ -9,7 +9,7 @@ from llds_jax.train.metrics import MetricsWriter
 
 
 def write(run, rows, probes=()):
-    with MetricsWriter(run, tensorboard=False, console=None) as writer:
+    with MetricsWriter(run, console=None) as writer:
         for row in rows:
             writer.write(row["step"], {k: v for k, v in row.items() if k != "step"})
     for step, share in probes:

@@ -8,11 +8,11 @@ independently of our inverse, so a wrong inverse changes the logits.
 import gguf
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 
+from llds_jax.config import base_config
 from llds_jax.models import from_pretrained, save_pretrained
 from llds_jax.models.loading import decoder_config
 from llds_jax.models.safetensors_io import read_safetensors
@@ -97,7 +97,9 @@ def test_the_planners_config_of_a_gguf_equals_the_loaded_models(family, arch, tm
     """``--mode=plan`` sizes a run from the file's metadata and tensor shapes, reading no tensor."""
     path = tmp_path / "model.gguf"
     write_gguf(tiny_model(family, seed=4), tmp_path / "hf", path, arch)
-    planned = decoder_config(ml_collections.ConfigDict(dict(source=str(path))))
+    section = base_config().model
+    section.source = str(path)
+    planned = decoder_config(section)
     loaded = from_pretrained(path).config
     assert {f: getattr(planned, f) for f in SHAPE_FIELDS} == {f: getattr(loaded, f) for f in SHAPE_FIELDS}
 

@@ -41,7 +41,7 @@ def train_command(workdir: Path, shared_dir: Path) -> list[str]:
     overrides = {
         "model.source": "tiny:qwen2", "model.tokenizer": str(shared_dir / "assets" / "qwen2_tokenizer"),
         "workdir": str(workdir), "train.total_steps": STEPS, "train.save_every": 1, "train.warmup_sft_steps": 0,
-        "eval.data": "", "train.export_hf": False, "train.tensorboard": False,
+        "eval.data": "", "train.export_hf": False, "train.loggers": (),
         "train.prompts_per_step": 2, "rollout.n_samples": 2, "train.mini_batch_size": 2,
         "train.micro_batch_size": 2, "train.logprob_batch_size": 4, "rollout.max_turns": 1,
         "rollout.max_action_tokens": 8, "rollout.max_obs_tokens": 32, "rollout.max_prompt_tokens": 256,

@@ -26,7 +26,7 @@ def tiny_run_overrides(workdir, shared_dir) -> dict:
     """16 trajectories a step (4 prompts × 4 samples), 2 mini-batches of 8, one per data shard of 8."""
     return {
         "model.source": "tiny:qwen2", "model.tokenizer": str(shared_dir / "assets" / "qwen2_tokenizer"),
-        "workdir": str(workdir), "train.tensorboard": False,
+        "workdir": str(workdir), "train.loggers": (),
         "train.prompts_per_step": 4, "rollout.n_samples": 4, "train.mini_batch_size": 8,
         "train.micro_batch_size": 8, "train.logprob_batch_size": 8,
         "rollout.max_turns": 1, "rollout.max_action_tokens": 8, "rollout.max_obs_tokens": 32,

@@ -17,6 +17,7 @@ from flax import nnx
 from llds_jax.config import base_config
 from llds_jax.models import Decoder
 from llds_jax.models.loading import ModelSourceError, decoder_config
+from llds_jax.plan.config import default_plan_config
 from llds_jax.plan.run import (
     HARDWARE,
     CompiledProgram,
@@ -24,7 +25,6 @@ from llds_jax.plan.run import (
     PlanError,
     bytes_per_device,
     compile_program,
-    default_plan_config,
     format_plan,
     make_plan,
     plan_devices,

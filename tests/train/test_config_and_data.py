@@ -209,7 +209,7 @@ def test_bundled_corpus_holds_no_protocol_markup():
 
 def test_metrics_writer_writes_flat_strict_json_and_tensorboard(tmp_path):
     lines = []
-    with MetricsWriter(tmp_path, tensorboard=True, console=lines.append) as writer:
+    with MetricsWriter(tmp_path, console=lines.append, loggers=("tensorboard",)) as writer:
         writer.write(0, {"reward": {"mean": np.float32(0.25)}, "llds/value": float("nan")})
     rows = read_metrics(tmp_path)
     assert rows[0]["reward/mean"] == 0.25 and rows[0]["llds/value"] is None and rows[0]["phase"] == "rl"

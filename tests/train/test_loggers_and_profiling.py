@@ -61,12 +61,12 @@ def mlflow_history(workdir: Path) -> tuple[dict[str, list[tuple[int, float]]], d
     return history, json.loads(config.read_text())
 
 
-def test_effective_loggers_map_the_old_tensorboard_switch_and_command_line_strings():
+def test_effective_loggers_read_the_one_switch_and_command_line_strings():
     train = base_config().train
     assert effective_loggers(train) == ("tensorboard",)
-    train.tensorboard = False
+    train.loggers = ()
     assert effective_loggers(train) == ()
-    flags = ml_collections.ConfigDict({"loggers": ("tensorboard,mlflow", "jsonl"), "tensorboard": True})
+    flags = ml_collections.ConfigDict({"loggers": ("tensorboard,mlflow", "jsonl")})
     assert effective_loggers(flags) == ("tensorboard", "mlflow")
     with pytest.raises(ValueError, match="comet"):
         effective_loggers(ml_collections.ConfigDict({"loggers": ("comet",)}))
