@@ -1,8 +1,9 @@
-"""Issue 43's pre-registered acceptance criteria, computed from a run's files (no judgement by eye).
+"""The lab's pre-registered criteria (issues 43 and 61), computed from runs' files (no judgement by eye).
 
     python -m llds_jax.lab.criteria RUN_GRPO [RUN_LLDS [RUN_KL]]     # JSON to stdout
     python -m llds_jax.lab.criteria --calibrate RUN [RUN ...]        # the monitor on recorded runs
     python -m llds_jax.lab.criteria --table LABEL=RUN [...]          # the results table (markdown)
+    python -m llds_jax.lab.criteria --issue61 F1 W1 A1 A2           # issue 61: M±, E1–E3, decision
 
 Reads ``<run>/metrics.jsonl`` (RL rows) and ``<run>/probe/<step>/probe.json``. The criteria, fixed
 before the free-form runs (docs/death_spiral_lab.md, "Pre-registered criteria"):
@@ -24,6 +25,9 @@ before the free-form runs (docs/death_spiral_lab.md, "Pre-registered criteria"):
 
 The honest negative: (a) absent — the report says when the log-odds started to fall relative to
 the break and what the probe share was.
+
+Issue 61's criteria (M+, M−, E1–E3 and the decision rule) are the block near the end of this file,
+committed before any of that issue's runs.
 """
 
 from __future__ import annotations
@@ -272,9 +276,172 @@ def calibrate_monitor(run_dirs, grid: dict[str, MonitorConfig] | None = None) ->
             "chosen": chosen, "settings": table}
 
 
+
+# -- issue 61: pre-registered before its runs (the Gram probe, the ablations A1/A2, the decision) ----
+#
+# Fixed here before any of its runs; the runs' commits come after this one. Inputs are the Gram
+# probe's subsets (``probe.json["gram"]["strata"][k]["subsets"]``: one record per random
+# 8-member subset of a question's 16 responses with exactly k correct, carrying ``question``,
+# ``margin`` = m₊₋ − m₊₊ and ``norm_ratio`` = ‖g₋‖/‖g₊‖) and the runs' ``metrics.jsonl`` rows.
+# Pinned readings where the issue's text leaves a choice:
+#   * the share at a stratum is pooled over its subsets (margin > 0 strictly);
+#   * k* is chosen per checkpoint; a checkpoint without a stratum of ≥ 20 questions has no k*;
+#   * M−'s upper 95 % bound is the Wilson score bound (two-sided 95 %, z = 1.96) with n = the
+#     stratum's *questions*, not its subsets: a question's subsets share its 16 gradients, so the
+#     question is the independent unit and counting subsets would overstate n up to 50×;
+#   * Spearman is over the k* subsets of the same checkpoint (average ranks for ties);
+#   * M+ holds in a world when one of its probed checkpoints meets all three clauses; M− needs
+#     every probed checkpoint of both worlds (each with a k*) to meet both of its clauses;
+#   * "break" is the lab pages' rule: the first step whose 10-step trailing valid-action or
+#     finished rate is below 0.5; "last-10" is the mean over the run's last 10 logged steps;
+#   * thresholds compare with ``TOL`` slack, so a share of counts that equals one exactly
+#     (0.30 − 0.10 is 0.19999999999999998 in floats) meets it.
+
+GRAM_STRATA = (1, 2, 4, 6)
+KSTAR_MIN_QUESTIONS = 20
+M_PLUS_SHARE, M_PLUS_RISE, M_PLUS_SPEARMAN = 0.30, 0.20, 0.3
+M_MINUS_SHARE, M_MINUS_UPPER = 0.10, 0.20
+WILSON_Z = 1.959963984540054
+E1_MAX_ENTROPY = 1.5  # nats/token, A1's last 10 steps (GRPO s1 reached 7.15)
+E2_MAX_SHIFT = 15  # steps between A1's and F1's breaks
+E3_MIN_ENTROPY, E3_MAX_VALID = 3.0, 0.5
+BREAK_RATE = 0.5
+TOL = 1e-9
+FINISHED_KEY = "rollout/finished"
+
+
+def wilson_upper(share: float, n: int, z: float = WILSON_Z) -> float:
+    """Upper end of the Wilson score interval for an observed share over n units (1.0 when n = 0)."""
+    if n <= 0:
+        return 1.0
+    centre = share + z * z / (2 * n)
+    spread = z * np.sqrt(share * (1 - share) / n + z * z / (4 * n * n))
+    return float(min(1.0, (centre + spread) / (1 + z * z / n)))
+
+
+def _ranks(values: np.ndarray) -> np.ndarray:
+    order = np.argsort(values, kind="mergesort")
+    ranks = np.empty(len(values))
+    ranks[order] = np.arange(len(values), dtype=np.float64)
+    for value in np.unique(values):  # ties share their average rank
+        tied = values == value
+        ranks[tied] = ranks[tied].mean()
+    return ranks
+
+
+def spearman(x, y) -> float:
+    """Spearman's rank correlation; nan with fewer than 3 finite pairs or a constant side."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    keep = np.isfinite(x) & np.isfinite(y)
+    x, y = x[keep], y[keep]
+    if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return float("nan")
+    return float(np.corrcoef(_ranks(x), _ranks(y))[0, 1])
+
+
+def stratum_stats(subsets: list[dict]) -> dict:
+    """Share of subsets with m₊₋ > m₊₊, its Wilson bound over questions, and Spearman(ratio, margin)."""
+    margins = np.array([s["margin"] for s in subsets], np.float64)
+    questions = len({s["question"] for s in subsets})
+    share = float(np.mean(margins > 0)) if margins.size else float("nan")
+    return {"subsets": int(margins.size), "questions": questions, "share": share,
+            "upper95": wilson_upper(share, questions) if questions else 1.0,
+            "spearman": spearman([s["norm_ratio"] for s in subsets], margins)}
+
+
+def k_star(strata: dict) -> int | None:
+    """The highest stratum k with ≥ ``KSTAR_MIN_QUESTIONS`` questions (None if none has)."""
+    full = [int(k) for k, subsets in strata.items()
+            if len({s["question"] for s in subsets}) >= KSTAR_MIN_QUESTIONS]
+    return max(full) if full else None
+
+
+def checkpoint_displacement(strata: dict) -> dict:
+    """M+ and M− clauses at one checkpoint; ``strata`` maps k (int or str) → subset records."""
+    strata = {int(k): list(v) for k, v in strata.items()}
+    star = k_star(strata)
+    out = {"k_star": star, "m_plus": False, "m_minus": False}
+    if star is None:
+        return out
+    top = stratum_stats(strata[star])
+    one = stratum_stats(strata.get(1, []))
+    rise = top["share"] - one["share"]
+    out.update(share_k_star=top["share"], share_k1=one["share"], rise=rise, upper95=top["upper95"],
+               spearman=top["spearman"], questions_k_star=top["questions"], subsets_k_star=top["subsets"])
+    out["m_plus"] = bool(top["share"] >= M_PLUS_SHARE - TOL and rise >= M_PLUS_RISE - TOL
+                         and top["spearman"] >= M_PLUS_SPEARMAN - TOL)
+    out["m_minus"] = bool(top["share"] <= M_MINUS_SHARE + TOL and top["upper95"] <= M_MINUS_UPPER + TOL)
+    return out
+
+
+def displacement_verdict(free_form: list[dict], first_world: list[dict]) -> dict:
+    """M+ / M− / inconclusive from each world's checkpoints (each a ``strata`` dict)."""
+    worlds = {"free_form": [checkpoint_displacement(c) for c in free_form],
+              "first_world": [checkpoint_displacement(c) for c in first_world]}
+    m_plus = {w: any(c["m_plus"] for c in cs) for w, cs in worlds.items()}
+    m_minus = all(cs and all(c["m_minus"] for c in cs) for cs in worlds.values())
+    verdict = "M+" if any(m_plus.values()) else "M-" if m_minus else "inconclusive"
+    return {"verdict": verdict, "m_plus": m_plus, "m_minus": bool(m_minus), "checkpoints": worlds}
+
+
+def decision(verdict: dict) -> str:
+    """The issue's decision rule on :func:`displacement_verdict`'s output."""
+    if verdict["m_plus"]["free_form"]:
+        return "M+ in the free-form world: describe (do not run) the one paper-like world it justifies"
+    if verdict["m_plus"]["first_world"]:
+        return "M+ only in the first world: that world is the better testbed"
+    if verdict["m_minus"]:
+        return "M-: the lab is closed as science and stays as a test fixture and a tool"
+    return "inconclusive: reported as such"
+
+
+def break_step(rows) -> int | None:
+    """First step whose 10-step trailing valid-action or finished rate is below ``BREAK_RATE``."""
+    steps = series(rows, "step")
+    low = np.zeros(len(rows), bool)
+    for key in (keys.VALID_ACTION_RATE, FINISHED_KEY):
+        rate = rolling(series(rows, key), 10)
+        low |= np.isfinite(rate) & (rate < BREAK_RATE)
+    hit = np.flatnonzero(low)
+    return int(steps[hit[0]]) if hit.size else None
+
+
+def last10(rows, key: str) -> float | None:
+    """Mean of ``key`` over the run's last 10 rows (None when it was never logged there)."""
+    values = series(rows[-10:], key)
+    return float(np.nanmean(values)) if np.isfinite(values).any() else None
+
+
+def ablation_checks(f1_rows, a1_rows, a2_rows) -> dict:
+    """E1–E3 (None: not evaluable, e.g. A1 without ``policy/entropy`` or F1 without a break)."""
+    a1_entropy, a2_entropy = last10(a1_rows, keys.POLICY_ENTROPY), last10(a2_rows, keys.POLICY_ENTROPY)
+    a2_valid = last10(a2_rows, keys.VALID_ACTION_RATE)
+    f1_break, a1_break = break_step(f1_rows), break_step(a1_rows)
+    e1 = None if a1_entropy is None else a1_entropy <= E1_MAX_ENTROPY + TOL
+    e2 = None if f1_break is None else a1_break is not None and abs(a1_break - f1_break) <= E2_MAX_SHIFT
+    e3 = None if a2_entropy is None and a2_valid is None else bool(
+        (a2_entropy is not None and a2_entropy >= E3_MIN_ENTROPY - TOL) or (a2_valid is not None and a2_valid < E3_MAX_VALID))
+    return {"E1_surge_is_the_bonus": e1, "E2_break_is_lr_driven": e2, "E3_containment_is_anchoring": e3,
+            "f1_break": f1_break, "a1_break": a1_break, "a1_last10_entropy": a1_entropy,
+            "a2_last10_entropy": a2_entropy, "a2_last10_valid": a2_valid}
+
+
+def gram_strata(run_dir: str | Path) -> list[dict]:
+    """Each probed checkpoint's Gram strata (``probe.json["gram"]["strata"]``), by step."""
+    return [p["gram"]["strata"] for p in load_probes(run_dir) if p.get("gram")]
+
+
+def issue61(f1: str | Path, w1: str | Path, a1: str | Path, a2: str | Path) -> dict:
+    """The result table's inputs: M±, E1–E3 and the decision from the four runs' directories."""
+    verdict = displacement_verdict(gram_strata(f1), gram_strata(w1))
+    rows = [read_rows(Path(run) / "metrics.jsonl") for run in (f1, a1, a2)]
+    return {**verdict, "decision": decision(verdict), "ablations": ablation_checks(*rows)}
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--table"]:  # --table label=RUN ...
         print("\n".join(results_table(dict(arg.split("=", 1) for arg in sys.argv[2:]))))
+    elif sys.argv[1:2] == ["--issue61"]:  # --issue61 F1 W1 A1 A2
+        print(json.dumps(issue61(*sys.argv[2:6]), indent=1, default=str))
     elif sys.argv[1:2] == ["--calibrate"]:
         print(json.dumps(calibrate_monitor(sys.argv[2:]), indent=1, default=str))
     else:

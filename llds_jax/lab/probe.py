@@ -15,6 +15,9 @@ over several mini-batches; the paper's 0.5 threshold (Fig. 3) is per question, e
      objective, optimizer state and lr, the group as the only mini-batch), then
      Δ(x) = mean over the correct (A > 0) responses of Σ_t (log π_θ′ − log π_θ) (Eq. 3),
      per action and in total;
+   * **fresh-Adam probe** — the same update from zeroed Adam moments (the run's lr): its first
+     step is ≈ lr·sign(g), the group's own direction, where the optimizer probe's restored
+     first moment holds 90 % of the run's recent direction (β₁ = 0.9);
    * **SGD probe** — θ′ = θ − η g with g the on-policy GRPO gradient
      (−Σ A·∇log π / action tokens) and η chosen so the mean |Δ log p| over the group's
      action tokens is ``probe.sgd_mean_abs_dlogp``: the direction of the update, with its size
@@ -26,7 +29,11 @@ over several mini-batches; the paper's 0.5 threshold (Fig. 3) is per question, e
    * the mean token log π_θ of the incorrect responses (low-likelihood negatives amplify the
      displacement, the paper's App. A).
 
-4. write ``<workdir>/probe/<step>/probe.json`` (the checkpoint directory itself carries an
+4. with ``probe.gram=True``, the Gram probe (``lab/gram.py``): the first-order Δ(x) of each
+   natural group from its responses' gradient Gram matrix (checked against the SGD probe's
+   sign), then ``probe.gram_samples`` fresh responses per question and the k-stratified subset
+   statistics (``probe.json["gram"]``; set ``probe.questions=64`` for issue 61's runs);
+5. write ``<workdir>/probe/<step>/probe.json`` (the checkpoint directory itself carries an
    integrity manifest and is deleted by keep-N; the probe stays). ``lld_share`` is the share of
    mixed groups with Δ(x) < 0 under the optimizer probe; ``lld_share_sgd`` under the SGD probe.
 
@@ -58,6 +65,9 @@ DEFAULT_PROBE = dict(
     seed=0,  # which questions and the sampling key (same at every checkpoint)
     sgd_mean_abs_dlogp=0.02,  # the SGD probe's step size, as mean |Δ log p| over the group's action tokens
     overwrite=False,  # redo checkpoints that already have a probe.json
+    gram=False,  # the Gram probe (lab/gram.py): per-response gradients, k-stratified subsets
+    gram_samples=16,  # responses drawn per question for the Gram probe's subsets
+    gram_subsets=50,  # at most this many random 8-member subsets per question and stratum
 )
 
 
@@ -74,6 +84,10 @@ def probe_settings(config) -> dict:
         raise InputError(f"probe.questions={merged['questions']!r} must be a positive integer")
     if not merged["sgd_mean_abs_dlogp"] > 0:
         raise InputError(f"probe.sgd_mean_abs_dlogp={merged['sgd_mean_abs_dlogp']!r} must be > 0")
+    if not isinstance(merged["gram_samples"], int) or merged["gram_samples"] < 8:
+        raise InputError(f"probe.gram_samples={merged['gram_samples']!r} must be an integer ≥ 8 (8-member subsets)")
+    if not isinstance(merged["gram_subsets"], int) or merged["gram_subsets"] < 1:
+        raise InputError(f"probe.gram_subsets={merged['gram_subsets']!r} must be a positive integer")
     return merged
 
 
@@ -131,6 +145,7 @@ def summarise(groups: list[dict], slots: int) -> dict:
         "mixed_groups": len(groups),
         "lld_share": float(np.mean([g["delta"]["total"] < 0 for g in groups])),
         "lld_share_sgd": float(np.mean([g["delta_sgd"]["total"] < 0 for g in groups])),
+        "lld_share_fresh_adam": mean(g["delta_fresh_adam"]["total"] < 0 for g in groups if "delta_fresh_adam" in g),
         "delta_mean": mean(g["delta"]["total"] for g in groups),
         "delta_sgd_mean": mean(g["delta_sgd"]["total"] for g in groups),
         "delta_by_action": [mean(g["delta"]["by_action"][k] for g in groups) for k in range(slots)],
@@ -204,10 +219,11 @@ def _copy_state(state):
 
 
 def probe_checkpoint(learner, saved_state, tokenizer, retriever, records, config, settings: dict,
-                     group_model: GroupModel, reward_fn=None) -> dict:
+                     group_model: GroupModel, reward_fn=None, response_grads=None) -> dict:
     """Every mixed group of one sampling at ``saved_state``, each probed alone (see the module docstring).
 
-    ``reward_fn(answers, golden)`` scores the samples (default: the trainer's EM, ``loop.em_rewards``).
+    ``reward_fn(answers, golden)`` scores the samples (default: the trainer's EM, ``loop.em_rewards``);
+    ``response_grads`` (a ``lab.gram.ResponseGrads``) turns the Gram probe on.
     """
     from llds_jax.rollout.multi_turn import run_rollouts
     from llds_jax.train.batch import TrainBatch
@@ -215,20 +231,28 @@ def probe_checkpoint(learner, saved_state, tokenizer, retriever, records, config
     from llds_jax.train.state import learning_rate
 
     slots = int(config.rollout.max_turns) + 1
-    learner.state = _copy_state(saved_state)
-    key = jax.random.fold_in(jax.random.key(settings["seed"]), 7919)
-    rollout = run_rollouts(learner.sampler_policy(), tokenizer, [r.question for r in records], retriever,
-                           config.rollout, key=key, group_ids=list(range(len(records))))
-    rewards = np.asarray((reward_fn or em_rewards)(rollout.answers, [records[g].golden_answers for g in rollout.group_ids]),
-                         np.float32)
-    host = TrainBatch.from_rollout(rollout, rewards, length=learner.seq_len,
-                                   ma_search_count=config.rl.ma_search_count)
+    fresh_state = saved_state.replace(opt_state=jax.tree.map(jnp.zeros_like, saved_state.opt_state))
+
+    def sample(rollout_config, salt):
+        learner.state = _copy_state(saved_state)
+        key = jax.random.fold_in(jax.random.key(settings["seed"]), salt)
+        rollout = run_rollouts(learner.sampler_policy(), tokenizer, [r.question for r in records], retriever,
+                               rollout_config, key=key, group_ids=list(range(len(records))))
+        golden = [records[g].golden_answers for g in rollout.group_ids]
+        rewards = np.asarray((reward_fn or em_rewards)(rollout.answers, golden), np.float32)
+        return rollout, rewards, TrainBatch.from_rollout(rollout, rewards, length=learner.seq_len,
+                                                         ma_search_count=config.rl.ma_search_count)
+
+    rollout, rewards, host = sample(config.rollout, 7919)
     groups = []
     for g in range(len(records)):
         rows = np.flatnonzero(np.asarray(rollout.group_ids) == g)
         if np.ptp(rewards[rows]) == 0:
             continue
         sub = TrainBatch(*[None if x is None else np.asarray(x)[rows] for x in host])
+        learner.state = _copy_state(fresh_state)
+        _, fresh = learner.update(sub)
+        fresh_logp = learner.logprobs_now(fresh["batch"])
         learner.state = _copy_state(saved_state)
         metrics, extra = learner.update(sub)
         new_logp = learner.logprobs_now(extra["batch"])
@@ -245,9 +269,18 @@ def probe_checkpoint(learner, saved_state, tokenizer, retriever, records, config
         old_logp = np.asarray(old_logp, np.float64)
         incorrect = advantages < 0
         per_row_logp = (np.where(mask > 0, old_logp, 0.0).sum(axis=1) / np.maximum(mask.sum(axis=1), 1))
+        fresh_delta = per_action_delta(fresh_logp, fresh["old_logp"], mask, sub.action_index, slots)
+        first_order = None
+        if response_grads is not None:
+            from llds_jax.lab.gram import first_order_delta, gram_matrices
+
+            grads = response_grads(params, sub.input_ids, sub.attention_mask, mask, sub.action_index)
+            first_order = first_order_delta(gram_matrices(grads)[1], advantages)
         groups.append({
             "group": int(g), "question": records[g].question, "rewards": rewards[rows].tolist(),
             "delta": eq3_delta(delta, tokens, advantages),
+            "delta_fresh_adam": eq3_delta(fresh_delta, tokens, advantages),
+            "delta_first_order": first_order,
             "delta_sgd": eq3_delta(sgd, tokens, advantages),
             "sgd_eta": eta, "sgd_mean_abs_dlogp": achieved,
             "ches": ches(mean_action_hidden(hidden, mask), advantages),
@@ -258,8 +291,32 @@ def probe_checkpoint(learner, saved_state, tokenizer, retriever, records, config
                                             for r in range(len(rows))}) == 1,
         })
     lr = float(learning_rate(saved_state.step, config.optim, config.train.total_steps))
-    return {"questions": len(records), "reward_mean": float(rewards.mean()), "lr": lr,
-            **summarise(groups, slots), "groups": groups}
+    out = {"questions": len(records), "reward_mean": float(rewards.mean()), "lr": lr,
+           **summarise(groups, slots), "groups": groups}
+    if response_grads is not None:
+        out["gram"] = gram_probe(sample, config, settings, response_grads, saved_state.params, groups)
+    return out
+
+
+def gram_probe(sample, config, settings: dict, response_grads, params, groups: list[dict]) -> dict:
+    """``probe.json["gram"]``: first-order validation on the natural groups, then the k-stratified
+    subsets of ``gram_samples`` fresh responses per question (``lab/gram.py``)."""
+    from llds_jax.lab.gram import question_strata, sign_agreement
+
+    rollout_config = ml_collections.ConfigDict(config.rollout.to_dict())
+    rollout_config.n_samples = int(settings["gram_samples"])
+    rollout, rewards, host = sample(rollout_config, 104729)
+    rng = np.random.default_rng(settings["seed"])
+    strata: dict[str, list[dict]] = {}
+    for question in sorted(set(rollout.group_ids)):
+        rows = np.flatnonzero(np.asarray(rollout.group_ids) == question)
+        grads = response_grads(params, *(np.asarray(x)[rows] for x in
+                                         (host.input_ids, host.attention_mask, host.action_mask, host.action_index)))
+        for k, records in question_strata(grads, rewards[rows], question, rng, settings["gram_subsets"]).items():
+            strata.setdefault(str(k), []).extend(records)
+    validation = sign_agreement([g["delta_first_order"] for g in groups], [g["delta_sgd"]["total"] for g in groups])
+    return {"samples": int(settings["gram_samples"]), "validation": validation, "strata": strata,
+            "questions_by_stratum": {k: len({r["question"] for r in v}) for k, v in strata.items()}}
 
 
 def probe_main(config) -> list[Path]:
@@ -287,6 +344,12 @@ def probe_main(config) -> list[Path]:
     model, tokenizer, retriever = load_policy_and_retriever(probe_cfg, mesh)
     learner = Learner.create(model, probe_cfg, mesh)
     group_model = GroupModel(learner.graphdef, float(config.rollout.temperature))
+    response_grads = None
+    if settings["gram"]:
+        from llds_jax.lab.gram import ResponseGrads
+
+        response_grads = ResponseGrads(learner.graphdef, float(config.rollout.temperature),
+                                       int(config.rollout.max_turns) + 1)
     records = load_questions(config.data.train)
     pick = np.random.default_rng(settings["seed"]).choice(len(records), size=min(settings["questions"], len(records)),
                                                           replace=False)
@@ -300,7 +363,8 @@ def probe_main(config) -> list[Path]:
         clock = time.perf_counter()
         saved = ckpt.restore(step, abstract_like(learner.state)).state
         result = {"step": step, "checkpoint": str(ckpt.step_dir(step)), "settings": settings,
-                  **probe_checkpoint(learner, saved, tokenizer, retriever, records, probe_cfg, settings, group_model)}
+                  **probe_checkpoint(learner, saved, tokenizer, retriever, records, probe_cfg, settings, group_model,
+                                     response_grads=response_grads)}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
         written.append(out)
