@@ -15,13 +15,15 @@ sharded along the passage axis in device memory and one jitted program answers a
    and take the top-k of those.
 
 Exactness and ties: scores are fp32 accumulations (``Precision.HIGHEST``, so TPUs do not
-drop fp32 to one bf16 pass). ``lax.top_k`` keeps the lower index of equal values, and every
-merge puts lower passage ids first, so of equally scored passages the *lowest ids* are kept
-— the same set faiss ``IndexFlatIP`` keeps. faiss then lists a run of exactly equal scores
-highest id first (its heap's pop order; faiss 1.15.1, pinned by
-``tests/retrieval/test_mesh.py``); `MeshIndex.search` lists them the same way, so the ids
-equal faiss's id for id. Float summation order still differs from faiss's BLAS, so two
-passages within ~1e-7 of each other may swap (none did on the bundled data, fp32).
+drop fp32 to one bf16 pass). ``lax.top_k`` keeps the lower index of equal values and every
+merge puts lower passage ids first, so **of exactly equal scores the lowest ids are kept**.
+faiss ``IndexFlatIP`` (1.15.1) lists a run of equal scores highest id first (its heap's pop
+order), and `MeshIndex.search` lists them the same way, so a tied run wholly inside the top k
+(duplicate passages) comes back id for id as from faiss. Which members of a run *cut* by the
+k-th place faiss keeps depends on its heap's scan history (block sizes, thread split), not on
+a rule, so there the ids may differ while the scores agree (both pinned by
+``tests/retrieval/test_mesh.py``). Float summation order also differs from faiss's BLAS, so
+two passages within ~1e-7 may swap; on the bundled data none do (fp32, 1,200 queries).
 
 Padding: the passage count is padded up to ``devices x chunks x chunk`` with zero rows whose
 scores are forced to -inf, so no passage is ever dropped and a pad row can never be returned
