@@ -212,7 +212,7 @@ def read_faiss_flat(path: str | os.PathLike) -> tuple[np.ndarray, object]:
     """The ``[ntotal, d]`` float32 vectors of a faiss Flat inner-product file (Search-R1's ``e5_Flat.index``).
 
     The file is memory-mapped (``IO_FLAG_MMAP``) and the vectors are a view of faiss's buffer, so
-    reading a 64 GB wiki-18 index costs no RAM up front; the returned index object owns that
+    reading a 64 GB wiki-18 index costs no RAM up front; the second value returned owns that
     buffer and must outlive the view. Anything but an exact inner-product Flat index is refused:
     IVF/PQ/HNSW files hold compressed or partial vectors, and an L2 index ranks differently.
     """
@@ -222,9 +222,10 @@ def read_faiss_flat(path: str | os.PathLike) -> tuple[np.ndarray, object]:
     if not path.is_file():
         raise MeshIndexError(f"retrieval.mesh_index_file={str(path)!r}: no such file")
     try:
-        index = faiss.downcast_index(faiss.read_index(str(path), faiss.IO_FLAG_MMAP))
+        raw = faiss.read_index(str(path), faiss.IO_FLAG_MMAP)  # owns the C++ index: keep it referenced
     except RuntimeError as exc:
         raise MeshIndexError(f"{path}: not a faiss index file ({str(exc).splitlines()[0][:200]})") from None
+    index = faiss.downcast_index(raw)
     if not isinstance(index, faiss.IndexFlat):
         raise MeshIndexError(f"{path}: a {type(index).__name__}, not an exact Flat index; the mesh index needs the "
                              f"full vectors (build one with --mode=index, retrieval.faiss_factory=Flat)")
@@ -232,7 +233,7 @@ def read_faiss_flat(path: str | os.PathLike) -> tuple[np.ndarray, object]:
         raise MeshIndexError(f"{path}: metric_type={index.metric_type} is not METRIC_INNER_PRODUCT "
                              f"({faiss.METRIC_INNER_PRODUCT}); the mesh index ranks by inner product")
     vectors = faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d)
-    return vectors, index
+    return vectors, (raw, index)
 
 
 class _ShardedRows:
@@ -317,7 +318,6 @@ def open_mesh(r, mesh: jax.sharding.Mesh | None = None) -> MeshRetriever:
     from llds_jax.retrieval.config import resolve_index_path
     from llds_jax.retrieval.dense import embedder_from_config
 
-    embedder, encoder_path = embedder_from_config(r)
     corpus = Corpus(r.corpus_path)
     keep_alive = None
     if r.get("mesh_index_file"):
@@ -326,6 +326,9 @@ def open_mesh(r, mesh: jax.sharding.Mesh | None = None) -> MeshRetriever:
     else:
         vectors = read_index_dir(resolve_index_path(r))
         source = str(resolve_index_path(r) / "embeddings")
+    if vectors.shape[0] != len(corpus):  # before the encoder's weights are loaded
+        check_against(tuple(vectors.shape), source, corpus, vectors.shape[1], "")
+    embedder, encoder_path = embedder_from_config(r)
     check_against(tuple(vectors.shape), source, corpus, embedder.dim, encoder_path)
     axes = [a for a in str(r.get("mesh_axis", "")).split(",") if a] or None
     index = MeshIndex(vectors, dtype=r.get("mesh_dtype", "float32"), chunk=r.get("mesh_chunk", 4096), mesh=mesh,
