@@ -10,13 +10,16 @@ whatever word overlap gives.
 
 from __future__ import annotations
 
+import json
 import re
 import zlib
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 WORD = re.compile(r"\w+")
+BUNDLED = Path(__file__).resolve().parents[1] / "data" / "bundled"
 
 
 class HashedEmbedder:
@@ -39,3 +42,16 @@ class HashedEmbedder:
 
     encode_queries = encode
     encode_passages = encode
+
+
+def bundled_queries(corpus, count: int) -> list[str]:
+    """Every bundled question (NQ train/dev, HotpotQA: 803), then a 12-word window from every 5th
+    passage of ``corpus``, until ``count`` queries: the ≥ 1,000-query agreement check's queries."""
+    queries = [json.loads(line)["question"] for name in ("nq_train", "nq_dev", "hotpotqa_train")
+               for line in (BUNDLED / f"{name}.jsonl").read_text().splitlines() if line.strip()][:count]
+    for row in range(0, len(corpus), 5):
+        if len(queries) >= count:
+            break
+        words = corpus.row(row)[1].split()
+        queries.append(" ".join(words[len(words) // 3 : len(words) // 3 + 12]))
+    return queries

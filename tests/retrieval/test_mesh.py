@@ -7,8 +7,6 @@ covered in ``test_mesh_interop.py``.
 
 from __future__ import annotations
 
-import json
-
 import faiss
 import jax
 import numpy as np
@@ -16,30 +14,17 @@ import pytest
 
 from llds_jax.retrieval import Corpus
 from llds_jax.retrieval.config import BUNDLED_CORPUS
-from llds_jax.retrieval.hashed import HashedEmbedder
+from llds_jax.retrieval.hashed import HashedEmbedder, bundled_queries
 from llds_jax.retrieval.mesh import MeshIndex, MeshIndexError
 
-BUNDLED = BUNDLED_CORPUS.parent
 MIN_QUERIES = 1000
-
-
-def bundled_queries(corpus: Corpus) -> list[str]:
-    """Every bundled question, then a 12-word window of every 5th passage, to ≥ 1,000 queries."""
-    queries = [json.loads(line)["question"] for name in ("nq_train", "nq_dev", "hotpotqa_train")
-               for line in (BUNDLED / f"{name}.jsonl").read_text().splitlines() if line.strip()]
-    for row in range(0, len(corpus), 5):
-        words = corpus.row(row)[1].split()
-        queries.append(" ".join(words[len(words) // 3 : len(words) // 3 + 12]))
-        if len(queries) >= MIN_QUERIES + 200:
-            break
-    return queries
 
 
 @pytest.fixture(scope="module")
 def bundled_vectors():
     corpus = Corpus(BUNDLED_CORPUS)
     embedder = HashedEmbedder(dim=256)
-    queries = bundled_queries(corpus)
+    queries = bundled_queries(corpus, MIN_QUERIES + 200)
     return embedder.encode_passages(list(corpus.iter_contents())), embedder.encode_queries(queries)
 
 
