@@ -17,6 +17,9 @@ Reports, in one run on one machine:
   one to trust on a shared machine);
 * bytes per passage of each index on disk, projected to 21M wiki-18 passages at 768-d (E5-base).
 
+``--mesh`` runs ``benchmarks/_mesh_retrieval.py`` instead: the in-mesh exact index vs faiss Flat
+on 8 simulated CPU devices, and a paper turn's predicted seconds per target (issue #59).
+
 Refuses to run on a loaded machine unless ``--allow-noisy`` (benchmarks/_harness.py); the
 encoder sides alternate batch by batch. ``--json`` prints one JSON object (the harness record,
 these results under ``results``); otherwise the encoder table, then the results as JSON.
@@ -26,13 +29,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import _harness  # benchmarks/ is on sys.path when run as a script
-import numpy as np
+if "--mesh" in sys.argv[1:]:  # before anything imports JAX: the tests' 8 simulated CPU devices
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import _harness  # noqa: E402  # benchmarks/ is on sys.path when run as a script
+import numpy as np  # noqa: E402
 
 from llds_jax.retrieval import BM25Retriever, Corpus, DenseRetriever
 from llds_jax.retrieval.dense import build_dense_index, faiss_file
@@ -208,6 +216,10 @@ def directory_bytes(path: Path) -> int:
 
 
 def main(argv=None) -> dict:
+    if "--mesh" in (sys.argv[1:] if argv is None else argv):
+        import _mesh_retrieval
+
+        return _mesh_retrieval.main(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", type=Path, default=REPO.parent / "shared/data/corpus/wiki18_subset.jsonl")
     parser.add_argument("--questions", type=Path, default=REPO.parent / "shared/data/eval/nq.dev200.jsonl")

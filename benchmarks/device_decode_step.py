@@ -112,9 +112,15 @@ def build(variant: str, args):
     return random_model(decoder_config(args, "xla_blockwise" if variant == "paged_xla" else "auto"), None, seed=0)
 
 
-def run_variant(variant: str, args, lengths: list[int], sampling, out: Path) -> dict:
+def run_variant(name: str, args, lengths: list[int], sampling, out: Path) -> dict:
+    """``name``: a variant, or ``variant@steps`` to time it at another call length (the engine's segment)."""
     import jax
     import numpy as np
+
+    variant, _, steps = name.partition("@")
+    if variant not in VARIANTS:
+        raise ValueError(f"--variants: {variant!r} is not one of {VARIANTS}")
+    args = argparse.Namespace(**{**vars(args), "steps": int(steps or args.steps)})
 
     from llds_jax.sampling.session import DecodeSession
     from llds_jax.sampling.slots import SlotSession
@@ -123,7 +129,7 @@ def run_variant(variant: str, args, lengths: list[int], sampling, out: Path) -> 
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     prompts = [rng.integers(min(1000, vocab // 2), min(vocab, 100_000), n).tolist() for n in lengths]
-    budget = args.steps * (args.calls + 3)
+    budget = max(int(v.partition("@")[2] or args.steps) for v in args.variants.split(",")) * (args.calls + 3)
     key = jax.random.key(0)
     t0 = time.perf_counter()
     restarted: list[int] = []
@@ -167,11 +173,11 @@ def run_variant(variant: str, args, lengths: list[int], sampling, out: Path) -> 
         t0 = time.perf_counter()
         steps = one_call()
         times.append((time.perf_counter() - t0) / steps)
-    result = {"variant": variant, "rows_ended": sum(restarted) if variant != "waves" else 0, "prefill_s": round(prefill_s, 3), "first_call_s": round(compile_s, 3),
+    result = {"variant": name, "rows_ended": sum(restarted) if variant != "waves" else 0, "prefill_s": round(prefill_s, 3), "first_call_s": round(compile_s, 3),
               "ms_per_step": round(1e3 * statistics.median(times), 3),
               "ms_per_step_all": [round(1e3 * t, 3) for t in times]}
     if args.profile:
-        trace_dir = str(out / f"trace_{variant}")
+        trace_dir = str(Path(args.trace_dir or out) / f"trace_{variant}_{args.steps}")
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             one_call()
         result["profile"] = kernel_summary(trace_dir)
@@ -186,8 +192,10 @@ def main() -> int:
     parser.add_argument("--slots", type=int, default=4096, help="a row's context cap (cache slots)")
     parser.add_argument("--steps", type=int, default=64, help="tokens per timed call")
     parser.add_argument("--calls", type=int, default=5)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; VARIANT@STEPS times a call "
+                        "of STEPS tokens (e.g. paged_kernel@8: the engine's segment)")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--trace-dir", default="", help="where the profiler writes (default: --out)")
     parser.add_argument("--tokenizer", default="", help="Qwen2 tokenizer dir: the protocol's real stop table")
     parser.add_argument("--dry-run", action="store_true", help="tiny model, few rows, on whatever backend")
     parser.add_argument("--vocab", type=int, default=512, help="--dry-run's vocabulary")
@@ -219,7 +227,7 @@ def main() -> int:
         stop_table = build_stop_table(tuple(bytes([i % 256]) for i in range(config.vocab_size)),
                                       ("</search>", "</answer>")).transitions
     sampling = SamplingParams.create(temperature=1.0, top_k=0, top_p=0.95, stop_token_ids=[], stop_table=stop_table)
-    budget = args.steps * (args.calls + 3)
+    budget = max(int(v.partition("@")[2] or args.steps) for v in args.variants.split(",")) * (args.calls + 3)
     lengths = live_lengths(args.rows, args.slots - budget)
     itemsize = jnp.dtype(config.dtype).itemsize
     abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))

@@ -35,7 +35,7 @@ def index_main(config: ConfigDict) -> None:
         return
     from llds_jax.retrieval.dense import build_dense_index_from_config
 
-    faiss_path = build_dense_index_from_config(r, index_dir)
+    faiss_path = build_dense_index_from_config(r, index_dir)  # method=mesh serves these same embeddings
     print(f"dense {r.faiss_factory!r} index over {r.corpus_path} written to {faiss_path}", flush=True)
 
 
@@ -50,9 +50,9 @@ def serve_main(config: ConfigDict) -> None:
     if check_method(r) == "bm25":
         retriever = open_bm25(r, build_if_missing=True)
     else:
-        from llds_jax.retrieval.dense import open_dense
+        from llds_jax.retrieval.factory import open_vector_retriever
 
-        retriever = open_dense(r)
+        retriever = open_vector_retriever(r)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, restores the handlers it found and then
     # re-raises the signal, so with the default handlers a clean stop exits -15 / KeyboardInterrupt.
     # A stop the service was asked for (before or while serving) is a success: exit 0.

@@ -15,14 +15,14 @@ from llds_jax.errors import InputError
 from llds_jax.retrieval.corpus import corpus_fingerprint
 from llds_jax.utils.assets import cache_dir
 
-METHODS = ("bm25", "dense")
+METHODS = ("bm25", "dense", "mesh")
 BUNDLED_CORPUS = Path(__file__).resolve().parents[1] / "data" / "bundled" / "corpus.jsonl"
 
 
 def default_retrieval_config() -> ConfigDict:
     """A fresh ``retrieval`` section; callers override fields on their copy."""
     r = ConfigDict()
-    r.method = "bm25"  # "bm25" | "dense"
+    r.method = "bm25"  # "bm25" | "dense" (faiss on the host) | "mesh" (exact search in device memory)
     r.url = ""  # set → build_retriever returns an HttpRetriever for this service, ignoring the rest
     r.corpus_path = str(BUNDLED_CORPUS)
     r.index_path = ""  # "" → <cache>/indexes/<corpus>.<fingerprint>.<method>
@@ -42,6 +42,11 @@ def default_retrieval_config() -> ConfigDict:
     r.hnsw_ef_search = 128
     r.ivf_nprobe = 32
     r.shard_size = 8192  # passages per embedding shard: the unit index building resumes from
+    # method="mesh" (llds_jax.retrieval.mesh): the dense index's vectors sharded over this process's devices.
+    r.mesh_index_file = ""  # a faiss Flat IP file (Search-R1's e5_Flat.index); "" → index_path's embeddings/
+    r.mesh_dtype = "float32"  # "float32": ids equal faiss Flat's; "bfloat16": half the memory, near-ties may swap
+    r.mesh_axis = ""  # "" = every device; else a mesh axis name (comma-separated names) to shard passages over
+    r.mesh_chunk = 4096  # passages scored at once per device: extra memory ≈ 2 x queries x chunk x 4 bytes
     # Service.
     r.host = "127.0.0.1"
     r.port = 8000
@@ -70,12 +75,14 @@ def resolve_index_path(r: ConfigDict) -> Path:
     """``retrieval.index_path``, or a cache directory named after the corpus file and method.
 
     The fingerprint (path, size, mtime) keeps an index from silently serving an edited
-    corpus. A dense directory holds the embeddings once and one faiss file per factory.
+    corpus. A dense directory holds the embeddings once and one faiss file per factory;
+    ``mesh`` reads the same directory (same vectors, searched on the devices).
     """
     if r.index_path:
         return Path(r.index_path)
     corpus_path = Path(r.corpus_path)
-    return cache_dir() / "indexes" / f"{corpus_path.name}.{corpus_fingerprint(corpus_path)}.{check_method(r)}"
+    kind = "dense" if check_method(r) == "mesh" else r.method
+    return cache_dir() / "indexes" / f"{corpus_path.name}.{corpus_fingerprint(corpus_path)}.{kind}"
 
 
 def validate(r: ConfigDict) -> None:
@@ -89,5 +96,10 @@ def validate(r: ConfigDict) -> None:
     limit = r.max_doc_tokens
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise RetrievalConfigError(f"retrieval.max_doc_tokens={limit!r} must be an integer ≥ 0 (0 = whole passages)")
+    if r.mesh_dtype not in ("float32", "bfloat16"):
+        raise RetrievalConfigError(f"retrieval.mesh_dtype={r.mesh_dtype!r} must be 'float32' or 'bfloat16'")
+    chunk = r.mesh_chunk
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise RetrievalConfigError(f"retrieval.mesh_chunk={chunk!r} must be a positive integer")
     if r.timeout <= 0:
         raise RetrievalConfigError(f"retrieval.timeout={r.timeout!r} must be > 0 seconds")

@@ -34,7 +34,7 @@ def open_bm25(r: ConfigDict, build_if_missing: bool = True) -> BM25Retriever:
 
 
 def build_retriever(r: ConfigDict, tokenizer=None) -> Retriever:
-    """In-process BM25 (built and cached on first use) or dense, or HTTP when ``r.url`` is set;
+    """In-process BM25 (built and cached on first use), dense or mesh, or HTTP when ``r.url`` is set;
     seen through the ``retrieval.max_doc_tokens`` cut when it is set (in ``tokenizer``'s tokens).
 
     The cut is applied here, from the section, so every mode that builds a policy's retriever
@@ -53,6 +53,15 @@ def _open(r: ConfigDict) -> Retriever:
                              max_queries_per_request=r.max_queries)
     if check_method(r) == "bm25":
         return open_bm25(r)
-    from llds_jax.retrieval.dense import open_dense  # imports JAX and faiss: only when asked for
+    return open_vector_retriever(r)
+
+
+def open_vector_retriever(r: ConfigDict) -> Retriever:
+    """``dense`` (faiss on the host) or ``mesh`` (the same vectors in device memory); imports JAX and faiss."""
+    if check_method(r) == "mesh":
+        from llds_jax.retrieval.mesh import open_mesh
+
+        return open_mesh(r)
+    from llds_jax.retrieval.dense import open_dense
 
     return open_dense(r)
