@@ -251,43 +251,28 @@ def measured_phases(workdir: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------ 3. predict
-def predict(config, workdir: Path, hardware: str, plan_json: str) -> dict:
-    """The step-time model for the job's config on ``hardware``, from the run's own sampled lengths when
-    it ran (else Search-R1 3B's reference lengths), with the job's packed rows when it packs (one
-    device: one data shard); the planned memory."""
+def predict(config, workdir: Path, hardware: str, plan_json: str, dry_run: bool, extra: list[str]) -> dict:
+    """The step-time model for the job's config on ``hardware`` (``plan.measured.predict_run``), from the
+    run's own sampled lengths when it ran (else Search-R1 3B's reference lengths); the planned memory;
+    and the record a later model replays (``tests/plan/test_device_runs.py``): config, overrides,
+    chip and every trajectory's lengths."""
     from llds_jax.data.lengths import reference_lengths, run_lengths
-    from llds_jax.models.loading import decoder_config
-    from llds_jax.plan.config import HARDWARE
-    from llds_jax.plan.step_time import predict_step_time
-    from llds_jax.train.batch import padded_length
-    from llds_jax.train.packing import packing_sizes
-    from llds_jax.train.step import StepSizes
-    from llds_jax.utils import flops
+    from llds_jax.plan.measured import lengths_json, overrides_from_flags, predict_run
 
-    model_cfg = decoder_config(config.model)
     ran = (workdir / "samples.jsonl").exists()
     lengths = run_lengths(workdir) if ran else reference_lengths()
     label = f"the run's own samples ({workdir}/samples.jsonl)" if ran else "Search-R1 3B reference lengths (bundled)"
-    if hardware in flops.PEAKS:
-        name, peak_flops, bandwidth = flops.PEAKS[hardware]
-        peak = flops.Peak(peak_flops, bandwidth, name)
-    else:
-        peak = flops.cpu_peak()
-    trajectories = int(config.train.prompts_per_step) * int(config.rollout.n_samples)
-    length, scored = padded_length(config), StepSizes.from_config(config).scored_positions
-    packing = packing_sizes(config, length, scored, 1) if config.train.packing else None
-    step = predict_step_time(
-        config, model_cfg, platform="gpu" if hardware in ("H100", "H200") else "cpu", peak=peak, devices=1, hosts=1,
-        rows_per_wave=trajectories, train_rows=trajectories, train_length=length,
-        scored_per_row=scored, state_bytes=16 * flops.parameters(model_cfg), lengths=lengths, length_label=label,
-        packing=packing, device_bytes=HARDWARE[hardware][1] if hardware in HARDWARE else None)
+    step = predict_run(config, lengths, hardware, label)
     planned = None
     source = Path(plan_json) if plan_json else workdir / "plan.json"
     if source.exists():
         plan = json.loads(source.read_text())
         planned = {"source": str(source), "compiler": plan.get("compiler"), "peak_bytes": plan.get("peak_bytes"),
                    "phases": {k: v["peak_bytes"] for k, v in plan.get("phases", {}).items()}}
-    return {"step_time": step.as_json(), "planned_memory": planned}
+    replay = {"config": "configs/device_check.py", "variant": "dry_run" if dry_run else "",
+              "overrides": {"model.tokenizer": config.model.tokenizer, **overrides_from_flags(extra)},
+              "hardware": hardware, "lengths": lengths_json(lengths)}
+    return {"step_time": step.as_json(), "planned_memory": planned}, replay
 
 
 # -------------------------------------------------------------------------------- the table
@@ -404,7 +389,11 @@ def main(argv=None) -> int:
         print(f"train: exit {result['train']['exit']} in {result['train']['seconds']:.0f}s", flush=True)
         if (out / "run" / "metrics.jsonl").exists():
             result["measured"] = measured_phases(out / "run")
-    result["predicted"] = predict(job_config(args.dry_run, args.tokenizer), out / "run", hardware, args.plan_json)
+    from llds_jax.plan.measured import load_config, overrides_from_flags
+
+    config = load_config("configs/device_check.py", "dry_run" if args.dry_run else "",
+                         {"model.tokenizer": args.tokenizer, **overrides_from_flags(extra)})
+    result["predicted"], result["replay"] = predict(config, out / "run", hardware, args.plan_json, args.dry_run, extra)
     (out / "device_check.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     text = table(result)
     (out / "device_check.md").write_text(text)

@@ -43,8 +43,21 @@ def load_config(path: str, variant: str = "", overrides: dict | None = None):
         section = config
         for name in parents:
             section = section[name]
+        current = section[leaf]
+        if isinstance(value, str) and not isinstance(current, str):  # a command line's text, typed as the field
+            value = value in ("True", "true", "1") if isinstance(current, bool) else type(current)(value)
         section[leaf] = value
     return config
+
+
+def overrides_from_flags(flags: list[str]) -> dict[str, str]:
+    """``--config.a.b=v`` command-line flags as ``{"a.b": "v"}`` (what a replay sets again)."""
+    out = {}
+    for flag in flags:
+        if flag.startswith("--config.") and "=" in flag:
+            dotted, value = flag[len("--config."):].split("=", 1)
+            out[dotted] = value
+    return out
 
 
 def lengths_json(lengths: list[TrajectoryLengths]) -> list[dict]:
