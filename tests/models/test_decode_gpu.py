@@ -104,6 +104,21 @@ def test_an_unallocated_entry_inside_a_rows_length_reads_zeros_like_the_gather()
     _check(out, _reference(q, k_pool, v_pool, table, lengths), lengths, jnp.float32)
 
 
+def test_under_a_mesh_each_device_attends_its_own_rows_over_its_own_pool():
+    """Rows and pools split over a 2-device data axis (the engine's layout): the kernel runs per
+    device inside shard_map and gives the unsharded result."""
+    from llds_jax.parallel.mesh import make_mesh
+
+    lengths = (33, 0, 17, 5)
+    q, _, (k_pool, v_pool), table, lengths = _case(14, 2, 64, jnp.float32, 2, lengths, seed=3)
+    mesh = make_mesh((2, 1, 1), jax.devices()[:2])
+    rows = jax.NamedSharding(mesh, jax.P("data"))
+    args = [jax.device_put(x, rows) for x in (q, k_pool, v_pool, table, lengths)]
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda *a: decode_gpu.paged_decode_attention(*a, splits=2, interpret=True))(*args)
+    _check(out, _reference(q, k_pool, v_pool, table, lengths), lengths, jnp.float32)
+
+
 def test_read_bytes_count_live_blocks_only():
     heads, kv_heads, head_dim, itemsize = 14, 2, 64, 2
     tile = 16 * head_dim * itemsize  # G = 7 padded to 16 query rows
