@@ -34,6 +34,7 @@ from llds_jax.models.attention import (
     attend_cached,
     cache_block,
     resolve_backend,
+    resolve_paged_backend,
     target_platform,
 )
 from llds_jax.models.attention.mask import segment_positions
@@ -400,7 +401,8 @@ class Decoder(nnx.Module):
             valid = cache.valid.at[rows, slots].set(token_mask, mode="drop")
             mask = AttentionMask.cached(slots, valid)  # a key is seen iff valid and at or before the query's slot
         cos, sin = self._rope(positions)
-        backend = resolve_backend(self.config.attention, target_platform())
+        platform = target_platform()
+        backend = (resolve_paged_backend if paged else resolve_backend)(self.config.attention, platform)
         if layer_weights is None:
             layer_weights = self.layer_weights()
         x = self.embed_tokens(tokens)

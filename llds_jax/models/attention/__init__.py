@@ -14,7 +14,9 @@ forward (prefill into a KV cache, appends) uses the blockwise kernel on every ba
 which reads only the key blocks below the rows' furthest slot. ``attend_cached`` writes a
 chunk into a KV cache and attends over it; under ``splash`` (i.e. on TPU) a one-token
 decode does both in the Pallas kernel of ``decode_tpu``, since XLA:TPU would copy every
-layer's cache around the scatter that writes it, once per token. On XLA:CPU the cache is
+layer's cache around the scatter that writes it, once per token. A paged cache
+(``paged.attend_paged``) decodes on TPU by ``decode_tpu``'s paged kernel and on GPU by
+``decode_gpu``'s Triton kernel (``resolve_paged_backend``: unless ``xla_blockwise`` is forced). On XLA:CPU the cache is
 held as one buffer per key block (``cache_block``), read in place by ``block_cache_attention``.
 
 The choice is resolved at trace time from the platform the program is compiled for
@@ -53,7 +55,7 @@ _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 __all__ = ["ATTENTION_BACKENDS", "ATTENTION_RESIDUALS", "CACHED_BLOCK", "DEFAULT_BLOCK", "KV_CACHE_AXES", "MASKED_SCORE", "QUERY_BLOCK",
            "AttentionMask", "LayerCache", "attend", "attend_cached", "block_cache_attention", "cache_block",
-           "blockwise_attention", "cudnn_attention", "naive_attention", "query_piece", "resolve_backend",
+           "blockwise_attention", "cudnn_attention", "naive_attention", "query_piece", "resolve_backend", "resolve_paged_backend",
            "splash_attention", "target_platform"]
 
 
@@ -74,6 +76,20 @@ def resolve_backend(requested: str, platform: str) -> str:
         raise ConfigError(f"model.attention='cudnn' needs an NVIDIA GPU with cuDNN loaded in this process; "
                           f"this program compiles for {platform!r} (use 'auto' or 'xla_blockwise')")
     return requested
+
+
+def resolve_paged_backend(requested: str, platform: str) -> str:
+    """The kernel of a paged-cache forward (``attention/paged.py``) for ``model.attention=requested``.
+
+    As :func:`resolve_backend`, except on a GPU: there ``"auto"`` and ``"cudnn"`` give ``"triton"``,
+    whose one-token decode is the Pallas Triton kernel of ``decode_gpu`` (it needs no cuDNN, so a
+    GPU plan compiled from a CPU host gets it too). A user who sets ``"xla_blockwise"`` (or
+    ``"naive"``) on a GPU keeps the XLA loop, so a benchmark can compare the two paths.
+    """
+    backend = resolve_backend(requested, platform)
+    if platform in _GPU_PLATFORMS and requested in ("auto", "cudnn"):
+        return "triton"
+    return backend
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, backend: str,

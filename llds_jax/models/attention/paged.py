@@ -18,7 +18,10 @@ blocks): the same fp32 scores, the same online-softmax update per block, the sam
 peeled. A key block that a row has not reached scores ``MASKED_SCORE`` everywhere, whose
 update is an exact no-op (``exp(MASKED_SCORE - m) = 0``, rescale ``exp(0) = 1``), so a row's
 result does not depend on how many blocks the call visits, and equals the dense cache's bit
-for bit (``tests/models/test_kv_cache.py``).
+for bit (``tests/models/test_kv_cache.py``). That loop's trip count is traced, which XLA:GPU
+drives from the host once per iteration per layer; a one-token decode therefore runs a Pallas
+kernel instead where one is resolved (``attend_paged``: ``decode_tpu`` on TPU, ``decode_gpu``'s
+Triton kernel on GPU), looping over each row's own live blocks inside the kernel.
 
 Writes: a token at slot ``s`` goes to ``pool[d, table[b, s // block], :, s % block]``. Masked
 tokens (padding, idle rows) and slots past the table are dropped, so a row whose table is
@@ -32,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from llds_jax.models.attention.blockwise import _finish, _first_block, _masked_scores, _next_block
+from llds_jax.models.reductions import target_platform
 
 
 def unallocated(pool: jax.Array) -> int:
@@ -96,8 +100,14 @@ def attend_paged(q: jax.Array, k: jax.Array, v: jax.Array, k_pool: jax.Array, v_
                  slots: jax.Array, token_mask: jax.Array, backend: str = "xla_blockwise"
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write a chunk's k, v [B, T, KVH, Dh] at ``slots`` and attend q over the paged cache:
-    (attention, k_pool, v_pool). Under ``splash`` (TPU) a one-token decode runs the Pallas kernel
-    that DMAs each row's live blocks through its table (``decode_tpu.paged_decode_and_write``)."""
+    (attention, k_pool, v_pool). ``backend``: ``models.attention.resolve_paged_backend``'s.
+
+    A one-token decode (T = 1) runs a Pallas kernel that reads each row's live blocks through its
+    table: under ``splash`` (TPU) the one that also writes the new key/value by DMA
+    (``decode_tpu.paged_decode_and_write``); under ``triton`` (GPU) the keys are written by the
+    scatter below, into the donated pool, and ``decode_gpu.paged_decode_attention`` attends (in
+    Pallas' interpreter when the program is not compiled for a GPU: tests). Shapes a kernel does
+    not take, and prefill or appends (T > 1), run the XLA loop of :func:`paged_attention`."""
     if backend == "splash" and q.shape[1] == 1:
         from llds_jax.models.attention import decode_tpu  # noqa: PLC0415  (Pallas TPU dialect: TPU programs only)
 
@@ -105,4 +115,12 @@ def attend_paged(q: jax.Array, k: jax.Array, v: jax.Array, k_pool: jax.Array, v_
             return decode_tpu.paged_decode_and_write(q, k, v, k_pool, v_pool, table, slots[:, 0], token_mask[:, 0])
     k_pool = paged_write(k_pool, k, table, slots, token_mask)
     v_pool = paged_write(v_pool, v, table, slots, token_mask)
+    if backend == "triton" and q.shape[1] == 1:
+        from llds_jax.models.attention import decode_gpu  # noqa: PLC0415  (Pallas Triton: GPU programs only)
+
+        if decode_gpu.supported(k_pool.shape[3], k_pool.shape[4]):
+            lengths = jnp.where(token_mask[:, 0], slots[:, 0] + 1, 0).astype(jnp.int32)
+            interpret = target_platform() not in ("gpu", "cuda", "rocm")
+            out = decode_gpu.paged_decode_attention(q[:, 0], k_pool, v_pool, table, lengths, interpret=interpret)
+            return out[:, None], k_pool, v_pool
     return paged_attention(q, k_pool, v_pool, table, slots, token_mask), k_pool, v_pool
