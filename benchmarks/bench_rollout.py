@@ -26,6 +26,14 @@ planner's memory arithmetic derives for each target; ``--json`` prints
 
     .venv/bin/python benchmarks/bench_rollout.py --paper-schedule [--json]
 
+``--decode-program`` compiles one token step of the engine's ``decode_segment`` with the real
+XLA:GPU (H100) and XLA:TPU (v5e) compilers, compile-only, at the engine's shapes per device, and
+prints ``{"targets": {name: {"dynamic_loops", "conditionals", "kernels", "bytes", "ideal_bytes",
+...}}, "settings": {...}}`` (``benchmarks/_decode_step.py`` says how each is counted; no timing,
+so no load gate). ``--tiny``: the tiny test model instead of the paper's three targets.
+
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_rollout.py --decode-program --json
+
 ``--default-job`` takes the default job's rollout section and prompt count
 (``configs/cpu_smoke.py``) instead of the flags and times only measurement 1, ``--engines`` side by
 side (the question a default-engine choice needs; 2 and 3 do not depend on the engine).
@@ -238,9 +246,29 @@ def paper_schedule_main(args) -> None:
         print(f"{'':<15} waves/engine decode steps: {target['decode_steps_ratio']}x")
 
 
+def decode_program_main(args) -> None:
+    """``--decode-program``: the compile-only GPU target needs a CPU-only JAX process, so the
+    platform is pinned to CPU before any backend starts (nothing here runs on a device)."""
+    jax.config.update("jax_platforms", "cpu")
+    import _decode_step  # noqa: PLC0415  (benchmarks/; pulls in tools/roofline's HLO readers)
+
+    report = _decode_step.decode_program_report(_decode_step.tiny_targets() if args.tiny
+                                                else _decode_step.paper_targets())
+    if args.json:
+        print(json.dumps(report))
+        return
+    for name, t in report["targets"].items():
+        print(f"{name:<15} dynamic_loops {t['dynamic_loops']:>3}  conditionals {t['conditionals']:>2}  kernels "
+              f"{t['kernels']:>5}  bytes {t['bytes'] / 1e9:8.3f} GB  ideal {t['ideal_bytes'] / 1e9:7.3f} GB  "
+              f"({t['rows']} rows, live mean {t['live_lengths']['mean']})")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--paper-schedule", action="store_true", help="simulate one paper step's schedule and exit")
+    parser.add_argument("--decode-program", action="store_true",
+                        help="compile the engine's per-token decode step for H100 and v5e (compile-only) and exit")
+    parser.add_argument("--tiny", action="store_true", help="--decode-program on the tiny test model (tests)")
     parser.add_argument("--reference", default="", help="plan.length_source: '' = Search-R1 3B's (bundled), "
                         "a reference file, or a run directory")
     parser.add_argument("--segment", type=int, default=None,
@@ -264,6 +292,9 @@ def main():
     args = parser.parse_args()
     if args.paper_schedule:
         paper_schedule_main(args)
+        return
+    if args.decode_program:
+        decode_program_main(args)
         return
     session = _harness.start("bench_rollout", args)
 

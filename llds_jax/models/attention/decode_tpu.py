@@ -327,3 +327,22 @@ def _paged_call(scalars, grouped, k_new, v_new, k_pool, v_pool, *, interpret: bo
         interpret=interpret,
         name="paged_decode_attention",
     )(*scalars, grouped, k_new, v_new, k_pool, v_pool)
+
+
+def decode_read_bytes(lengths, kv_heads: int, head_dim: int, block: int, itemsize: int, heads: int) -> int:
+    """HBM bytes one :func:`paged_decode_and_write` call (one layer) reads for rows whose new
+    token goes to slot ``lengths[b]`` (the slots already live): the kernel's declared cost, which
+    XLA's cost analysis cannot see inside a ``tpu_custom_call``.
+
+    Per (row, KV head), from ``_paged_kernel``'s schedule: ``ceil(length / block)`` key blocks and
+    as many value blocks DMA'd in, the new slot's memory tile of ``row_tile`` rows read for k and
+    for v (it is patched and written back), and the BlockSpec inputs: its ``heads / kv_heads``
+    query heads and the new key and value. The writes (the two tiles back, the output heads) are
+    not reads and are left out. Same signature as ``decode_gpu.decode_read_bytes``, so a report
+    prices either kernel the same way."""
+    row = head_dim * itemsize
+    tile = 8 * max(1, 4 // itemsize)  # row_tile of an itemsize-byte dtype
+    blocks = sum(-(-int(length) // block) for length in lengths)
+    rows = len(lengths)
+    per_row_head = 2 * tile * row + (heads // kv_heads) * row + 2 * row
+    return kv_heads * (2 * blocks * block * row + rows * per_row_head)
