@@ -13,10 +13,13 @@ held by one process at a time); this orchestrating process never starts a JAX ba
 2. ``train`` — ``python -m llds_jax.main --config=configs/device_check.py`` (Qwen2.5-0.5B shapes,
    random weights, 64 prompts × 5, the paper's caps): per-phase seconds, MFU/MBU and the devices'
    peak memory from its ``metrics.jsonl``.
-3. ``passes`` (``--with-passes``) — π_old + π_ref, the update and the Δ forward alone on a
+3. ``decode`` — one decode step of the rollout at the job's shape (``benchmarks/device_decode_step.py``:
+   the slot engine with the backend's decode kernel, with the XLA key-block loop, and the waves'
+   dense session), ms a step against its bytes bound, with a profile of the top kernels.
+4. ``passes`` (``--with-passes``) — π_old + π_ref, the update and the Δ forward alone on a
    rollout-shaped batch, timed after their compile (the steady state the step's first, compiling
    step hides).
-4. ``predict`` — ``plan.step_time.predict_step_time`` for the same job on the same chip, from the
+5. ``predict`` — ``plan.step_time.predict_step_time`` for the same job on the same chip, from the
    lengths the run itself sampled (its ``samples.jsonl``), and the planned memory per phase (the
    run's own ``plan.json``, or ``--plan-json``: ``--mode=plan --config.plan.gpu=h100`` compiled
    ahead of time, which saves the GPU minutes of compiling it there).
@@ -216,6 +219,19 @@ def run_passes(out: Path, tokenizer: str, dry_run: bool, repeats: int | None = N
 
 
 # -------------------------------------------------------------------------------- 2. train
+def run_decode(out: Path, tokenizer: str, dry_run: bool) -> dict:
+    """``benchmarks/device_decode_step.py`` at the job's shape; its JSON becomes ``decode.json``."""
+    command = [sys.executable, str(REPO / "benchmarks" / "device_decode_step.py"), f"--out={out / 'decode'}",
+               f"--tokenizer={tokenizer}", "--profile", "--trace-dir=/tmp/device_check_traces",
+               # the dry run pins the wiring on one variant (the CPU compiles each path's programs anew)
+               "--variants=" + ("paged_kernel" if dry_run else "paged_kernel,paged_kernel@8,paged_xla,waves"),
+               *(["--dry-run"] if dry_run else [])]
+    subprocess.run(command, cwd=REPO, check=True)
+    result = json.loads((out / "decode" / "decode_step.json").read_text())
+    (out / "decode.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def run_train(out: Path, tokenizer: str, dry_run: bool, timeout: float, extra: list[str]) -> dict:
     """The training job as a real process; returns its exit code, seconds and log tail."""
     workdir = out / "run"
@@ -292,6 +308,27 @@ def table(result: dict) -> str:
         lines.append("")
     elif "parity_error" in result:
         lines += ["## Parity: FAILED", "", "```", result["parity_error"][-1500:], "```", ""]
+    decode = result.get("decode")
+    if decode:
+        head = decode["header"]
+        lines += [f"## One decode step ({head['model']}, {head['rows']} rows, mean live context "
+                  f"{head['mean_live_tokens']} tokens; bytes bound {head['bytes_bound_ms']} ms at the measured "
+                  f"{head['copy_bandwidth_GBps']} GB/s)", "",
+                  "| path | ms a step | × bytes bound | device busy / wall | top kernels (share of device time) |",
+                  "|---|---|---|---|---|"]
+        for r in decode["results"]:
+            if "error" in r:
+                lines.append(f"| {r['variant']} | error: {r['error'][:100]} | | | |")
+                continue
+            profile = r.get("profile") or {}
+            busy = profile.get("device_busy_us")
+            wall = r["ms_per_step"] * 1e3 * int(r["variant"].partition("@")[2] or head["steps_per_call"])
+            top = "; ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in (profile.get("top") or [])[:3])
+            lines.append(f"| {r['variant']} | {r['ms_per_step']:.2f} | {r['ms_per_step'] / head['bytes_bound_ms']:.2f} "
+                         f"| {_fmt(busy and busy / wall)} | {top or profile.get('note', '')} |")
+        lines.append("")
+    elif "decode_error" in result:
+        lines += ["## Decode step: FAILED", "", "```", result["decode_error"][-1500:], "```", ""]
     passes = result.get("passes")
     if passes:
         lines += [f"## Training passes after their compile ({passes['rows']} rows x {passes['length']} tokens, "
@@ -334,14 +371,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="runs/device_check_out")
     parser.add_argument("--tokenizer", required=True, help="a Qwen2 tokenizer directory")
     parser.add_argument("--dry-run", action="store_true", help="tiny model on CPU (the test suite)")
-    parser.add_argument("--part", choices=("all", "parity", "passes"), default="all")
+    parser.add_argument("--part", choices=("all", "parity", "passes", "decode"), default="all")
     parser.add_argument("--plan-json", default="", help="a --mode=plan JSON of the same job (planned memory)")
     parser.add_argument("--hardware", default="", help="PEAKS row of the chip (default: from nvidia-smi)")
     # On one H100 (2a07fdd) the job loads in ≈ 35 s, its first step takes ≈ 290 s (compiles included) and
     # the next ≈ 130 s: its 2 steps end by ≈ 455 s; with parity the check is ≈ 9 minutes, under one device
     # call's 10. Past this limit the table reports the steps that finished.
     parser.add_argument("--train-timeout", type=float, default=480.0)
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: parity,train")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: parity,decode,train")
     parser.add_argument("--with-passes", action="store_true",
                         help="also time the training passes alone after their compile (≈ 2 min more on an H100)")
     args, extra = parser.parse_known_args(argv)
@@ -349,6 +386,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.part == "parity":
         run_parity(out, args.dry_run)
+        return 0
+    if args.part == "decode":
+        run_decode(out, args.tokenizer, args.dry_run)
         return 0
     if args.part == "passes":
         run_passes(out, args.tokenizer, args.dry_run)
@@ -367,7 +407,7 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     result = {"device": hardware or "CPU (dry run)", "commit": commit.strip() or "?"}
     skip = set(filter(None, args.skip.split(",")))
-    for part in ("parity", "passes"):
+    for part in ("parity", "decode", "passes"):
         if part in skip or (part == "passes" and not args.with_passes):
             continue
         env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # torch shares the GPU in parity
