@@ -278,7 +278,13 @@ def predict(config, workdir: Path, hardware: str, plan_json: str, dry_run: bool,
     ran = (workdir / "samples.jsonl").exists()
     lengths = run_lengths(workdir) if ran else reference_lengths()
     label = f"the run's own samples ({workdir}/samples.jsonl)" if ran else "Search-R1 3B reference lengths (bundled)"
-    step = predict_run(config, lengths, hardware, label)
+    from llds_jax.utils import flops
+
+    cpu_peak = None
+    if hardware not in flops.PEAKS:  # measured here: kept, so a replay predicts with the same CPU
+        peak = flops.cpu_peak()
+        cpu_peak = {"flops": peak.flops, "bytes_per_s": peak.bytes_per_s, "source": peak.source}
+    step = predict_run(config, lengths, hardware, label, cpu_peak)
     planned = None
     source = Path(plan_json) if plan_json else workdir / "plan.json"
     if source.exists():
@@ -286,8 +292,8 @@ def predict(config, workdir: Path, hardware: str, plan_json: str, dry_run: bool,
         planned = {"source": str(source), "compiler": plan.get("compiler"), "peak_bytes": plan.get("peak_bytes"),
                    "phases": {k: v["peak_bytes"] for k, v in plan.get("phases", {}).items()}}
     replay = {"config": "configs/device_check.py", "variant": "dry_run" if dry_run else "",
-              "overrides": {"model.tokenizer": config.model.tokenizer, **overrides_from_flags(extra)},
-              "hardware": hardware, "lengths": lengths_json(lengths)}
+              "overrides": overrides_from_flags(extra),  # the tokenizer is this machine's path: not replayed
+              "hardware": hardware, "cpu_peak": cpu_peak, "lengths": lengths_json(lengths)}
     return {"step_time": step.as_json(), "planned_memory": planned}, replay
 
 

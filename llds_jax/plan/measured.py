@@ -70,9 +70,10 @@ def lengths_from_json(records: list[dict]) -> list[TrajectoryLengths]:
                               None if r.get("searched") is None else tuple(r["searched"])) for r in records]
 
 
-def predict_run(config, lengths: list[TrajectoryLengths], hardware: str, label: str):
+def predict_run(config, lengths: list[TrajectoryLengths], hardware: str, label: str, cpu_peak: dict | None = None):
     """The step-time model for one device's run of ``config`` on ``hardware`` (a ``flops.PEAKS`` row;
-    anything else: this CPU), from the run's own trajectories, with the job's packed rows when it packs
+    anything else: a CPU, at ``cpu_peak`` — ``{"flops", "bytes_per_s", "source"}`` as the run measured
+    it — or this one's), from the run's own trajectories, with the job's packed rows when it packs
     (one device: one data shard) and the chip's memory for the engine's paged plan."""
     from llds_jax.models.loading import decoder_config  # noqa: PLC0415
     from llds_jax.plan.config import HARDWARE  # noqa: PLC0415
@@ -86,6 +87,8 @@ def predict_run(config, lengths: list[TrajectoryLengths], hardware: str, label: 
     if hardware in flops.PEAKS:
         name, peak_flops, bandwidth = flops.PEAKS[hardware]
         peak = flops.Peak(peak_flops, bandwidth, name)
+    elif cpu_peak:
+        peak = flops.Peak(float(cpu_peak["flops"]), float(cpu_peak["bytes_per_s"]), str(cpu_peak["source"]))
     else:
         peak = flops.cpu_peak()
     trajectories = int(config.train.prompts_per_step) * int(config.rollout.n_samples)
@@ -107,13 +110,14 @@ def ratios(measured: dict, predicted: dict) -> list[tuple[str, float | None, flo
     return rows
 
 
-def replay(path: str | Path) -> dict:
-    """A stored ``device_check.json`` predicted again by today's model: ``{"device", "commit", "rows"}``."""
+def replay(path: str | Path, overrides: dict | None = None) -> dict:
+    """A stored ``device_check.json`` predicted again by today's model: ``{"device", "commit", "rows"}``
+    (``overrides``: fields to set besides the run's own, e.g. a tokenizer a tiny model is sized by)."""
     run = json.loads(Path(path).read_text())
     record = run["replay"]
-    config = load_config(record["config"], record.get("variant", ""), record.get("overrides"))
+    config = load_config(record["config"], record.get("variant", ""), {**record.get("overrides", {}), **(overrides or {})})
     step = predict_run(config, lengths_from_json(record["lengths"]), record["hardware"],
-                       f"the run's own samples ({len(record['lengths'])} trajectories, stored)")
+                       f"the run's own samples ({len(record['lengths'])} trajectories, stored)", record.get("cpu_peak"))
     return {"device": run.get("device"), "commit": run.get("commit"),
             "rows": ratios(run["measured"]["median_after_first"], step.seconds)}
 

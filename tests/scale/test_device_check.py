@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from llds_jax.plan.measured import PHASES
 from tests.codegen_sensitive import child_xla_flags
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,6 +28,13 @@ def test_dry_run_runs_every_part_and_prints_the_table(tmp_path, shared_dir):
     assert result["train"]["exit"] == 0 and result["measured"]["steps"] == 2
     assert result["predicted"]["step_time"]["step_time_s"]["total"] > 0
     assert "packed rows" in result["predicted"]["step_time"]["assumptions"]["training_batch"]  # as the job trains
+    # the stored record replays through the model to the very prediction the check made (tests/utils/test_device_runs.py
+    # replays the recorded device runs the same way)
+    from llds_jax.plan.measured import replay
+
+    again = replay(tmp_path / "device_check.json", {"model.tokenizer": str(shared_dir / "assets" / "qwen2_tokenizer")})
+    predicted = result["predicted"]["step_time"]["step_time_s"]
+    assert [p for _, _, p, _ in again["rows"]] == [predicted.get(key) for _, _, key in PHASES]
     table = (tmp_path / "device_check.md").read_text()
     for heading in ("Parity vs transformers", "Training passes after their compile", "measured (median"):
         assert heading in table
