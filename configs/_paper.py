@@ -27,7 +27,10 @@ def paper_config(model_dir: str, mesh_shape, micro_batch_size: int, logprob_batc
     c.rollout.max_turns = 3
     c.rollout.temperature = 1.0
     c.rollout.top_p = 0.95
-    c.rollout.sampler_devices = -1  # with rollout.engine="continuous": every local device holds rows
+    # The continuous engine over the paged cache (rollout/engine.py): on GPU its decode step is one Pallas
+    # kernel per layer with no host round trip (bench_rollout.py --decode-program); every local device holds rows.
+    c.rollout.engine = "continuous"
+    c.rollout.sampler_devices = -1
     c.rl.llds_coef = 0.1
     c.rl.llds_gate = "action"
     c.rl.ratio_max = 100.0  # the official LLDS code's clamp(ρ, max=100), not newer verl's ±20 log-ratio clamp

@@ -129,7 +129,7 @@ def test_the_plan_puts_the_waves_and_the_engine_side_by_side(tmp_path):
     _, plan = _plan_json(tmp_path, "configs/qwen7b.py")
     by = plan["step_time_s_by_schedule"]
     assert set(by) == {"waves", "engine, dense rows", "engine, paged plan"}
-    assert plan["step_time_s"] == by["waves"]  # the configured rollout.engine
+    assert plan["step_time_s"] == by["engine, paged plan"]  # the configured rollout.engine: the paged engine
     schedules = plan["schedules"]
     # no turn barrier: fewer decode steps than the waves; the paged plan holds more slots than dense rows
     assert schedules["engine, dense rows"]["decode_steps"] < schedules["waves"]["decode_steps"]
