@@ -1,7 +1,8 @@
 """The jitted pieces of the sampler: extend a KV cache with given tokens, and the decode loop.
 
-Everything a decode step needs is in one pytree, :class:`DecodeState`; the loop is a
-``lax.while_loop`` over it that ends when every row is done or the buffer is full.
+Everything a decode step needs is in one pytree, :class:`DecodeState`; the loop
+(:func:`run_steps`) ends when every row is done, checked every :data:`STOP_CHECK_EVERY`
+tokens, or when the buffer is full.
 Parameters enter as arguments (``nnx.split`` state), never as closed-over constants, so a
 new policy after an optimizer step reuses the compiled program. So do the sampling knobs,
 the stop token ids and the stop-string tables: they are arrays, not trace-time constants.
@@ -42,9 +43,19 @@ from llds_jax.models import KVCache, init_cache
 from llds_jax.models.attention import CACHED_BLOCK
 from llds_jax.models.decoder import join_slots, split_slots
 from llds_jax.sampling import stop_strings
-from llds_jax.sampling.filtering import sample_tokens
+from llds_jax.sampling.filtering import SamplingMode, sample_tokens
 
 MAX_STOP_IDS = 8
+
+STOP_CHECK_EVERY = 8
+"""Tokens between the decode loops' checks for "every row is done".
+
+Why not every token: the check is a ``while_loop`` predicate that depends on the data, and
+XLA:GPU copies such a predicate to the host and waits for it before the next trip, a host
+round trip per token on the critical path. The tokens between checks run in a ``fori_loop``
+of static length, which XLA:GPU runs without reading anything back. The price: up to
+``STOP_CHECK_EVERY − 1`` steps after the last row finishes, in which every row is frozen.
+"""
 
 
 class FinishReason(enum.IntEnum):
@@ -58,7 +69,7 @@ class FinishReason(enum.IntEnum):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:
-    """The whole sampler state; one ``lax.while_loop`` carry.
+    """The whole sampler state; the decode loops' carry (:func:`run_steps`).
 
     tokens, logprobs: ``[B, N]`` generated ids and their log-probs (pad / 0 past ``lengths``).
     lengths: ``[B]`` tokens generated per row (also the next write column).
@@ -85,13 +96,21 @@ class DecodeState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Traced sampling knobs plus the stop ids / stop-string tables, all as arrays."""
+    """Traced sampling knobs plus the stop ids / stop-string tables, all as arrays; and the
+    static :class:`~llds_jax.sampling.filtering.SamplingMode`, which filters the program runs.
+
+    The mode is a trace-time constant (part of the pytree's structure, so each mode compiles
+    its own program) because a run-time choice is a ``lax.cond`` whose predicate XLA:GPU
+    reads back to the host every token. :meth:`create` derives it from the knobs; built by
+    hand, the params default to ``ANY`` (every filter, each switched by its knob's value).
+    """
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     stop_ids: jax.Array       # [MAX_STOP_IDS] int32, -1 = unused
     stop_table: jax.Array     # [K, S, V] int8 (see stop_strings.py)
+    mode: SamplingMode = dataclasses.field(default=SamplingMode.ANY, metadata=dict(static=True))
 
     @classmethod
     def create(cls, *, temperature: float, top_k: int, top_p: float, stop_token_ids, stop_table):
@@ -104,6 +123,7 @@ class SamplingParams:
             top_p=jnp.asarray(top_p, jnp.float32),
             stop_ids=jnp.asarray(ids + [-1] * (MAX_STOP_IDS - len(ids)), jnp.int32),
             stop_table=jnp.asarray(stop_table, jnp.int8),
+            mode=SamplingMode.of(temperature, top_k, top_p),
         )
 
 
@@ -159,11 +179,31 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: 
     """
     state, step = decode_program(graphdef, params, logits, cache, done, budget, keys, drawn, sampling,
                                  width=width, pad_id=pad_id)
+    return run_steps(step, state, width)
+
+
+def run_steps(step, state: DecodeState, steps: int, every: int = STOP_CHECK_EVERY) -> DecodeState:
+    """At most ``steps`` (static) one-token ``step``s from ``state`` (whose ``step`` counts from 0),
+    ending early once every row is done, which is checked only every ``every`` tokens.
+
+    An outer ``while_loop`` over chunks of ``k = min(every, steps)`` tokens, each a ``fori_loop``
+    of static length, then the ``steps % k`` tokens left in one more such loop; so never more
+    than ``steps`` tokens, and the only data-dependent predicate is the outer loop's. Tokens
+    run after every row is done change nothing: done rows are frozen (pad token, no cache
+    write, no length), so the trajectories are those of a per-token check.
+    """
+    every = max(1, min(every, steps))
+
+    def chunk(s: DecodeState) -> DecodeState:
+        return jax.lax.fori_loop(0, every, lambda _, s: step(s), s)
 
     def keep_going(s: DecodeState):
-        return (s.step < width) & ~jnp.all(s.done)
+        return (s.step <= steps - every) & ~jnp.all(s.done)
 
-    return jax.lax.while_loop(keep_going, step, state)
+    state = jax.lax.while_loop(keep_going, chunk, state)
+    if steps % every:
+        state = jax.lax.fori_loop(0, steps % every, lambda _, s: step(s), state)
+    return state
 
 
 def decode_program(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: KVCache,
@@ -233,7 +273,7 @@ def sample_rows(logits: jax.Array, keys: jax.Array, counts: jax.Array, sampling:
     """
     def one_row(row_logits, key, count):
         token, logprob = sample_tokens(row_logits[None], jax.random.fold_in(key, count), sampling.temperature,
-                                       sampling.top_k, sampling.top_p)
+                                       sampling.top_k, sampling.top_p, mode=sampling.mode)
         return token[0], logprob[0]
 
     return jax.vmap(one_row)(logits, keys, counts)

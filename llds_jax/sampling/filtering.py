@@ -4,15 +4,34 @@ The order is HF's and vLLM's: divide by the temperature, keep the ``top_k`` larg
 logits, then keep the smallest set of the remaining tokens (largest first) whose
 probability mass reaches ``top_p``. Tokens tied with the last kept one are kept too.
 
-All knobs are traced scalars, so one compiled decode loop serves greedy evaluation and
-sampled training. Neither filter sorts the vocabulary: each finds its cut-off logit by a
-search over the 2³² float32 values (a monotone integer key per logit), fused passes over the
-row that count tokens (top-k) or sum probability mass (top-p) above candidate cut-offs:
-bisection on XLA:CPU (32 passes), 15 candidates per pass on TPU/GPU (8 passes, a quarter of
-the bytes; see :func:`search_ways`). Measured on XLA:CPU for 8 rows of SmolLM2's 49k
-vocabulary: 2.6 ms per token for top-p 0.95, against 75 ms for the ``jnp.sort`` it
-replaces. The result is exact (the same kept set as sorting), and a filter that is off
-(``top_k == 0``, ``top_p >= 1``) is skipped with ``lax.cond``.
+Which filters run is a static property of the compiled program, its :class:`SamplingMode`
+(greedy, plain temperature, top-k, top-p, or both), derived from the knobs when the caller
+builds its ``SamplingParams``. Why not a run-time ``lax.cond`` on the knobs: XLA:GPU copies
+each conditional's predicate to the host and waits for it, every token, and a greedy
+program paid for compiling (and XLA's cost model charged it) the filtered draw it never
+ran. The knob *values* stay traced, so a new temperature or top-p reuses the program; only
+a change of mode compiles another. :attr:`SamplingMode.ANY` (all filters, each switched by
+its knob with a select) serves callers whose knobs are traced.
+
+Neither filter sorts the vocabulary: each finds its cut-off logit by a search over the 2³²
+float32 values (a monotone integer key per logit), fused passes over the row that count
+tokens (top-k) or sum probability mass (top-p) above candidate cut-offs: bisection on
+XLA:CPU (32 passes), 31 candidates per pass on TPU/GPU (7 passes; see :func:`search_ways`).
+Measured on XLA:CPU for 8 rows of SmolLM2's 49k vocabulary: 2.6 ms per token for top-p
+0.95, against 75 ms for the ``jnp.sort`` it replaces. The result is exact: the same kept
+set as sorting, whichever way the search runs (the mass above a cut-off is a monotone
+function of the set of keys above it).
+
+Reads of the ``[rows, V]`` logits per token (a pass), TPU/GPU, ``p`` search passes (7)::
+
+    greedy          argmax, normaliser                                       2
+    temperature     max, draw, normaliser                                    3
+    top-k           max, p counts, draw, normaliser                          3 + p = 10
+    top-p           max, weights, total mass, p masses, draw, normaliser     5 + p = 12
+    top-k + top-p   max, p counts, weights, total mass, p masses, draw, norm 5 + 2p = 19
+
+The top-p cut-off itself (max, weights, total mass, search) is 3 + 7 = 10 passes; on
+XLA:CPU 3 + 32 (the search bisects, see :func:`search_ways`).
 
 ``temperature <= 0`` means greedy. The log-prob returned for a token is under the
 distribution it was drawn from (temperature-scaled and filtered); for greedy it is the
@@ -24,33 +43,82 @@ the top-p masses, so a row's kept set does not depend on the batch either.
 
 from __future__ import annotations
 
+import enum
+
 import jax
 import jax.numpy as jnp
 
-from llds_jax.models.reductions import log_softmax_at, row_sum, row_sum_of, target_platform
+from llds_jax.models.reductions import row_sum, row_sum_of, target_platform
 
 _NEG_INF = -jnp.inf
 _KEY_BITS = 32  # a cut-off is one of 2³² float32 values (as uint32 order keys)
 
 
+class SamplingMode(enum.Enum):
+    """Which filters a compiled sampler runs; hashable, so a static (trace-time) property."""
+
+    GREEDY = "greedy"
+    TEMPERATURE = "temperature"
+    TOP_K = "top-k"
+    TOP_P = "top-p"
+    TOP_K_TOP_P = "top-k+top-p"
+    ANY = "any"  # every filter, each switched on and off by its traced knob (selects, no cond)
+
+    @classmethod
+    def of(cls, temperature: float, top_k: int, top_p: float) -> SamplingMode:
+        """The mode that the concrete knobs need (``top_k <= 0`` and ``top_p >= 1`` are off)."""
+        if float(temperature) <= 0:
+            return cls.GREEDY
+        k, p = int(top_k) > 0, float(top_p) < 1.0
+        return {(False, False): cls.TEMPERATURE, (True, False): cls.TOP_K,
+                (False, True): cls.TOP_P, (True, True): cls.TOP_K_TOP_P}[k, p]
+
+    @property
+    def top_k(self) -> bool:
+        return self in (SamplingMode.TOP_K, SamplingMode.TOP_K_TOP_P, SamplingMode.ANY)
+
+    @property
+    def top_p(self) -> bool:
+        return self in (SamplingMode.TOP_P, SamplingMode.TOP_K_TOP_P, SamplingMode.ANY)
+
+
+def resolve_mode(mode: SamplingMode | None, temperature, top_k, top_p) -> SamplingMode:
+    """``mode``, else the one the knobs need if they are concrete, else :attr:`SamplingMode.ANY`."""
+    if mode is not None:
+        return SamplingMode(mode)
+    try:
+        return SamplingMode.of(temperature, top_k, top_p)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        return SamplingMode.ANY  # traced knobs: decided at run time, with selects
+
+
 def _ordered_key(x: jax.Array) -> jax.Array:
-    """uint32 keys in the order of the float32 values (-0.0 counted as +0.0; logits are not NaN)."""
+    """uint32 keys in the order of the float32 values (-0.0 counted as +0.0; logits are not NaN).
+    No logit has key 0 (the least is -inf's, ``0x007FFFFF``), so key 0 is below every logit."""
     bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
 def search_ways() -> int:
-    """Candidate cut-offs per pass: 2 on XLA:CPU, 16 on TPU/GPU.
+    """Candidate cut-offs per pass: 2 on XLA:CPU, 32 on TPU/GPU.
 
     A pass reads the row's keys and weights once whatever the number of candidates, so on
-    memory-bound TPU/GPU 16 candidates (8 passes) move a quarter of bisection's bytes (32 passes).
+    memory-bound TPU/GPU 31 candidates fix 5 bits of the cut-off per pass: ⌈32 / 5⌉ = 7 passes,
+    against bisection's 32 (16 ways took ⌈32 / 4⌉ = 8). Each element costs a compare, a select
+    and an add per candidate (~93 flops for 8 bytes read), about where an H100/H200 turns from
+    memory- to compute-bound, so more ways (64: 6 passes) would not be cheaper.
     XLA:CPU writes the ``[B, 15, V]`` levels of the batch-invariant ``row_sum`` tree out (a pass at
     8 × 49k: 9.4 MB for 16 candidates; 281 MB at a 152k vocabulary), so it bisects: one candidate,
     its masked sum fused into the tree (``row_sum_of``), reads the 3.1 MB of keys and weights
     in 3.4 MB. Four ways draw no faster at 49 152 (8.3 ms for 8 rows, both) and slower at 151 936
     (44 against 41 ms).
     """
-    return 2 if target_platform() == "cpu" else 16
+    return 2 if target_platform() == "cpu" else 32
+
+
+def search_passes(ways: int) -> int:
+    """Passes of :func:`_search` over 2³² keys with ``ways − 1`` candidates each: ⌈32 / ⌊log₂ ways⌋⌉."""
+    return -(-_KEY_BITS // (ways.bit_length() - 1))
 
 
 def _search(holds, lo: jax.Array, hi: jax.Array, ways: int) -> jax.Array:
@@ -68,65 +136,122 @@ def _search(holds, lo: jax.Array, hi: jax.Array, ways: int) -> jax.Array:
         return (jnp.take_along_axis(edges, holding, axis=-1),
                 jnp.take_along_axis(edges, holding + 1, axis=-1))
 
-    passes = -(-_KEY_BITS // (ways.bit_length() - 1))
     # A loop, not unrolled: unrolled, XLA:CPU fuses the passes into one that recomputes each
-    # pass's inputs (578 ms per token for top-p on 8 × 49k, against 2.6 ms as a loop).
-    return jax.lax.fori_loop(0, passes, step, (lo, hi))[0]
+    # pass's inputs (578 ms per token for top-p on 8 × 49k, against 2.6 ms as a loop). Its trip
+    # count is static, so XLA:GPU runs it without reading a predicate back to the host.
+    return jax.lax.fori_loop(0, search_passes(ways), step, (lo, hi))[0]
 
 
-def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, ways: int | None = None) -> jax.Array:
-    ways = ways or search_ways()
+def _kept_floor(scaled: jax.Array, top: jax.Array, top_k, top_p, mode: SamplingMode, ways: int) -> jax.Array:
+    """The least kept key per row ``[..., 1]`` (keep ``key >= floor``) for ``mode``'s filters.
+
+    ``top`` is the row maximum of ``scaled`` (``[..., 1]``): its key bounds both searches from
+    above, and the top-p weights are ``exp(scaled − top)``. Both searches start from key 0, below
+    every logit (no min pass). A filter whose knob is off (``top_k`` outside ``(0, V)``,
+    ``top_p >= 1``) leaves the floor where it was through a select, so a mode that runs a filter
+    is right for any knob values.
+    """
     keys = _ordered_key(scaled)
-    lowest = jnp.min(keys, axis=-1, keepdims=True)
-    highest = jnp.max(keys, axis=-1, keepdims=True)
+    highest = _ordered_key(top)
+    floor = jnp.ones_like(highest)  # key 1: keeps every logit
+    if mode.top_k:
+        def at_least_k_from(cuts):
+            return jnp.sum(keys[..., None, :] >= cuts[..., None], axis=-1, dtype=jnp.int32) >= top_k
 
-    def at_least_k_from(cuts):
-        return jnp.sum(keys[..., None, :] >= cuts[..., None], axis=-1, dtype=jnp.int32) >= top_k
-
-    def kth_largest(_):  # the largest cut-off with at least k tokens at or above it
-        return _search(at_least_k_from, lowest, highest + 1, ways)
-
-    top_k_floor = jax.lax.cond((top_k > 0) & (top_k < scaled.shape[-1]), kth_largest, lambda _: lowest, None)
-    weights = jnp.where(keys >= top_k_floor, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)
-
-    def nucleus_floor(_):  # the lowest cut-off whose mass strictly above it falls short of top_p
+        kth_largest = _search(at_least_k_from, floor - 1, highest + 1, ways)
+        floor = jnp.where((top_k > 0) & (top_k < scaled.shape[-1]), kth_largest, floor)
+    if mode.top_p:
+        weights = jnp.exp(scaled - top)
+        if mode.top_k:
+            weights = jnp.where(keys >= floor, weights, 0.0)
         needed = top_p * row_sum(weights, keepdims=True)
 
-        def reaches_p_above(cuts):
+        def reaches_p_above(cuts):  # the mass strictly above each cut-off still reaches top_p
             return row_sum_of(lambda k, c, w: jnp.where(k > c, w, 0.0),
                               keys[..., None, :], cuts[..., None], weights[..., None, :]) >= needed
 
-        return _search(reaches_p_above, top_k_floor - 1, highest, ways) + 1
+        # the lowest cut-off whose mass strictly above it falls short of top_p
+        nucleus = _search(reaches_p_above, floor - 1, highest, ways) + 1
+        floor = jnp.where(top_p < 1.0, nucleus, floor)
+    return floor
 
-    floor = jax.lax.cond(top_p < 1.0, nucleus_floor, lambda _: top_k_floor, None)
-    return jnp.where(keys >= floor, scaled, _NEG_INF)
+
+def _truncate(scaled: jax.Array, top_k, top_p, ways: int | None = None,
+              mode: SamplingMode = SamplingMode.TOP_K_TOP_P) -> jax.Array:
+    """``scaled`` with the tokens ``mode``'s filters drop at -inf."""
+    if not (mode.top_k or mode.top_p):
+        return scaled
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    floor = _kept_floor(scaled, top, jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32), mode,
+                        ways or search_ways())
+    return jnp.where(_ordered_key(scaled) >= floor, scaled, _NEG_INF)
 
 
-def filter_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
-    """``[B, V]`` fp32 logits of the sampling distribution: scaled, with filtered tokens at -inf."""
+def _scale(logits: jax.Array, temperature) -> jax.Array:
+    """``logits / temperature``, rounded before anything reads it; -0.0 as +0.0 (as the keys count it).
+
+    Why the select: XLA turns the division into a multiply by the reciprocal and recomputes it
+    inside each pass's fusion, where the backend contracts ``scaled − top`` (and the Gumbel
+    ``noise + scaled``) into a fused multiply-add, rounded once instead of twice. The maximum
+    found in one fusion then was not the one another fusion saw: at temperature 0.7 log-probs
+    moved by an ulp and the argmax's came out positive. A select between the multiply and its
+    readers leaves nothing to contract (``optimization_barrier`` did not: XLA:CPU drops it
+    before fusing), so every pass reads the rounded quotient, as it did when ``scaled`` was a
+    ``lax.cond`` operand written to memory.
+    """
+    temperature = jnp.asarray(temperature, jnp.float32)
+    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+    return jnp.where(scaled == 0, 0.0, scaled)
+
+
+def filter_logits(logits: jax.Array, temperature, top_k, top_p, mode: SamplingMode | None = None) -> jax.Array:
+    """``[B, V]`` fp32 logits of the sampling distribution: scaled, with filtered tokens at -inf.
+
+    ``mode`` (static): which filters run; by default the ones ``top_k`` and ``top_p`` ask for
+    (:func:`resolve_mode`), at any temperature: ``temperature <= 0`` filters unscaled logits.
+    """
+    mode = resolve_mode(mode, 1.0, top_k, top_p)  # the temperature picks no filter here
+    return _truncate(_scale(logits, temperature), top_k, top_p, mode=mode)
+
+
+def _log_prob_at(x: jax.Array, index: jax.Array, top: jax.Array) -> jax.Array:
+    """``models.reductions.log_softmax_at(x, index)`` bit for bit, given ``top``, the row maximum of
+    ``x`` (``[..., 1]``) the caller already has: a maximum is exact, so it is the one
+    ``log_softmax_at`` would find, and the pass that finds it again is saved."""
+    top = jax.lax.stop_gradient(top)
+    log_normaliser = jnp.log(row_sum(jnp.exp(x - top), keepdims=True))
+    return ((jnp.take_along_axis(x, index[..., None], axis=-1) - top) - log_normaliser)[..., 0]
+
+
+def _greedy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The argmax and its plain log-softmax; the argmax's logit is the row maximum."""
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return tokens, _log_prob_at(logits, tokens, jnp.take_along_axis(logits, tokens[..., None], axis=-1))
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k, top_p,
+                  mode: SamplingMode | None = None) -> tuple[jax.Array, jax.Array]:
+    """One token per row and its log-prob under the distribution it came from. ``[B]``, ``[B]``.
+
+    ``mode`` (static): which filters run, by default the one the knobs need (:func:`resolve_mode`);
+    the program holds no conditional whatever the mode.
+    """
+    mode = resolve_mode(mode, temperature, top_k, top_p)
     logits = logits.astype(jnp.float32)
-    temperature = jnp.asarray(temperature, jnp.float32)
-    top_k = jnp.asarray(top_k, jnp.int32)
-    top_p = jnp.asarray(top_p, jnp.float32)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-    filters = (top_k > 0) | (top_p < 1.0)
-    return jax.lax.cond(filters, lambda x: _truncate(x, top_k, top_p), lambda x: x, scaled)
-
-
-def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k, top_p
-                  ) -> tuple[jax.Array, jax.Array]:
-    """One token per row and its log-prob under the distribution it came from. ``[B]``, ``[B]``."""
-    temperature = jnp.asarray(temperature, jnp.float32)
-    greedy = temperature <= 0
-
-    def draw(logits):
-        filtered = filter_logits(logits, temperature, top_k, top_p)
-        tokens = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
-        return tokens, log_softmax_at(filtered, tokens)
-
-    def argmax(logits):
-        logits = logits.astype(jnp.float32)
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return tokens, log_softmax_at(logits, tokens)
-
-    return jax.lax.cond(greedy, argmax, draw, logits)
+    if mode is SamplingMode.GREEDY:
+        return _greedy(logits)
+    scaled = _scale(logits, temperature)
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    filtered = scaled
+    if mode.top_k or mode.top_p:
+        floor = _kept_floor(scaled, top, jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32), mode,
+                            search_ways())
+        filtered = jnp.where(_ordered_key(scaled) >= floor, scaled, _NEG_INF)
+    tokens = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+    logprobs = _log_prob_at(filtered, tokens, top)  # the maximum is always kept: ``filtered``'s is ``top``
+    if mode is SamplingMode.ANY:  # greedy chosen at run time by a select: both are computed
+        greedy = jnp.asarray(temperature, jnp.float32) <= 0
+        greedy_tokens, greedy_logprobs = _greedy(logits)
+        tokens = jnp.where(greedy, greedy_tokens, tokens)
+        logprobs = jnp.where(greedy, greedy_logprobs, logprobs)
+    return tokens, logprobs

@@ -375,7 +375,4 @@ def decode_segment(graphdef: nnx.GraphDef, params: nnx.State, layer_weights, sta
             stop_state=stop_state, logits=jnp.where(active[:, None], next_logits, s.logits), cache=cache,
             step=s.step + 1, keys=s.keys, drawn=s.drawn)
 
-    def keep_going(s: DecodeState):
-        return (s.step < steps) & ~jnp.all(s.done)
-
-    return jax.lax.while_loop(keep_going, one_token, state)
+    return decode_loop.run_steps(one_token, state, steps)  # at most ``steps`` tokens, done checked every few

@@ -101,14 +101,27 @@ def test_one_compiled_program_per_bucket_across_repeated_calls(model):
 
     generate(model, *left_padded((5, 3), vocab=256), max_new_tokens=9, key=jax.random.key(0))
     before = sizes()
-    # Same buckets (batch ≤ 2, prompt ≤ 16, new ≤ 16), different lengths, knobs, stops and keys.
+    # Same buckets (batch ≤ 2, prompt ≤ 16, new ≤ 16) and sampling mode (plain temperature),
+    # different lengths, temperatures, stops and keys.
     for seed, (lengths, new) in enumerate([((7, 2), 16), ((16, 5), 10), ((1, 12), 11), ((3, 3), 9)]):
         generate(model, *left_padded(lengths, vocab=256, seed=seed), max_new_tokens=new,
-                 temperature=[0.0, 0.7, 1.0, 1.3][seed], top_p=[1.0, 0.9, 0.5, 1.0][seed],
-                 top_k=[0, 0, 20, 5][seed], stop_token_ids=[seed], key=jax.random.key(seed))
+                 temperature=[0.5, 0.7, 1.0, 1.3][seed], stop_token_ids=[seed], key=jax.random.key(seed))
     # New weights (same shapes) reuse the program too: params are arguments.
     generate(tiny_model("qwen2", seed=9), *left_padded((4, 8), vocab=256), max_new_tokens=12, key=jax.random.key(1))
     assert sizes() == before, f"jit cache grew within one bucket: {before} -> {sizes()}"
+    # Each other sampling mode (greedy, top-k, top-p, both) is a program of its own, compiled
+    # once (other tests may have compiled it already): the mode is static (no run-time cond),
+    # the knob values within it are not.
+    for first, second in [((0.0, 0, 1.0), (0.0, 3, 0.5)), ((1.0, 20, 1.0), (0.8, 5, 1.0)),
+                          ((1.0, 0, 0.9), (1.2, 0, 0.5)), ((1.0, 20, 0.5), (0.7, 9, 0.95))]:
+        for knobs in (first, second):
+            generate(model, *left_padded((7, 2), vocab=256), max_new_tokens=16, key=jax.random.key(2),
+                     **dict(zip(("temperature", "top_k", "top_p"), knobs)))
+            if knobs == first:
+                compiled = sizes()
+        assert sizes() == compiled, f"{second} recompiled the program of {first}: {compiled} -> {sizes()}"
+    assert sizes()[1] <= before[1] + 4, f"four more modes, at most four more programs: {before} -> {sizes()}"
+    before = sizes()
     generate(model, *left_padded((20, 3), vocab=256), max_new_tokens=9, key=jax.random.key(0))
     grown = sizes()
     assert grown[0] == before[0] + 1, f"a new prompt bucket should add one extend program: {before} -> {grown}"
