@@ -189,6 +189,7 @@ def segment_arguments(target: StepTarget, decoder_cfg, mesh) -> tuple[tuple, dic
 
     from llds_jax.models import Decoder, PagedKVCache
     from llds_jax.sampling.decode_loop import MAX_STOP_IDS, DecodeState, SamplingParams
+    from llds_jax.sampling.filtering import SamplingMode
     from llds_jax.sampling.slots import _layer_weights
 
     here = jax.NamedSharding(mesh, jax.P())
@@ -212,8 +213,10 @@ def segment_arguments(target: StepTarget, decoder_cfg, mesh) -> tuple[tuple, dic
                          stop_state=arr((b, stop_strings), jnp.int8), logits=arr((b, c.vocab_size), jnp.float32),
                          cache=cache, step=arr((), jnp.int32), keys=arr(keys.shape, keys.dtype),
                          drawn=arr((b,), jnp.int32))
+    # the rollout's knobs (T 1, top-p 0.95, no top-k): SamplingParams.create gives the engine this static mode
     sampling = SamplingParams(arr((), jnp.float32), arr((), jnp.int32), arr((), jnp.float32),
-                              arr((MAX_STOP_IDS,), jnp.int32), arr((stop_strings, 16, c.vocab_size), jnp.int8))
+                              arr((MAX_STOP_IDS,), jnp.int32), arr((stop_strings, 16, c.vocab_size), jnp.int8),
+                              mode=SamplingMode.of(1.0, 0, 0.95))
     rows = lambda dtype: arr((b,), dtype)  # noqa: E731
     return ((graphdef, params, layers, decode, rows(jnp.bool_), rows(jnp.bool_), rows(jnp.int32), sampling),
             dict(steps=target.segment, pad_id=0))
@@ -369,10 +372,19 @@ def read_step(hlo: str, platform: str, decoder_cfg, lengths: list[int], block: i
     without metadata) at live ``lengths`` per row (see the module docstring). ``pool_charge``:
     pool dims -> the excess XLA charges one pool scatter and one pool gather (:func:`pool_excess`)."""
     reader = Reader(hlo)
-    segment = [op for op in reader.computations[reader.entry].values() if op.opcode == "while"]
+    loops = [op for op in reader.computations[reader.entry].values() if op.opcode == "while"]
+    # decode_loop.run_steps: the segment loop (its predicate is data-dependent: every row done?), and a
+    # static loop for the tokens a segment has past whole chunks, if any
+    segment = [op for op in loops if reader.trip_count(reader.entry, op) is None] or loops
     if len(segment) != 1:
-        raise ValueError(f"expected decode_segment's one while loop in ENTRY, found {len(segment)}")
+        raise ValueError(f"expected decode_segment's one segment loop in ENTRY, found {len(loops)} while loops")
     body = segment[0].called("body")[0]
+    inner = [op for op in reader.computations[body].values() if op.opcode == "while"]
+    tokens_per_check = 1
+    if len(inner) == 1 and reader.trip_count(body, inner[0]) is not None:
+        # the segment loop checks for finished rows once a chunk of STOP_CHECK_EVERY tokens (a static
+        # loop); the token is that chunk loop's body
+        tokens_per_check, body = reader.trip_count(body, inner[0]), inner[0].called("body")[0]
     dynamic_trips = max(-(-(max(lengths) + 1) // block) - 1, 0)  # paged_attention: fori_loop(1, ceil(live / block))
     found = _Walk()
     launches = _walk(reader, body, 1.0, dynamic_trips, found, set())
@@ -405,7 +417,7 @@ def read_step(hlo: str, platform: str, decoder_cfg, lengths: list[int], block: i
                 uncosted_calls=sorted(uncosted),
                 loops=[dict(body=loop["body"], trips=loop["trips"], dynamic=loop["dynamic"]) for loop in found.loops],
                 segment_loop=dict(known_trip_count=reader.trip_count(reader.entry, segment[0]) is not None,
-                                  body=body), dynamic_trips_charged=dynamic_trips)
+                                  body=body, tokens_per_check=tokens_per_check), dynamic_trips_charged=dynamic_trips)
 
 
 def ideal_bytes(params, decoder_cfg, lengths: list[int]) -> int:
@@ -446,6 +458,7 @@ def decode_program_report(targets: dict[str, StepTarget]) -> dict:
                     refused=refused)
         out[name] = step
     return dict(targets=out, settings=dict(
-        program="sampling/slots.py::decode_segment, compiled whole; the step = its while body (one token)",
-        live_lengths=LENGTHS_POINT, sampling="traced knobs, as the engine runs them (rollout: T 1, top-p 0.95)",
+        program="sampling/slots.py::decode_segment, compiled whole; the step = the body of its token loop "
+                "(inside the segment loop's chunk of STOP_CHECK_EVERY tokens)",
+        live_lengths=LENGTHS_POINT, sampling="traced knobs in the top-p mode, as the engine runs them (rollout: T 1, top-p 0.95)",
         ideal="weights once (bf16) + live k,v all layers + new token's k,v + fp32 logits row written and read"))

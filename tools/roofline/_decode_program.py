@@ -26,10 +26,11 @@ def decode_steps(graphdef, params, logits, cache, done, budget, keys, drawn, sam
     """``tokens`` steps of the decode loop's body in a row, no while loop, after its once-per-call
     set-up: compiled at 1 and 2 tokens, the difference is what one more token costs."""
     from llds_jax.sampling.decode_loop import decode_program
+    from llds_jax.sampling.filtering import SamplingMode
 
     temperature, top_k, top_p = SAMPLING_MODES[sampling_mode]
     sampling = dataclasses.replace(sampling, temperature=jnp.float32(temperature), top_k=jnp.int32(top_k),
-                                   top_p=jnp.float32(top_p))
+                                   top_p=jnp.float32(top_p), mode=SamplingMode.of(temperature, top_k, top_p))
     state, step = decode_program(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, width=tokens)
     for _ in range(tokens):
         state = step(state)

@@ -444,15 +444,16 @@ def hbm_of_program(hlo: str, ideal: float, kernel_flops: float = 0.0) -> dict:
 @functools.partial(jax.jit, static_argnames=("graphdef", "width", "sampling_mode"), donate_argnames=("cache",))
 def decode_loop(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, *, width: int,
                 sampling_mode: str):
-    """``sampling.decode_loop.decode`` (the same step in the same ``while_loop``) with the sampler's
-    knobs constants of the program, so XLA drops the branches the mode does not take."""
-    from llds_jax.sampling.decode_loop import decode_program
+    """``sampling.decode_loop.decode`` (the same step in the same loops, ``run_steps``) with the sampler's
+    knobs constants of the program and its static mode the one they need, as ``SamplingParams.create`` sets it."""
+    from llds_jax.sampling.decode_loop import decode_program, run_steps
+    from llds_jax.sampling.filtering import SamplingMode
 
     temperature, top_k, top_p = SAMPLING_MODES[sampling_mode]
     sampling = dataclasses.replace(sampling, temperature=jnp.float32(temperature), top_k=jnp.int32(top_k),
-                                   top_p=jnp.float32(top_p))
+                                   top_p=jnp.float32(top_p), mode=SamplingMode.of(temperature, top_k, top_p))
     state, step = decode_program(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, width=width)
-    return jax.lax.while_loop(lambda s: (s.step < width) & ~jnp.all(s.done), step, state)
+    return run_steps(step, state, width)
 
 
 def measure_hbm(compile_for, args, mesh, platform: str, sampling_mode: str, live: int, ideal: float,
