@@ -39,7 +39,8 @@ EFFICIENCY = {
     "cpu": {"matmul": (0.50, "assumed: half the measured fp32 matmul peak"),
             "hbm": (0.50, "assumed: half the measured copy bandwidth")},
 }
-# Fixed seconds per decode step beyond its bytes (launches, the loop over key blocks, sampling), per platform.
+# Fixed seconds per decode step beyond its bytes, per platform, on the dense cache the waves decode over
+# (its attention a loop over key blocks to the furthest row, whose trip count XLA:GPU reads back to the host).
 # GPU: launch/device_check.sh on one H100 (2a07fdd; Qwen2.5-0.5B, 24 layers, 320 rows, 4,096-slot cache,
 # blockwise decode over 128-slot key blocks) decoded 2,000 steps in 59.0 s where their bytes at 0.60
 # of HBM take 5.8 s: (59.0 - 5.8) / 2,000 = 26.6 ms a step. One shape; not scaled by layers or slots.
@@ -47,6 +48,23 @@ DECODE_STEP_OVERHEAD = {
     "gpu": (0.0266, "measured: one H100 ran Qwen2.5-0.5B's decode (320 rows, 4,096 slots) at 29.5 ms a step, "
                     "2.9 ms of it bytes at 0.60 of HBM (launch/device_check.sh, 2a07fdd)"),
     "tpu": (0.0, "assumed: none"), "cpu": (0.0, "assumed: none")}
+# The engine's decode step (the paged cache; models/attention/decode_gpu.py on GPU, decode_tpu.py on TPU) has
+# no loop or conditional whose predicate the host reads (bench_rollout.py --decode-program: 0 and 0 on
+# h100-0p5b-320, h100-qwen3b, v5e-qwen3b), so its fixed cost is its kernel launches: per layer and per step,
+# read off that report's compiled steps (0cef5cd: XLA:GPU 433 launches a token at 24 layers, 565 at 36;
+# XLA:TPU 1,518 at 36 — one shape, so its split into per layer and per step is GPU's proportion), each at LAUNCH_S.
+ENGINE_LAUNCHES = {"gpu": (11, 169), "tpu": (38, 150), "cpu": (0, 0)}  # (per layer, per step)
+LAUNCH_S = {
+    "gpu": (3e-6, "assumed, not yet measured: one kernel launch and its gap on a Hopper GPU without CUDA graphs "
+                  "(benchmarks/device_decode_step.py measures it on the next lent GPU)"),
+    "tpu": (1e-6, "assumed: XLA:TPU runs a program's ops back to back, ~1 µs an op"),
+    "cpu": (0.0, "assumed: none")}
+# The sampler's traffic over each sampled row's [vocab] fp32 logits a decode step, in reads of that row:
+# bench_rollout.py --decode-program (0cef5cd) charges h100-qwen3b's top-p step 5.4 GB of [320, 151,936]
+# fp32 arrays beyond the LM head's weights and its logits write: 28 reads of each row (the cut-off's
+# 7 search passes read keys and weights, the max, weights, mass, draw, normaliser and the frozen-row select).
+SAMPLER_ROW_READS = (28, "bench_rollout.py --decode-program at 0cef5cd: h100-qwen3b's top-p step, 5.4 GB of "
+                         "fp32 [320, 151,936] traffic beyond the LM head = 28 reads a row; assumed the same on TPU")
 # Published step times of the paper's job elsewhere (seconds per step), for the table.
 ANCHORS = (
     ("Search-R1 Qwen2.5-3B, 8xH100 (maintainers: 200 steps in 2-3 h)", "36-54 s"),
@@ -204,15 +222,24 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
 
     compute_bytes = 2 if model_cfg.dtype in ("bfloat16", "float16") else 4
     overhead, overhead_why = DECODE_STEP_OVERHEAD.get(platform, DECODE_STEP_OVERHEAD["cpu"])
-    if float(section.decode_step_overhead_s) >= 0:
+    override = float(section.decode_step_overhead_s) >= 0  # one fixed cost for every schedule
+    if override:
         overhead, overhead_why = float(section.decode_step_overhead_s), "plan.decode_step_overhead_s"
 
+    per_layer, per_step = ENGINE_LAUNCHES.get(platform, ENGINE_LAUNCHES["cpu"])
+    launch_s, launch_why = LAUNCH_S.get(platform, LAUNCH_S["cpu"])
+    engine_overhead = (per_layer * model_cfg.num_layers + per_step) * launch_s
+
     def rollout_seconds(sch: Schedule, samplers: int, retrieval_on_path: bool) -> dict[str, float]:
-        """Decode at the bytes (or FLOPs) bound of its steps; prefill at the matmul rate; retrieval on
-        the critical path for the waves (the engine waits only where its steps say so)."""
+        """Decode at the bytes (or FLOPs) bound of its steps — weights once a step, live KV, and the
+        sampler's reads of every row the step samples — plus its fixed cost a step (the dense cache's
+        measured overhead for the waves, the engine's kernel launches); prefill at the matmul rate;
+        retrieval on the critical path for the waves (the engine waits only where its steps say so)."""
         read = flops.decode_bytes(model_cfg, sch.decode_steps, sch.key_reads / samplers, compute_bytes, compute_bytes)
+        read += SAMPLER_ROW_READS[0] * model_cfg.vocab_size * 4 * sch.decode_steps * sch.slots / samplers
         work = flops.decode_flops(model_cfg, sch.decode_tokens, sch.key_reads) / samplers
-        decode = max(read / (peak.bytes_per_s * hbm), work / (peak.flops * matmul)) + overhead * sch.decode_steps
+        fixed = overhead if sch.name == "waves" or override else engine_overhead
+        decode = max(read / (peak.bytes_per_s * hbm), work / (peak.flops * matmul)) + fixed * sch.decode_steps
         prefill = (2.0 * model_cfg.num_layers * flops.layer_weights(model_cfg) * sch.prefill_tokens
                    + flops.attention_flops(model_cfg, sch.prefill_pairs)) / (peak.flops * matmul * samplers)
         retrieval = sch.retrieval_calls * float(section.retrieval_s) if retrieval_on_path else 0.0
@@ -281,14 +308,18 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
                              + ("plan.efficiency_matmul" if section.efficiency_matmul else efficiency["matmul"][1]),
         "hbm_efficiency": f"{hbm:.2f} of HBM bandwidth (decode): "
                           + ("plan.efficiency_hbm" if section.efficiency_hbm else efficiency["hbm"][1]),
-        "decode_step_overhead": f"{overhead * 1e3:g} ms per decode step: {overhead_why}",
+        "decode_step_overhead": f"{overhead * 1e3:g} ms per decode step: {overhead_why}" + ("" if override else (
+            f"; the engine's paged step: {per_layer} x {model_cfg.num_layers} layers + {per_step} kernel launches "
+            f"(bench_rollout.py --decode-program, 0cef5cd) x {launch_s * 1e6:g} µs ({launch_why}) = "
+            f"{engine_overhead * 1e3:.2f} ms")),
+        "sampler": f"{SAMPLER_ROW_READS[0]} reads of each sampled row's fp32 logits a decode step: {SAMPLER_ROW_READS[1]}",
         "retrieval": f"{float(section.retrieval_s):g} s per batched retriever call (plan.retrieval_s)",
         "checkpoint": f"{float(section.checkpoint_bytes_per_s) / 1e9:g} GB/s per host "
                       "(plan.checkpoint_bytes_per_s), every train.save_every steps",
         "lengths": f"{len(drawn)} trajectories per host drawn from "
                    f"{length_label or section.length_source or 'Search-R1 3B reference lengths (bundled)'}"
                    ", cut by the rollout caps",
-        "sampler": f"waves: {sampler_devices} sampling device(s) per host x {hosts} host(s), waves of "
+        "sampling_devices": f"waves: {sampler_devices} sampling device(s) per host x {hosts} host(s), waves of "
                    f"{rollouts['waves'][0].slots} rows; engine: {min(engine_devices, local)} device(s) per host "
                    f"(rollout.sampler_devices), retrieval {retrieval_steps} decode steps a batch on a host thread; "
                    f"configured: rollout.engine={config.rollout.engine!r}",

@@ -10,7 +10,15 @@ import pytest
 from llds_jax.config import base_config
 from llds_jax.data.lengths import TrajectoryLengths, load_lengths, reference_lengths, row_lengths
 from llds_jax.models.testing import tiny_config
-from llds_jax.plan.step_time import DECODE_STEP_OVERHEAD, predict_step_time, step_lengths, waves_schedule
+from llds_jax.plan.step_time import (
+    DECODE_STEP_OVERHEAD,
+    ENGINE_LAUNCHES,
+    LAUNCH_S,
+    SAMPLER_ROW_READS,
+    predict_step_time,
+    step_lengths,
+    waves_schedule,
+)
 from llds_jax.utils import flops
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +82,8 @@ def test_each_phase_is_its_count_over_the_stated_rate():
     step = predict_step_time(config, cfg, platform="gpu", peak=peak, devices=2, hosts=1, rows_per_wave=4,
                              train_rows=4, train_length=64, scored_per_row=16, state_bytes=8e9, lengths=lengths)
     s = step.schedule
-    decode = max(flops.decode_bytes(cfg, s.decode_steps, s.key_reads / 2) / (1e11 * 0.25),
+    sampler = SAMPLER_ROW_READS[0] * cfg.vocab_size * 4 * s.decode_steps * s.slots  # every row the step samples
+    decode = max((flops.decode_bytes(cfg, s.decode_steps, s.key_reads / 2) + sampler / 2) / (1e11 * 0.25),
                  flops.decode_flops(cfg, s.decode_tokens, s.key_reads) / 2 / (1e12 * 0.5))
     forward = flops.forward_flops(cfg, 4, 64, 16)
     assert step.seconds["rollout_decode"] == pytest.approx(decode)
@@ -104,6 +113,29 @@ def test_gpu_decode_steps_carry_the_overhead_the_h100_measured():
     (bytes_only, steps, _), (measured, _, why) = decode(0.0), decode(-1.0)
     assert measured == pytest.approx(bytes_only + DECODE_STEP_OVERHEAD["gpu"][0] * steps)
     assert 0.02 < DECODE_STEP_OVERHEAD["gpu"][0] < 0.03 and "measured" in why and "26.6 ms" in why
+
+
+def test_the_engines_paged_step_costs_its_kernel_launches_not_the_dense_loops_overhead():
+    """The engine decodes over the paged cache, whose step has no host-read loop or conditional: its fixed
+    cost a step is its launches (per layer and per step) at the platform's launch cost, stated."""
+    config = base_config()
+    config.rollout.max_turns, config.train.prompts_per_step, config.rollout.n_samples = 1, 2, 2
+    config.rollout.engine = "continuous"
+    cfg, peak = tiny_config("qwen2", dtype="bfloat16"), flops.Peak(1e12, 1e11, "test")
+    lengths = [_t(10, [5, 2], [4]), _t(10, [3, 6], [4])]
+
+    config.plan.efficiency_matmul, config.plan.efficiency_hbm = 0.5, 0.25
+    step = predict_step_time(config, cfg, platform="gpu", peak=peak, devices=1, hosts=1, rows_per_wave=4,
+                             train_rows=4, train_length=64, scored_per_row=16, state_bytes=8e9, lengths=lengths)
+    s, seconds = step.by_schedule["engine, dense rows"]
+    why = step.assumptions["decode_step_overhead"]
+    per_layer, per_step = ENGINE_LAUNCHES["gpu"]
+    launches = per_layer * cfg.num_layers + per_step
+    read = flops.decode_bytes(cfg, s.decode_steps, s.key_reads) + SAMPLER_ROW_READS[0] * cfg.vocab_size * 4 * \
+        s.decode_steps * s.slots
+    bound = max(read / (1e11 * 0.25), flops.decode_flops(cfg, s.decode_tokens, s.key_reads) / (1e12 * 0.5))
+    assert seconds["rollout_decode"] == pytest.approx(bound + launches * LAUNCH_S["gpu"][0] * s.decode_steps)
+    assert f"{launches * LAUNCH_S['gpu'][0] * 1e3:.2f} ms" in why and "--decode-program" in why
 
 
 def _plan_json(tmp_path, config: str) -> tuple[str, dict]:
