@@ -226,9 +226,9 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     if override:
         overhead, overhead_why = float(section.decode_step_overhead_s), "plan.decode_step_overhead_s"
 
-    per_layer, per_step = ENGINE_LAUNCHES.get(platform, ENGINE_LAUNCHES["cpu"])
+    launches_per_layer, launches_per_step = ENGINE_LAUNCHES.get(platform, ENGINE_LAUNCHES["cpu"])
     launch_s, launch_why = LAUNCH_S.get(platform, LAUNCH_S["cpu"])
-    engine_overhead = (per_layer * model_cfg.num_layers + per_step) * launch_s
+    engine_overhead = (launches_per_layer * model_cfg.num_layers + launches_per_step) * launch_s
 
     def rollout_seconds(sch: Schedule, samplers: int, retrieval_on_path: bool) -> dict[str, float]:
         """Decode at the bytes (or FLOPs) bound of its steps — weights once a step, live KV, and the
@@ -309,7 +309,8 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
         "hbm_efficiency": f"{hbm:.2f} of HBM bandwidth (decode): "
                           + ("plan.efficiency_hbm" if section.efficiency_hbm else efficiency["hbm"][1]),
         "decode_step_overhead": f"{overhead * 1e3:g} ms per decode step: {overhead_why}" + ("" if override else (
-            f"; the engine's paged step: {per_layer} x {model_cfg.num_layers} layers + {per_step} kernel launches "
+            f"; the engine's paged step: {launches_per_layer} x {model_cfg.num_layers} layers + {launches_per_step} "
+            "kernel launches "
             f"(bench_rollout.py --decode-program, 0cef5cd) x {launch_s * 1e6:g} µs ({launch_why}) = "
             f"{engine_overhead * 1e3:.2f} ms")),
         "sampler": f"{SAMPLER_ROW_READS[0]} reads of each sampled row's fp32 logits a decode step: {SAMPLER_ROW_READS[1]}",
