@@ -42,20 +42,29 @@ from flax import nnx
 from llds_jax.models import KVCache, init_cache
 from llds_jax.models.attention import CACHED_BLOCK
 from llds_jax.models.decoder import join_slots, split_slots
+from llds_jax.models.reductions import target_platform
 from llds_jax.sampling import stop_strings
 from llds_jax.sampling.filtering import SamplingMode, sample_tokens
 
 MAX_STOP_IDS = 8
 
-STOP_CHECK_EVERY = 8
-"""Tokens between the decode loops' checks for "every row is done".
+STOP_CHECK_EVERY = {"gpu": 8, "tpu": 8, "cpu": 1}
+"""Tokens between the decode loops' checks for "every row is done", per platform the program compiles for.
 
-Why not every token: the check is a ``while_loop`` predicate that depends on the data, and
-XLA:GPU copies such a predicate to the host and waits for it before the next trip, a host
-round trip per token on the critical path. The tokens between checks run in a ``fori_loop``
-of static length, which XLA:GPU runs without reading anything back. The price: up to
-``STOP_CHECK_EVERY − 1`` steps after the last row finishes, in which every row is frozen.
+Why not every token on an accelerator: the check is a ``while_loop`` predicate that depends on the
+data, and XLA:GPU copies such a predicate to the host and waits for it before the next trip, a
+host round trip per token on the critical path. The tokens between checks run in a ``fori_loop``
+of static length, which XLA:GPU runs without reading anything back. The price: up to 7 steps
+after the last row finishes, in which every row is frozen. XLA:CPU runs the loop on the host
+anyway, so there a check costs nothing and every token is checked (no frozen steps); the
+chunked path is the same code, tested on CPU by setting the entry to 8
+(``tests/sampling/test_session.py``).
 """
+
+
+def stop_check_every() -> int:
+    """:data:`STOP_CHECK_EVERY` for the platform being compiled for (read at trace time)."""
+    return STOP_CHECK_EVERY.get(target_platform(), STOP_CHECK_EVERY["gpu"])
 
 
 class FinishReason(enum.IntEnum):
@@ -182,7 +191,7 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: 
     return run_steps(step, state, width)
 
 
-def run_steps(step, state: DecodeState, steps: int, every: int = STOP_CHECK_EVERY) -> DecodeState:
+def run_steps(step, state: DecodeState, steps: int, every: int | None = None) -> DecodeState:
     """At most ``steps`` (static) one-token ``step``s from ``state`` (whose ``step`` counts from 0),
     ending early once every row is done, which is checked only every ``every`` tokens.
 
@@ -192,7 +201,7 @@ def run_steps(step, state: DecodeState, steps: int, every: int = STOP_CHECK_EVER
     run after every row is done change nothing: done rows are frozen (pad token, no cache
     write, no length), so the trajectories are those of a per-token check.
     """
-    every = max(1, min(every, steps))
+    every = max(1, min(stop_check_every() if every is None else every, steps))
 
     def chunk(s: DecodeState) -> DecodeState:
         return jax.lax.fori_loop(0, every, lambda _, s: step(s), s)

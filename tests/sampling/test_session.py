@@ -106,3 +106,51 @@ def test_cut_last_actions_rejects_counts_outside_the_sampled_action():
     for bad in ([5, None], [0, None], [None, 1]):
         with pytest.raises(ValueError, match="cannot keep"):
             session.cut_last_actions(bad)
+
+
+def _actions_of_a_conversation(model, sampling) -> list:
+    """Every action a 3-row session samples over three turns of different budgets (rows stop at their
+    budgets, and at the stop string wherever a row completes it), and a slot engine's actions over
+    calls of 5 and 11 tokens: (ids, log-probs, finish) each."""
+    from llds_jax.sampling.slots import SlotSession  # noqa: PLC0415
+
+    session = DecodeSession(model, sampling, max_action_tokens=24, key=jax.random.key(3))
+    rng = np.random.default_rng(4)
+    session.start([rng.integers(1, 256, n).tolist() for n in (9, 3, 14)])
+    out = []
+    for active, budgets in (([True, True, True], [24, 5, 17]), ([True, False, True], [9, 0, 24])):
+        out += [(a.ids.tolist(), a.logprobs.tolist(), int(a.finish)) for a in session.act(np.array(active),
+                                                                                         np.array(budgets)) if a]
+    slots = SlotSession(model, sampling, slots=3, max_action_tokens=24, key=jax.random.key(3), max_tokens=128)
+    for slot in range(3):
+        slots.reset(slot, slot, 0)
+        slots.set_blocks(slot, [slot])
+    slots.append({slot: rng.integers(1, 256, n).tolist() for slot, n in enumerate((9, 3, 14))})
+    for slot, budget in enumerate((24, 7, 19)):
+        slots.start_action(slot, budget)
+    for steps in (5, 11, 11):
+        out += [(a.ids.tolist(), a.logprobs.tolist(), int(a.finish)) for _, a in sorted(slots.decode(steps).items())]
+    return out
+
+
+def test_checking_for_finished_rows_every_8_tokens_samples_what_checking_every_token_does(monkeypatch):
+    """The accelerators' decode loops check "every row done?" once per chunk of 8 tokens (a host round
+    trip on XLA:GPU); XLA:CPU checks every token. Both paths, run here on CPU, give the same actions:
+    rows that finish inside a chunk stay frozen for its rest."""
+    from llds_jax.sampling import decode_loop  # noqa: PLC0415
+
+    model = tiny_model("qwen2", seed=2)
+    from llds_jax.sampling.stop_strings import build_stop_table  # noqa: PLC0415
+
+    stop_table = build_stop_table(tuple(bytes([i % 256]) for i in range(model.config.vocab_size)), ("ab",)).transitions
+    sampling = SamplingParams.create(temperature=1.0, top_k=0, top_p=0.9, stop_token_ids=[7], stop_table=stop_table)
+    every_token = _actions_of_a_conversation(model, sampling)
+    monkeypatch.setitem(decode_loop.STOP_CHECK_EVERY, "cpu", 8)
+    jax.clear_caches()  # the programs above were traced with the other interval
+    try:
+        chunked = _actions_of_a_conversation(model, sampling)
+    finally:
+        jax.clear_caches()
+    assert chunked == every_token
+    lengths = [len(ids) for ids, _, _ in every_token]
+    assert len(set(lengths)) > 2 and any(n % 8 for n in lengths)  # rows ended inside chunks, at several points
