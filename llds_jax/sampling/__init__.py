@@ -14,10 +14,11 @@ need ``tokenizer=`` (or a prebuilt ``StopStringTable``).
 
 Lower level, for multi-turn callers (the rollout): ``decode_loop.new_cache``,
 ``decode_loop.extend`` (prefill or append a chunk), ``decode_loop.decode`` (the loop),
-``decode_loop.SamplingParams``, ``stop_strings.build_stop_table``, ``token_bytes.vocab_bytes``.
+``decode_loop.SamplingParams`` (its static ``filtering.SamplingMode``), ``stop_strings.build_stop_table``, ``token_bytes.vocab_bytes``.
 """
 
 from llds_jax.sampling.decode_loop import DecodeState, FinishReason, SamplingParams
+from llds_jax.sampling.filtering import SamplingMode
 from llds_jax.sampling.generate import GenerateOutput, bucket, generate
 from llds_jax.sampling.stop_strings import StopStringTable, build_stop_table
 from llds_jax.sampling.token_bytes import vocab_bytes
@@ -26,6 +27,7 @@ __all__ = [
     "DecodeState",
     "FinishReason",
     "GenerateOutput",
+    "SamplingMode",
     "SamplingParams",
     "StopStringTable",
     "bucket",

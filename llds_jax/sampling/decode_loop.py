@@ -193,26 +193,28 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: 
 
 def run_steps(step, state: DecodeState, steps: int, every: int | None = None) -> DecodeState:
     """At most ``steps`` (static) one-token ``step``s from ``state`` (whose ``step`` counts from 0),
-    ending early once every row is done, which is checked only every ``every`` tokens.
+    ending early once every row is done, which is checked only every ``every`` tokens (default:
+    :func:`stop_check_every` of the platform compiled for).
 
-    An outer ``while_loop`` over chunks of ``k = min(every, steps)`` tokens, each a ``fori_loop``
-    of static length, then the ``steps % k`` tokens left in one more such loop; so never more
-    than ``steps`` tokens, and the only data-dependent predicate is the outer loop's. Tokens
-    run after every row is done change nothing: done rows are frozen (pad token, no cache
-    write, no length), so the trajectories are those of a per-token check.
+    The ``steps % k`` odd tokens (``k = min(every, steps)``) first, in a ``fori_loop`` of static
+    length (at the start rows are rarely all done: this is work, not waste), then an outer
+    ``while_loop`` over chunks of ``k`` tokens, each such a ``fori_loop``; so never more than
+    ``steps`` tokens, and the only data-dependent predicate is the outer loop's, once a chunk.
+    Tokens run after every row is done change nothing: done rows are frozen (pad token, no
+    cache write, no length), so the trajectories are those of a per-token check.
     """
     every = max(1, min(stop_check_every() if every is None else every, steps))
 
-    def chunk(s: DecodeState) -> DecodeState:
-        return jax.lax.fori_loop(0, every, lambda _, s: step(s), s)
+    def run(count: int, s: DecodeState) -> DecodeState:
+        return jax.lax.fori_loop(0, count, lambda _, s: step(s), s)
+
+    if steps % every:
+        state = run(steps % every, state)
 
     def keep_going(s: DecodeState):
         return (s.step <= steps - every) & ~jnp.all(s.done)
 
-    state = jax.lax.while_loop(keep_going, chunk, state)
-    if steps % every:
-        state = jax.lax.fori_loop(0, steps % every, lambda _, s: step(s), state)
-    return state
+    return jax.lax.while_loop(keep_going, functools.partial(run, every), state)
 
 
 def decode_program(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: KVCache,

@@ -12,7 +12,8 @@ point of its own conversation, as JetStream's decode slots do:
     stop_action(slot)               abandon an unfinished action (preemption: redrawn later, same keys)
     cut({slot: kept})               keep the first ``kept`` ids of each slot's last action
 
-A decode call ends after ``steps`` tokens or when no slot decodes: the host then sees which
+A decode call ends after ``steps`` tokens or when no slot decodes (checked every
+``decode_loop.STOP_CHECK_EVERY`` tokens, never past ``steps``): the host then sees which
 actions ended, appends feedback, admits new trajectories, and calls again. The per-action
 state (ids so far, stop-string state, length) lives on the device between calls, so an
 action spans as many calls as it needs.
