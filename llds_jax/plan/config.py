@@ -43,7 +43,11 @@ def default_plan_config() -> ml_collections.ConfigDict:
         # Step time (llds_jax.plan.step_time): seconds per phase of one step on the target.
         step_time=True,
         length_source="",        # "" = Search-R1 3B reference lengths (bundled); a run dir = its samples.jsonl
-        retrieval_s=0.5,         # seconds per batched retriever call (one per turn of a rollout wave)
+        # Retrieval (llds_jax.plan.retrieval): seconds per call from the configured backend's cost model.
+        retrieval_s=0.0,         # > 0: a flat charge per batched retriever call instead of the backend's model
+        host_flops=0.0,          # the retrieval host's FLOP/s on a faiss Flat search; 0 = measured here a thread x the target host's vCPUs
+        index_passages=21_015_324,  # the index's passages when the configured one cannot be read: wiki-18 (Search-R1's corpus)
+        index_dim=768,           # its vector width when unreadable: E5-base (Search-R1's e5_Flat.index)
         checkpoint_bytes_per_s=1e9,  # per host, writing the train state
         efficiency_matmul=0.0,   # fraction of peak FLOP/s of the update/log-prob/prefill; 0 = per platform
         efficiency_hbm=0.0,      # fraction of HBM bandwidth of the decode; 0 = per platform
@@ -54,13 +58,17 @@ def default_plan_config() -> ml_collections.ConfigDict:
 
 def validate(section) -> None:
     """The ``plan`` section's own values, checked before anything is compiled or loaded."""
-    for field in ("retrieval_s", "checkpoint_bytes_per_s", "efficiency_matmul", "efficiency_hbm"):
+    for field in ("retrieval_s", "host_flops", "checkpoint_bytes_per_s", "efficiency_matmul", "efficiency_hbm"):
         value = section[field]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise PlanError(f"plan.{field}={value!r} must be a number ≥ 0")
     for field in ("efficiency_matmul", "efficiency_hbm"):
         if section[field] > 1:
             raise PlanError(f"plan.{field}={section[field]!r} is a fraction of peak: at most 1 (0 = per platform)")
+    for field in ("index_passages", "index_dim"):
+        value = section[field]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"plan.{field}={value!r} must be a positive integer")
     for field in ("devices", "rollout_batch", "device_memory_bytes"):
         value = section[field]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -98,7 +98,8 @@ def predict_run(config, lengths: list[TrajectoryLengths], hardware: str, label: 
         config, model_cfg, platform="gpu" if hardware in ("H100", "H200") else "cpu", peak=peak, devices=1, hosts=1,
         rows_per_wave=trajectories, train_rows=trajectories, train_length=length, scored_per_row=scored,
         state_bytes=16 * flops.parameters(model_cfg), lengths=lengths, length_label=label, packing=packing,
-        device_bytes=HARDWARE[hardware][1] if hardware in HARDWARE else None)
+        device_bytes=HARDWARE[hardware][1] if hardware in HARDWARE else None,
+        hardware=hardware if hardware in HARDWARE else "")
 
 
 def ratios(measured: dict, predicted: dict) -> list[tuple[str, float | None, float | None, float | None]]:

@@ -55,6 +55,7 @@ from llds_jax.models.attention import CACHED_BLOCK, DEFAULT_BLOCK, QUERY_BLOCK, 
 from llds_jax.models.loading import decoder_config
 from llds_jax.plan.aot import TooLargeToCompile, abstract_cache, abstract_train_state, compile_ahead
 from llds_jax.plan.config import CHECK_MODES, GB, HARDWARE, USABLE_FRACTION
+from llds_jax.plan.retrieval import index_memory, refuse_index
 from llds_jax.plan.step_time import StepTime, format_step_time, predict_step_time
 from llds_jax.plan.targets import NeedsFreshProcess, PlanError, Target, resolve_target
 from llds_jax.utils import flops
@@ -241,6 +242,8 @@ def make_plan(config, target: Target | None = None) -> Plan:
         "reference": bytes_per_device(state.ref_params),
         "counters": bytes_per_device((state.step, state.rng, state.updates, state.skipped_updates)),
     }
+    index_held, index_note = index_memory(config, len(devices), hosts_of(devices))
+    resident.update(index_held)  # the mesh index: resident beside the model, outside every program's arguments
     phase_extra = {
         "update": {"batch": bytes_per_device(batch)},
         "logprobs": {"batch": bytes_per_device(batch.logprob_inputs)},
@@ -293,7 +296,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
         phase: -(-rows[phase] // dp) * heads * math.prod(scores_read(phase, queries[phase], keys[phase])) * 4
         for phase in programs}
     notes = [target.note] if target.note else []
-    notes.append(wave_note)
+    notes += [wave_note, index_note]
     if packing is not None:
         notes.append(f"packed rows: {packing.rows} × {packing.width} tokens per micro-batch "
                      f"(train.micro_batch_tokens), {packing.slots} micro-batch slots")
@@ -332,7 +335,8 @@ def _step_time(config, section, decoder_cfg, target, devices, rollout_rows: int,
                              rows_per_wave=rows_per_wave, train_rows=trajectories, train_length=length,
                              scored_per_row=StepSizes.from_config(config).scored_positions, state_bytes=state_bytes,
                              packing=packing, device_bytes=HARDWARE[target.hardware][1] if target.hardware
-                             else device_memory_limit(section, devices))
+                             else device_memory_limit(section, devices),
+                             hardware=target.hardware or "")
 
 
 def _rollout_rows(config, section, decoder_cfg, target, devices, trajectories: int, dp: int) -> tuple[int, str]:
@@ -465,12 +469,18 @@ def check_fits_before_training(config, devices) -> Plan | None:
             raise PlanError(f"plan.check_before_train='always', but {devices[0].platform} devices report no memory "
                             "limit: set plan.device_memory_bytes")
         return None
+    if index_alone := refuse_index(config, len(devices), hosts_of(devices), limit):  # before any compile
+        raise PlanError(f"this run will not fit its devices:\n{index_alone}\n(plan.check_before_train='never' skips "
+                        "this check)")
     plan = make_plan(config, target=devices)
     over = {phase: plan.phase_peak(phase) for phase in plan.programs if plan.phase_peak(phase) > limit}
     if over:
         size = lambda n: f"{n / GB:.2f} GB" if n >= GB / 10 else f"{n / 1e6:.2f} MB"
         lines = [f"  {phase}: {size(peak)} per device > {size(limit)}; change {PHASE_KNOBS[phase]}"
                  for phase, peak in over.items()]
+        if index := plan.resident.get("retrieval_index", 0):  # only the mesh index puts it there
+            lines.append(f"  each phase includes the retrieval index, {size(index)} per device (retrieval.method='mesh',"
+                         f" retrieval.mesh_dtype={config.retrieval.mesh_dtype!r})")
         raise PlanError("this run will not fit its devices (its own plan; --mode=plan prints the table):\n"
                         + "\n".join(lines) + "\n(plan.check_before_train='never' skips this check)")
     return plan
@@ -488,7 +498,7 @@ def format_plan(plan: Plan, hardware=tuple(HARDWARE)) -> str:
         f"compiler   : {plan.compiler}",
         "",
         "resident per device (whole run), GB",
-        *(f"  {k:<24}{_gb(v)}" for k, v in plan.resident.items()),
+        *(f"  {k.replace('_', ' '):<24}{_gb(v)}" for k, v in plan.resident.items()),
         f"  {'total':<24}{_gb(sum(plan.resident.values()))}",
         "",
         "per phase, per device, GB: XLA memory_analysis of the compiled program",

@@ -9,7 +9,9 @@ run's ``samples.jsonl``), and turned into seconds at a stated fraction of the ch
   wave lasts as long as its longest action), each reading the weights once and every row's live
   KV entries, at ``hbm`` × HBM bandwidth (or the matmul bound, if larger);
 * **rollout / prefill** — prompts and appended feedback through the forward, at ``matmul`` × peak;
-* **rollout / retrieval** — one batched retriever call per turn of a wave, ``plan.retrieval_s`` each;
+* **rollout / retrieval** — one batched retriever call per turn of a wave, each at the configured
+  backend's cost (``plan.retrieval``: faiss Flat / IVF / BM25 on the host's CPUs, or the mesh index
+  on the chips); the engine runs it on a host thread, so only its waits count there;
 * **logprobs** (π_old, π_ref), **update** (forward + backward + remat), **delta** (the Δ forward,
   every ``train.delta_every`` steps) — over the batch as the trainer computes it, at ``matmul`` × peak;
 * **checkpoint** — the state's bytes at ``plan.checkpoint_bytes_per_s`` per host, every
@@ -172,6 +174,9 @@ class StepTime:
     # Every rollout schedule predicted (waves; the continuous engine on dense rows and on the paged
     # plan): its schedule and the step's seconds with it. ``seconds`` is the configured engine's.
     by_schedule: dict[str, tuple[Schedule, dict[str, float]]] = dataclasses.field(default_factory=dict)
+    # One paper turn's search (a query per trajectory of the step): "configured" and faiss Flat on a host
+    # vs the mesh index ("mesh_bfloat16" / "mesh_float32"), seconds; "queries".
+    retrieval_turn: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def as_json(self) -> dict:
         return {"step_time_s": dict(self.seconds), "assumptions": dict(self.assumptions),
@@ -179,7 +184,8 @@ class StepTime:
                 "step_time_s_by_schedule": {name: dict(sec) for name, (_, sec) in self.by_schedule.items()},
                 "schedules": {name: dataclasses.asdict(sch) | {"efficiency": sch.efficiency}
                               for name, (sch, _) in self.by_schedule.items()},
-                "details": dict(self.details), "anchors": {name: value for name, value in ANCHORS}}
+                "details": dict(self.details), "anchors": {name: value for name, value in ANCHORS},
+                "retrieval_turn_s": dict(self.retrieval_turn)}
 
 
 def training_rows(trajectories: list[TrajectoryLengths], packing, length: int) -> tuple[int, int, float]:
@@ -198,7 +204,8 @@ def training_rows(trajectories: list[TrajectoryLengths], packing, length: int) -
 def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, devices: int, hosts: int,
                       rows_per_wave: int, train_rows: int, train_length: int, scored_per_row: int,
                       state_bytes: float, lengths: list[TrajectoryLengths] | None = None,
-                      length_label: str = "", packing=None, device_bytes: float | None = None) -> StepTime:
+                      length_label: str = "", packing=None, device_bytes: float | None = None,
+                      hardware: str = "") -> StepTime:
     """Seconds of one step of ``config`` on ``devices`` chips of ``peak`` over ``hosts`` hosts.
 
     ``rows_per_wave``: the rollout's wave size per host (all of a host's trajectories decode on
@@ -207,7 +214,9 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     trainer's programs compute padded; ``packing`` (``train.packing.PackingSizes``): the passes run
     packed rows instead, sized on the step's own trajectories; ``state_bytes``: the train state a
     checkpoint writes; ``lengths`` (named ``length_label``) replace ``plan.length_source``;
-    ``device_bytes``: one chip's memory, for the continuous engine's paged-KV plan (None: no such column).
+    ``device_bytes``: one chip's memory, for the continuous engine's paged-KV plan (None: no such column);
+    ``hardware``: the target's ``plan.config.HARDWARE`` key ("" = none), for the retrieval host's CPUs and
+    the chips' interconnect.
     """
     section = config.plan
     efficiency = {kind: EFFICIENCY.get(platform, EFFICIENCY["cpu"])[kind] for kind in ("matmul", "hbm")}
@@ -219,6 +228,8 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     drawn = step_lengths(config, lengths if lengths is not None else load_lengths(str(section.length_source)),
                          per_host, seed=int(config.seed))
     schedule = waves_schedule(drawn, max(1, min(rows_per_wave, per_host)))
+    search = _retrieval(config, drawn, platform=platform, hardware=hardware, peak=peak, devices=devices,
+                        hosts=hosts, matmul=matmul, hbm=hbm, trajectories=trajectories)
 
     compute_bytes = 2 if model_cfg.dtype in ("bfloat16", "float16") else 4
     overhead, overhead_why = DECODE_STEP_OVERHEAD.get(platform, DECODE_STEP_OVERHEAD["cpu"])
@@ -242,13 +253,14 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
         decode = max(read / (peak.bytes_per_s * hbm), work / (peak.flops * matmul)) + fixed * sch.decode_steps
         prefill = (2.0 * model_cfg.num_layers * flops.layer_weights(model_cfg) * sch.prefill_tokens
                    + flops.attention_flops(model_cfg, sch.prefill_pairs)) / (peak.flops * matmul * samplers)
-        retrieval = sch.retrieval_calls * float(section.retrieval_s) if retrieval_on_path else 0.0
+        retrieval = search["cost"].total(sch.retrieval_calls, search["call_queries"]) if retrieval_on_path else 0.0
         return {"rollout_decode": decode, "rollout_prefill": prefill, "rollout_retrieval": retrieval,
                 "decode_bytes": read, "decode_flops": work}
 
     rollouts = {"waves": (schedule, rollout_seconds(schedule, sampler_devices, True))}
     per_step = rollouts["waves"][1]["rollout_decode"] / max(schedule.decode_steps, 1)
-    retrieval_steps = math.ceil(float(section.retrieval_s) / max(per_step, 1e-9))
+    mean_call = search["call_queries"] / max(schedule.retrieval_calls, 1)  # the waves' mean batch
+    retrieval_steps = math.ceil(search["cost"].seconds(mean_call) / max(per_step, 1e-9))
     local = max(1, devices // hosts)
     engine_devices = {-1: local, 0: 1}.get(int(config.rollout.sampler_devices),
                                            int(config.rollout.sampler_devices))
@@ -314,7 +326,8 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
             f"(bench_rollout.py --decode-program, 0cef5cd) x {launch_s * 1e6:g} µs ({launch_why}) = "
             f"{engine_overhead * 1e3:.2f} ms")),
         "sampler": f"{SAMPLER_ROW_READS[0]} reads of each sampled row's fp32 logits a decode step: {SAMPLER_ROW_READS[1]}",
-        "retrieval": f"{float(section.retrieval_s):g} s per batched retriever call (plan.retrieval_s)",
+        "retrieval": f"{search['cost'].backend}: {search['cost'].why}; index {search['index'].passages:,} x "
+                     f"{search['index'].dim} ({search['index'].source})",
         "checkpoint": f"{float(section.checkpoint_bytes_per_s) / 1e9:g} GB/s per host "
                       "(plan.checkpoint_bytes_per_s), every train.save_every steps",
         "lengths": f"{len(drawn)} trajectories per host drawn from "
@@ -330,8 +343,28 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     }
     details = {"decode_bytes": decode_bytes, "decode_flops": decode_flops,
                "update_flops": update_flops, "forward_flops": forward, "logprob_passes": passes,
-               "trajectories_per_host": per_host, "mean_trajectory_tokens": sum(t.total for t in drawn) / len(drawn)}
-    return StepTime(seconds, assumptions, schedule, details, by_schedule)
+               "trajectories_per_host": per_host, "mean_trajectory_tokens": sum(t.total for t in drawn) / len(drawn),
+               "retrieval_queries_per_host": search["queries"]}
+    return StepTime(seconds, assumptions, schedule, details, by_schedule, search["turn"])
+
+
+def _retrieval(config, drawn, *, platform, hardware, peak, devices, hosts, matmul, hbm, trajectories) -> dict:
+    """The configured retriever's cost a call (``plan.retrieval.search_cost``), the searches the host's
+    calls carry (a ``retrieval.url`` server answers every host's), and a paper turn's seconds — one query
+    per trajectory of the step — by faiss Flat on one host vs the mesh index (bf16, fp32) on each host's chips."""
+    from llds_jax.plan.retrieval import backend_of, index_shape, search_cost  # noqa: PLC0415
+
+    shape, local = index_shape(config), max(1, devices // hosts)
+    kw = dict(hardware=hardware, platform=platform, peak=peak, shards=local, matmul=matmul, hbm=hbm)
+    cost = search_cost(config, backend_of(config.retrieval), shape, **kw)
+    searches = sum(t.is_search(k) for t in drawn for k in range(len(t.feedback)))
+    served = hosts if config.retrieval.url else 1
+    per_host = -(-trajectories // hosts)
+    turn = {"queries": trajectories, "configured": cost.seconds(per_host * served),
+            "faiss_flat_host": search_cost(config, "flat", shape, **kw).seconds(trajectories)}
+    turn |= {f"mesh_{dtype}": search_cost(config, "mesh", shape, dtype=dtype, **kw).seconds(per_host)
+             for dtype in ("bfloat16", "float32")}
+    return {"cost": cost, "index": shape, "queries": searches, "call_queries": searches * served, "turn": turn}
 
 
 PHASE_ORDER = ("rollout_decode", "rollout_prefill", "rollout_retrieval", "rollout", "logprobs", "update", "delta",
@@ -350,6 +383,11 @@ def format_step_time(step: StepTime) -> str:
         s = step.by_schedule[name][0] if step.by_schedule else step.schedule
         lines.append(f"  {name + ':':<22}{s.slots} slots, {s.decode_steps} decode steps vs a lower bound of "
                      f"{s.lower_bound_steps} (efficiency {s.efficiency:.2f}); {s.retrieval_calls} retriever calls")
+    if step.retrieval_turn:
+        turn = step.retrieval_turn
+        lines.append(f"  retrieval, one turn of {int(turn['queries']):,} queries: configured {turn['configured']:.3f} s; "
+                     f"faiss Flat on one host {turn['faiss_flat_host']:.2f} s; mesh index bf16 "
+                     f"{turn['mesh_bfloat16']:.4f} s, fp32 {turn['mesh_float32']:.4f} s")
     lines += ["  assumptions:"]
     lines += [f"    {name:<18}: {text}" for name, text in step.assumptions.items()]
     lines += ["  published step times of the paper's job elsewhere:"]

@@ -70,6 +70,20 @@ def _pad_rows(n: int) -> int:
     return max(MIN_QUERY_ROWS, 1 << (max(n, 1) - 1).bit_length())
 
 
+def padded_queries(n: int) -> int:
+    """Rows a search of ``n`` queries computes (a power of two ≥ 8): what ``--mode=plan`` charges."""
+    return _pad_rows(n)
+
+
+def shard_layout(num_passages: int, num_shards: int, chunk: int) -> tuple[int, int, int]:
+    """``(chunks, chunk, rows per shard)`` of a `MeshIndex`: each shard's rows split into equal chunks of at
+    most ``chunk`` (padding < chunks rows a shard). Pure, so ``--mode=plan`` counts the same padded bytes."""
+    per_shard = -(-num_passages // num_shards)
+    chunks = -(-per_shard // chunk)
+    even = -(-per_shard // chunks)
+    return chunks, even, chunks * even
+
+
 def faiss_tie_order(scores: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """``ids`` (each row best first, equal scores lowest id first) with every run of exactly equal
     scores reversed: the order faiss ``IndexFlatIP`` returns ties in."""
@@ -113,10 +127,7 @@ class MeshIndex:
         self.num_passages, self.dim = int(vectors.shape[0]), int(vectors.shape[1])
         self.dtype_name = dtype
         self.num_shards = math.prod(mesh.shape[a] for a in axes)
-        per_shard = -(-self.num_passages // self.num_shards)
-        self.num_chunks = -(-per_shard // chunk)
-        self.chunk = -(-per_shard // self.num_chunks)  # chunks evened out: padding < num_chunks rows a shard
-        self.rows_per_shard = self.num_chunks * self.chunk
+        self.num_chunks, self.chunk, self.rows_per_shard = shard_layout(self.num_passages, self.num_shards, chunk)
         self.padded_passages = self.rows_per_shard * self.num_shards
         self.sharding = NamedSharding(mesh, P(axes, None))
         self.vectors = self._place(vectors, DTYPES[dtype])

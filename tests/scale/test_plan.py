@@ -268,3 +268,40 @@ def test_random_weights_take_a_known_models_shapes_and_name_an_unknown_one():
     c.model.source = "random:Mystery-9B"
     with pytest.raises(ModelSourceError, match="model.source='random:Mystery-9B': not a known shape"):
         decoder_config(c.model)
+
+
+def _mesh_retrieval(c, tmp_path, dtype="float32"):
+    """The tiny config searching a mesh index the plan cannot read: wiki-18 x E5 (the stated fields)."""
+    c.retrieval.update(method="mesh", url="", index_path=str(tmp_path), mesh_dtype=dtype)
+    return c
+
+
+def test_the_mesh_index_is_resident_in_the_plan_beside_the_model(tmp_path):
+    """Compile-only XLA:CPU decode of the tiny model: the index's padded shard per device is counted
+    in the phase's peak and printed as "retrieval index"."""
+    c = _mesh_retrieval(_tiny_config(), tmp_path, "bfloat16")
+    c.plan.phases, c.plan.step_time = ("decode",), False
+    plan = make_plan(c)
+    per_device = -(-21_015_324 // 8) * 768 * 2
+    assert plan.resident["retrieval_index"] == pytest.approx(per_device, rel=1e-4)
+    assert plan.phase_peak("decode") > plan.programs["decode"].peak_bytes + plan.resident["retrieval_index"]
+    table = format_plan(plan)
+    assert "retrieval index" in table and "retrieval.mesh_dtype='bfloat16'" in table
+    assert f"{HARDWARE['v5e'][0]:<28}fits" in table  # 4.04 GB of index + the tiny model < 92 % of 16 GB
+
+
+def test_a_mesh_index_that_will_not_fit_is_refused_before_compiling(tmp_path):
+    """8 GB of fp32 wiki-18 per device against 2 GB: refused naming the method and the dtype field,
+    without compiling a program; bf16 halves it."""
+    from llds_jax.plan.run import check_fits_before_training
+
+    c = _mesh_retrieval(_tiny_config(), tmp_path)
+    c.plan.update(check_before_train="always", device_memory_bytes=2 * 10**9)
+    with pytest.raises(PlanError) as error:
+        check_fits_before_training(c, jax.devices())
+    message = str(error.value)
+    assert "retrieval.method='mesh'" in message and "retrieval.mesh_dtype='float32'" in message
+    assert "8.07 GB per device" in message
+    c.retrieval.mesh_dtype = "bfloat16"
+    with pytest.raises(PlanError, match=r"4\.04 GB per device .*mesh_dtype='bfloat16'"):
+        check_fits_before_training(c, jax.devices())

@@ -138,23 +138,36 @@ def test_the_engines_paged_step_costs_its_kernel_launches_not_the_dense_loops_ov
     assert f"{launches * LAUNCH_S['gpu'][0] * 1e3:.2f} ms" in why and "--decode-program" in why
 
 
-def _plan_json(tmp_path, config: str) -> tuple[str, dict]:
+def _plan_json(tmp_path, config: str, *extra: str) -> tuple[str, dict]:
     """``--mode=plan`` as a real process: the step time alone on 8 devices of 80 GB; (stdout, its JSON)."""
     out = tmp_path / "plan.json"
     proc = subprocess.run(
         [sys.executable, "-m", "llds_jax.main", "--mode=plan", f"--config={config}", "--config.plan.devices=8",
-         "--config.plan.phases=()", "--config.plan.device_memory_bytes=80000000000", f"--config.plan.json_out={out}"],
+         "--config.plan.phases=()", "--config.plan.device_memory_bytes=80000000000", f"--config.plan.json_out={out}",
+         *extra],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, json.loads(out.read_text())
 
 
 def test_mode_plan_writes_the_step_time_as_json(tmp_path):
-    stdout, plan = _plan_json(tmp_path, "configs/qwen3b.py")
+    """One process: qwen3b searching a bf16 mesh index of wiki-18 (the stated fields; its index dir is
+    empty) at a stated host rate: the JSON holds the index per device and a paper turn's seconds."""
+    stdout, plan = _plan_json(tmp_path, "configs/qwen3b.py", "--config.retrieval.method=mesh",
+                              "--config.retrieval.url=", f"--config.retrieval.index_path={tmp_path}",
+                              "--config.retrieval.mesh_dtype=bfloat16", "--config.plan.host_flops=2e12")
     assert "step time, predicted" in stdout and "36-54 s" in stdout
     assert set(plan["step_time_s"]) >= {"rollout", "logprobs", "update", "delta", "checkpoint", "total"}
     assert plan["step_time_s"]["total"] > plan["step_time_s"]["update"] > 0
     assert "matmul_efficiency" in plan["assumptions"]
+    # the mesh index: wiki-18 x E5 in bf16 over the 8 devices of one host, padded as MeshIndex pads
+    assert plan["resident_bytes"]["retrieval_index"] == pytest.approx(-(-21_015_324 // 8) * 768 * 2, rel=1e-4)
+    assert "retrieval index" in stdout and "plan.index_passages" in plan["assumptions"]["retrieval"]
+    turn = plan["retrieval_turn_s"]
+    assert turn["queries"] == 2560 and turn["configured"] == turn["mesh_bfloat16"]
+    assert turn["faiss_flat_host"] == pytest.approx(2 * 2560 * 21_015_324 * 768 / 2e12)
+    assert 0 < turn["mesh_bfloat16"] <= turn["mesh_float32"]  # simulated CPU chips: matmul-bound either way
+    assert "retrieval, one turn of 2,560 queries" in stdout
 
 
 def test_the_plan_puts_the_waves_and_the_engine_side_by_side(tmp_path):
