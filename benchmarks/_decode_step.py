@@ -63,7 +63,7 @@ if str(ROOT / "tools" / "roofline") not in sys.path:
     sys.path.insert(0, str(ROOT / "tools" / "roofline"))
 
 from _hlo_reading import BOOKKEEPING_CALLS, as_entry, computation_blocks  # noqa: E402
-from _tpu_hbm import Reader  # noqa: E402
+from _tpu_hbm import Reader, token_body  # noqa: E402
 from _xla_charges import optimised_hlo  # noqa: E402
 
 # Ops that launch no work of their own.
@@ -379,12 +379,12 @@ def read_step(hlo: str, platform: str, decoder_cfg, lengths: list[int], block: i
     if len(segment) != 1:
         raise ValueError(f"expected decode_segment's one segment loop in ENTRY, found {len(loops)} while loops")
     body = segment[0].called("body")[0]
-    inner = [op for op in reader.computations[body].values() if op.opcode == "while"]
-    tokens_per_check = 1
-    if len(inner) == 1 and reader.trip_count(body, inner[0]) is not None:
-        # the segment loop checks for finished rows once a chunk of STOP_CHECK_EVERY tokens (a static
-        # loop); the token is that chunk loop's body
-        tokens_per_check, body = reader.trip_count(body, inner[0]), inner[0].called("body")[0]
+    # the segment loop checks for finished rows once a chunk of STOP_CHECK_EVERY tokens (a static loop):
+    # the token is that chunk loop's body (tools/roofline/_tpu_hbm.token_body)
+    token = token_body(reader, body)
+    tokens_per_check = 1 if token == body else next(
+        reader.trip_count(body, op) for op in reader.computations[body].values() if op.opcode == "while")
+    body = token
     dynamic_trips = max(-(-(max(lengths) + 1) // block) - 1, 0)  # paged_attention: fori_loop(1, ceil(live / block))
     found = _Walk()
     launches = _walk(reader, body, 1.0, dynamic_trips, found, set())

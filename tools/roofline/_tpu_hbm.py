@@ -381,11 +381,27 @@ def cache_moves(reader: Reader, body: str, charges: list[Charge], kernels: list[
 
 
 def decode_loop_body(reader: Reader) -> str:
-    """The body of the one ``while`` in ENTRY: the decode loop."""
+    """The computation run once per decode token: ``decode_loop.run_steps``' loop in ENTRY (the one
+    whose trip count is data-dependent) and, inside it, the body of its static chunk loop."""
     loops = [op for op in reader.computations[reader.entry].values() if op.opcode == "while"]
+    loops = [op for op in loops if reader.trip_count(reader.entry, op) is None] or loops
     if len(loops) != 1:
-        raise ValueError(f"expected one while loop in ENTRY (the decode loop), found {len(loops)}")
-    return loops[0].called("body")[0]
+        raise ValueError(f"expected one decode loop in ENTRY, found {len(loops)} while loops")
+    return token_body(reader, loops[0].called("body")[0])
+
+
+_PLUMBING = {"parameter", "get-tuple-element", "tuple", "constant", "copy", "bitcast"}
+
+
+def token_body(reader: Reader, body: str) -> str:
+    """``body``'s token: ``body`` itself, or — when ``body`` only runs one static loop (``run_steps``'
+    chunk of tokens between two checks), nothing else but tuple plumbing — that loop's body."""
+    ops = reader.computations[body].values()
+    inner = [op for op in ops if op.opcode == "while"]
+    if (len(inner) == 1 and reader.trip_count(body, inner[0]) is not None
+            and all(op.opcode in _PLUMBING or op is inner[0] for op in ops)):
+        return inner[0].called("body")[0]
+    return body
 
 
 def _evidence(charges: list[Charge], reader: Reader) -> dict:
@@ -444,8 +460,10 @@ def hbm_of_program(hlo: str, ideal: float, kernel_flops: float = 0.0) -> dict:
 @functools.partial(jax.jit, static_argnames=("graphdef", "width", "sampling_mode"), donate_argnames=("cache",))
 def decode_loop(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, *, width: int,
                 sampling_mode: str):
-    """``sampling.decode_loop.decode`` (the same step in the same loops, ``run_steps``) with the sampler's
-    knobs constants of the program and its static mode the one they need, as ``SamplingParams.create`` sets it."""
+    """``sampling.decode_loop.decode``'s step in ``run_steps`` with the sampler's knobs constants of the
+    program and its static mode the one they need, as ``SamplingParams.create`` sets it. Checked every
+    token (``every=1``): one loop whose body is one token, the body this model reads (the accelerators'
+    chunks of 8 run the same step in a static loop inside)."""
     from llds_jax.sampling.decode_loop import decode_program, run_steps
     from llds_jax.sampling.filtering import SamplingMode
 
@@ -453,7 +471,7 @@ def decode_loop(graphdef, params, logits, cache, done, budget, keys, drawn, samp
     sampling = dataclasses.replace(sampling, temperature=jnp.float32(temperature), top_k=jnp.int32(top_k),
                                    top_p=jnp.float32(top_p), mode=SamplingMode.of(temperature, top_k, top_p))
     state, step = decode_program(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, width=width)
-    return run_steps(step, state, width)
+    return run_steps(step, state, width, every=1)
 
 
 def measure_hbm(compile_for, args, mesh, platform: str, sampling_mode: str, live: int, ideal: float,
