@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from llds_jax.models.logprobs import scored_positions
 from llds_jax.parallel.rules import ShardingRules, current_rules
 
 
@@ -240,3 +241,32 @@ def computed_tokens(plan: RowPlan, sizes: PackingSizes) -> int:
 def data_parallel_size(mesh, rules: ShardingRules | None = None, rows: int | None = None) -> int:
     """Shards of the ``batch`` logical axis on ``mesh`` (the devices a micro-batch's rows split over)."""
     return (rules or current_rules()).shards("batch", mesh, rows)
+
+
+def pack_on_device(input_ids, action_mask, lengths, where: Placement, sizes: PackingSizes) -> PackedRows:
+    """``pack`` as one traced scatter, for a batch whose rows live on several hosts (jnp; jit it).
+
+    Why: a host holds only its own trajectories' tokens while a packed micro-batch's rows span every
+    host's devices, so no host can fill its rows alone. Every host computes the same ``where``
+    (``place`` of ``plan_rows`` on the all-gathered lengths: the one-host plan, hence the one-host
+    numbers) and the program writes each trajectory's real tokens, segment id and action-target
+    columns to their packed places; XLA moves the tokens between devices. The token arrays are int32
+    and a few tens of MB at the paper shapes, once per step. Same arrays as ``pack`` (tested).
+    """
+    n, t = input_ids.shape
+    s, p, w, k = sizes.slots, sizes.rows, sizes.width, sizes.scored
+    flat_row = where.slot * p + where.row  # [N] row index over all slots
+    columns = jnp.arange(t, dtype=jnp.int32)[None, :]
+    dest = jnp.where(columns < lengths[:, None], (flat_row * w + where.offset)[:, None] + columns, s * p * w)
+
+    def scatter(values, size):
+        return jnp.zeros(size, jnp.int32).at[dest.reshape(-1)].set(values.reshape(-1), mode="drop")
+
+    ids = scatter(input_ids.astype(jnp.int32), s * p * w).reshape(s, p, w)
+    segments = scatter(jnp.broadcast_to(where.segment[:, None], (n, t)), s * p * w).reshape(s, p, w)
+    target_columns, valid = scored_positions(action_mask[:, 1:], k)  # target-aligned: column c scores token c + 1
+    score_dest = jnp.where(valid, (flat_row * k + where.score_start)[:, None] + jnp.arange(k)[None, :], s * p * k)
+    scores = jnp.zeros(s * p * k, jnp.int32).at[score_dest.reshape(-1)].set(
+        (where.offset[:, None] + target_columns).reshape(-1), mode="drop").reshape(s, p, k)
+    return PackedRows(ids, segments, scores, where.slot, where.row, where.score_start, where.mini_first,
+                      where.mini_count)

@@ -26,7 +26,7 @@ from llds_jax.parallel.mesh import make_mesh
 from llds_jax.parallel.placement import shard_model
 from llds_jax.train.batch import TrainBatch, padded_length, scored_positions_per_row
 from llds_jax.train.learner import Learner
-from llds_jax.train.packing import PackingSizes, pack, packing_sizes, plan_rows
+from llds_jax.train.packing import PackingSizes, pack, pack_on_device, packing_sizes, place, plan_rows
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 F32_EPS = float(np.finfo(np.float32).eps)
@@ -58,6 +58,19 @@ def test_first_fit_keeps_each_mini_batch_and_cuts_nothing():
         assert np.array_equal(row_ids[scored + 1], arrays["input_ids"][j, targets + 1]), f"trajectory {j}: targets"
     assert packed.mini_count.sum() <= sizes.slots
     assert np.array_equal(packed.mini_first, np.concatenate([[0], np.cumsum(packed.mini_count)[:-1]]))
+
+
+def test_the_device_scatter_packs_exactly_what_the_host_packer_does():
+    """Several hosts pack with ``pack_on_device`` (their tokens stay on their devices): same arrays as ``pack``."""
+    arrays = mixed_rollout(seed=5, n=16, length=32)
+    sizes = _sizes(rows=4)
+    want = pack(arrays["input_ids"], arrays["attention_mask"], arrays["action_mask"], sizes)
+    lengths = arrays["attention_mask"].sum(1)
+    where = place(plan_rows(lengths, (arrays["action_mask"][:, 1:] > 0).sum(1), sizes), sizes)
+    got = jax.jit(functools.partial(pack_on_device, sizes=sizes))(
+        arrays["input_ids"], arrays["action_mask"], lengths.astype(np.int32), where)
+    for name, a, b in zip(want._fields, want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(b), a, err_msg=name)
 
 
 @pytest.mark.parametrize(("tokens", "shards", "rows"), [
