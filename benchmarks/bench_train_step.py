@@ -223,6 +223,13 @@ def packing_report(session, args) -> None:
     ratios.update({f"{name}, one row per shard": report.computed_over_useful(pieces, finest, n)
                    for name, n in shards.items()})
     session.results["computed_over_useful"] = ratios
+    # The width choice of configs/_paper.py: computed ÷ useful at 8 shards per rows per micro-batch.
+    sweep = {}
+    for rows in (8, 16, 24, 32, 48, 64):
+        wide = paper.copy_and_resolve_references()
+        wide.train.micro_batch_tokens = rows * padded_length(wide)
+        sweep[rows] = report.computed_over_useful(pieces, wide, shards["8xH100 (fsdp 8)"])["packed"]
+    session.results["rows_sweep"] = sweep
     name = args.models.split(",")[0]
     model = load_model(name)
     arrays = report.scaled_batch(pieces, 8, 512, model.config.vocab_size)
@@ -237,6 +244,7 @@ def packing_report(session, args) -> None:
     record = session.record()
     headline = ratios["8xH100 (fsdp 8)"]
     record.update(computed_over_useful_padded=headline["padded"], computed_over_useful_packed=headline["packed"],
+                  rows_per_micro_batch=headline["rows_per_micro_batch"],
                   packed_speedup_vs_padded=times["padded"].median_s / times[_harness.OURS].median_s)
     if args.json:
         print(json.dumps(record))

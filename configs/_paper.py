@@ -8,6 +8,9 @@ arguments): ``configs/qwen*.py`` call ``paper_config(...)`` with the model-speci
 
 from llds_jax.config import base_config
 
+# Rows per packed micro-batch (see the micro_batch_tokens line below for the arithmetic).
+PACKED_ROWS = 16
+
 
 def paper_config(model_dir: str, mesh_shape, micro_batch_size: int, logprob_batch_size: int):
     c = base_config()
@@ -45,10 +48,13 @@ def paper_config(model_dir: str, mesh_shape, micro_batch_size: int, logprob_batc
     c.train.micro_batch_size = micro_batch_size
     c.train.logprob_batch_size = logprob_batch_size
     c.rollout.max_context = 4096
-    # Packed micro-batches as wide as the padded ones: on one H100 the 0.5B passes took 2.5× as long at
-    # one 4,096-token row a micro-batch (the library default, one row per data shard: the fewest tokens,
-    # qwen3b 1.13× the real ones on 8 shards vs 1.48×) as at 16 rows (docs/performance.md).
-    c.train.micro_batch_tokens = micro_batch_size * c.rollout.max_context
+    # Packed micro-batches of 16 rows of 4,096 (the padded micro_batch_size only bounds the padded fallback).
+    # A mini-batch of 256 reference trajectories fills ≈ 47.5 rows (475 over 10), and its last micro-batch
+    # is padded up to whole rows: at 8 shards 8 / 16 / 24 / 32 / 48 / 64 rows compute 1.13 / 1.15 / 1.17 /
+    # 1.48 / 1.22 / 1.48× the real tokens (bench_train_step.py --packing-report, rows_sweep). 16 is the
+    # narrowest width ≥ the 16 rows the H100 ran efficiently (one row per shard ran 2.5× slower) and a
+    # multiple of 8 shards; on 64 shards (v5e:8x8) rows round up to one per shard = 64 (1.48×).
+    c.train.micro_batch_tokens = PACKED_ROWS * c.rollout.max_context
     c.rollout.max_prompt_tokens = 2048
     c.rollout.max_action_tokens = 500
     c.rollout.max_obs_tokens = 500

@@ -394,7 +394,7 @@ def _packing_text(config, shards: int) -> str:
 
     width = padded_length(config)
     sizes = packing_sizes(config, width, scored_positions_per_row(config, width), shards)
-    return (f"packing       : train.packing on (one host): the decoder passes read trajectories packed into rows of "
+    return (f"packing       : train.packing on: the decoder passes read trajectories packed into rows of "
             f"{width} tokens, {sizes.rows} rows per micro-batch (train.micro_batch_tokens), as many micro-batches "
             f"as each mini-batch fills; the two sizes above then only bound the padded fallback")
 

@@ -224,8 +224,8 @@ def make_plan(config, target: Target | None = None) -> Plan:
     rollout_rows, wave_note = _rollout_rows(config, section, decoder_cfg, target, devices, trajectories, dp_rows)
 
     graphdef, state, state_shardings = abstract_train_state(config, decoder_cfg, mesh, rules)
-    # Packed micro-batches: what a one-host run trains on; a run over several hosts keeps padded rows.
-    packing = packing_for_run(config, mesh, rules) if hosts_of(devices) == 1 else None
+    # Packed micro-batches: what the run trains on, on one host or several (Learner.pack_across_hosts).
+    packing = packing_for_run(config, mesh, rules)
     batch = TrainBatch.abstract(trajectories, length, with_ref=state.ref_params is not None, mesh=mesh, rules=rules,
                                 packing=packing, with_sampler=config.rl.rollout_correction != "none")
     cache = abstract_cache(decoder_cfg, rollout_rows, int(config.rollout.max_context), mesh, rules)
@@ -317,7 +317,7 @@ def hosts_of(devices) -> int:
 def _step_time(config, section, decoder_cfg, target, devices, rollout_rows: int, trajectories: int, length: int,
                state, packing) -> StepTime:
     """The step-time prediction for this plan's target (``plan.step_time``); ``packing``: the packed
-    shapes the training passes run (None: padded rows, as on several hosts)."""
+    shapes the training passes run (None: padded rows, ``train.packing`` off)."""
     from llds_jax.rollout.waves import rollout_rows_per_wave  # noqa: PLC0415
     from llds_jax.train.step import StepSizes  # noqa: PLC0415
 

@@ -284,7 +284,7 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
                                                                   "rollout_retrieval"))
     decode_bytes, decode_flops = rollout_part["decode_bytes"], rollout_part["decode_flops"]
 
-    if packing is not None:  # the whole step's trajectories (every host's: packing runs on one host)
+    if packing is not None:  # the whole step's trajectories, every host's (one plan over all of them)
         step_trajectories = step_lengths(config, lengths if lengths is not None else
                                          load_lengths(str(section.length_source)), trajectories,
                                          seed=int(config.seed))

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from llds_jax.models.logprobs import scored_positions
 from llds_jax.parallel.rules import ShardingRules, current_rules
 
 
@@ -178,34 +179,58 @@ def trajectory_lengths(attention_mask: np.ndarray) -> np.ndarray:
     return lengths
 
 
+class Placement(NamedTuple):
+    """Where each trajectory of a batch sits in the packed buffers (host numbers, from ``plan_rows``)."""
+
+    slot: np.ndarray  # [N] micro-batch slot
+    row: np.ndarray  # [N] row within that micro-batch
+    offset: np.ndarray  # [N] first column in that row
+    segment: np.ndarray  # [N] segment id within the row (1, 2, …)
+    score_start: np.ndarray  # [N] index of its first action target among its row's scored positions
+    mini_first: np.ndarray  # [num_mini] first slot of each mini-batch
+    mini_count: np.ndarray  # [num_mini] slots each mini-batch uses
+
+
+def place(plan: RowPlan, sizes: PackingSizes) -> Placement:
+    """The slots, rows, offsets and segment ids of ``plan``: a mini-batch's rows fill its micro-batches in order."""
+    first = np.concatenate([[0], np.cumsum(plan.slots_per_mini)[:-1]]).astype(np.int64)
+    mini = np.arange(len(plan.row)) // sizes.mini_batch_size
+    slot = first[mini] + plan.row // sizes.rows
+    row = plan.row % sizes.rows
+    segment = np.zeros(len(plan.row), np.int64)
+    seen: dict[tuple[int, int], int] = {}
+    for j in range(len(plan.row)):  # batch order within a row, as ``pack`` numbers them
+        key = (int(slot[j]), int(row[j]))
+        seen[key] = segment[j] = seen.get(key, 0) + 1
+    as32 = lambda x: np.asarray(x, np.int32)
+    return Placement(as32(slot), as32(row), as32(plan.offset), as32(segment), as32(plan.score_start),
+                     as32(first), as32(plan.slots_per_mini))
+
+
+def action_targets(action_mask: np.ndarray) -> np.ndarray:
+    """Target-aligned action targets per row: column t scores token t + 1."""
+    return np.asarray(action_mask)[:, 1:] > 0
+
+
 def pack(input_ids: np.ndarray, attention_mask: np.ndarray, action_mask: np.ndarray,
          sizes: PackingSizes) -> PackedRows:
     """Host packing of a right-padded, token-aligned batch ([N, T] numpy) into ``PackedRows``."""
     input_ids = np.asarray(input_ids)
     lengths = trajectory_lengths(attention_mask)
-    targets = np.asarray(action_mask)[:, 1:] > 0  # target-aligned: column t scores token t + 1
-    plan = plan_rows(lengths, targets.sum(axis=1), sizes)
-    first = np.concatenate([[0], np.cumsum(plan.slots_per_mini)[:-1]]).astype(np.int64)
+    targets = action_targets(action_mask)
+    where = place(plan_rows(lengths, targets.sum(axis=1), sizes), sizes)
     s, p = sizes.slots, sizes.rows
     ids = np.zeros((s, p, sizes.width), np.int32)
     segments = np.zeros((s, p, sizes.width), np.int32)
     scores = np.zeros((s, p, sizes.scored), np.int32)
-    next_segment = np.zeros((s, p), np.int32)
-    slot = np.zeros(len(lengths), np.int32)
-    row = np.zeros(len(lengths), np.int32)
     for j, length in enumerate(lengths):
-        mini = j // sizes.mini_batch_size
-        slot[j] = first[mini] + plan.row[j] // p
-        row[j] = plan.row[j] % p
-        where = (slot[j], row[j])
-        off = int(plan.offset[j])
-        ids[where][off:off + length] = input_ids[j, :length]
-        next_segment[where] += 1
-        segments[where][off:off + length] = next_segment[where]
+        at, off, start = (where.slot[j], where.row[j]), int(where.offset[j]), int(where.score_start[j])
+        ids[at][off:off + length] = input_ids[j, :length]
+        segments[at][off:off + length] = where.segment[j]
         columns = np.flatnonzero(targets[j])
-        scores[where][plan.score_start[j]:plan.score_start[j] + len(columns)] = off + columns
-    return PackedRows(ids, segments, scores, slot, row, plan.score_start.astype(np.int32),
-                      first.astype(np.int32), plan.slots_per_mini.astype(np.int32))
+        scores[at][start:start + len(columns)] = off + columns
+    return PackedRows(ids, segments, scores, where.slot, where.row, where.score_start, where.mini_first,
+                      where.mini_count)
 
 
 def computed_tokens(plan: RowPlan, sizes: PackingSizes) -> int:
@@ -216,3 +241,32 @@ def computed_tokens(plan: RowPlan, sizes: PackingSizes) -> int:
 def data_parallel_size(mesh, rules: ShardingRules | None = None, rows: int | None = None) -> int:
     """Shards of the ``batch`` logical axis on ``mesh`` (the devices a micro-batch's rows split over)."""
     return (rules or current_rules()).shards("batch", mesh, rows)
+
+
+def pack_on_device(input_ids, action_mask, lengths, where: Placement, sizes: PackingSizes) -> PackedRows:
+    """``pack`` as one traced scatter, for a batch whose rows live on several hosts (jnp; jit it).
+
+    Why: a host holds only its own trajectories' tokens while a packed micro-batch's rows span every
+    host's devices, so no host can fill its rows alone. Every host computes the same ``where``
+    (``place`` of ``plan_rows`` on the all-gathered lengths: the one-host plan, hence the one-host
+    numbers) and the program writes each trajectory's real tokens, segment id and action-target
+    columns to their packed places; XLA moves the tokens between devices. The token arrays are int32
+    and a few tens of MB at the paper shapes, once per step. Same arrays as ``pack`` (tested).
+    """
+    n, t = input_ids.shape
+    s, p, w, k = sizes.slots, sizes.rows, sizes.width, sizes.scored
+    flat_row = where.slot * p + where.row  # [N] row index over all slots
+    columns = jnp.arange(t, dtype=jnp.int32)[None, :]
+    dest = jnp.where(columns < lengths[:, None], (flat_row * w + where.offset)[:, None] + columns, s * p * w)
+
+    def scatter(values, size):
+        return jnp.zeros(size, jnp.int32).at[dest.reshape(-1)].set(values.reshape(-1), mode="drop")
+
+    ids = scatter(input_ids.astype(jnp.int32), s * p * w).reshape(s, p, w)
+    segments = scatter(jnp.broadcast_to(where.segment[:, None], (n, t)), s * p * w).reshape(s, p, w)
+    target_columns, valid = scored_positions(action_mask[:, 1:], k)  # target-aligned: column c scores token c + 1
+    score_dest = jnp.where(valid, (flat_row * k + where.score_start)[:, None] + jnp.arange(k)[None, :], s * p * k)
+    scores = jnp.zeros(s * p * k, jnp.int32).at[score_dest.reshape(-1)].set(
+        (where.offset[:, None] + target_columns).reshape(-1), mode="drop").reshape(s, p, k)
+    return PackedRows(ids, segments, scores, where.slot, where.row, where.score_start, where.mini_first,
+                      where.mini_count)

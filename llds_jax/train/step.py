@@ -128,12 +128,11 @@ class StepSizes:
 
 
 def packing_for_run(config, mesh, rules: ShardingRules | None = None) -> PackingSizes | None:
-    """The packed shapes of a run on ``mesh``, or None for padded rows (``train.packing`` off, or several hosts).
+    """The packed shapes of a run on ``mesh``, or None for padded rows (``train.packing`` off).
 
-    Several hosts each hold only their rows while the packer needs a mini-batch's trajectories in
-    one place, so a multi-host run keeps padded rows (the same numbers, more compute).
+    One host or several: several pack the same rows (``Learner.pack_across_hosts``).
     """
-    if not config.train.packing or jax.process_count() > 1:
+    if not config.train.packing:
         return None
     sizes = StepSizes.from_config(config)
     return packing_sizes(config, padded_length(config), sizes.scored_positions, data_parallel_size(mesh, rules))

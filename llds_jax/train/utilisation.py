@@ -30,7 +30,8 @@ def device_count(tree) -> int:
 def computed_rows(learner, device_batch, trajectory_lengths) -> tuple[int, int, int, float | None]:
     """(rows, row length, scored positions per row, attention pairs per row or None = causal) the step's
     training programs computed: the packed rows of the micro-batches its mini-batches used, or the
-    padded batch. ``trajectory_lengths``: this host's real tokens per trajectory (packing runs on one host)."""
+    padded batch. ``trajectory_lengths``: this host's real tokens per trajectory; packed rows span every host,
+    so on several hosts their attention pairs are summed over hosts (a collective: every host calls this)."""
     import numpy as np
 
     from llds_jax.parallel import distributed
@@ -43,7 +44,10 @@ def computed_rows(learner, device_batch, trajectory_lengths) -> tuple[int, int, 
     used = int(np.sum(distributed.fetch_to_host(device_batch.packed.mini_count)))
     rows = used * packing.rows
     lengths = np.asarray(trajectory_lengths, np.float64)
-    return rows, packing.width, packing.scored, float(np.sum(lengths * (lengths + 1) / 2) / max(rows, 1))
+    pairs = float(np.sum(lengths * (lengths + 1) / 2))
+    if jax.process_count() > 1:
+        pairs = distributed.sum_over_hosts({"pairs": pairs})["pairs"]
+    return rows, packing.width, packing.scored, pairs / max(rows, 1)
 
 
 def peak_memory_bytes() -> float:

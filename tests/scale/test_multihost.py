@@ -91,7 +91,8 @@ def test_two_processes_match_single_process_8_devices(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_update_step_in_two_processes_equals_one_process(tmp_path):
-    """Acceptance: ``Learner.update`` with each host's own rows, two jax.distributed processes vs one with 8 devices."""
+    """Acceptance: ``Learner.update`` with each host's own rows, two jax.distributed processes vs one with 8 devices,
+    both on packed rows (the one-process packed step equals the padded one: tests/train/test_packing.py)."""
     from llds_jax.train.batch import TrainBatch
     from tests.scale.test_resume_trainer_state import learner_on, rollout
     from tests.scale.trainer_step_worker import MESH
@@ -112,8 +113,14 @@ def test_trainer_update_step_in_two_processes_equals_one_process(tmp_path):
 
     # Advantages come from the same all-gathered rewards: identical. Each host got its own rows back.
     np.testing.assert_array_equal(np.concatenate([h["advantages"] for h in hosts]), extra["advantages"])
-    # One process packs its rows (train.packing) and computes log-probs on action targets only; two
-    # processes keep padded rows, which compute every position: they agree where the objective reads.
+    # Both pack (train.packing): two processes plan from the all-gathered lengths — the one-process
+    # plan, so the same micro-batches — and scatter their own rows' tokens into rows spanning both hosts.
+    assert learner.packing is not None
+    want_counts = np.asarray(extra["batch"].packed.mini_count)
+    for h in hosts:
+        np.testing.assert_array_equal(h["mini_count"], want_counts)
+        assert h["compiles"].max() <= 1, "a jitted function compiled twice in one step"
+    # Log-probs are computed on action targets only: compare where the objective reads.
     action = np.asarray(arrays["action_mask"]) > 0  # [N, SEQ]: every real token lies in these columns
     width = action.shape[1]
     for key, want in (("old_logp", extra["old_logp"]), ("logp_now", logp_now)):

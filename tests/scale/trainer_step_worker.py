@@ -5,7 +5,9 @@ scripts set them. Each process builds the same tiny Decoder and ``Learner`` on t
 (2, 4, 1) mesh and calls ``Learner.update`` with only its own rows of the rollout batch
 (``Learner.host_rows``): the learner assembles the global batch, computes advantages over the
 global groups, runs π_old, π_ref and the sequential mini-batch AdamW updates, and hands back
-this host's rows. Then ``Learner.logprobs_now`` (log π after the update) on the same rows.
+this host's rows. The decoder passes read packed rows (``train.packing``): each host plans the
+whole batch from the all-gathered lengths and a jitted scatter fills rows spanning both hosts.
+Then ``Learner.logprobs_now`` (log π after the update) on the same rows.
 Each process writes its rows' arrays (``host_<pid>.npz``); process 0 also writes the
 per-mini-batch metrics and the updated params.
 """
@@ -34,9 +36,13 @@ def main(out_dir: str) -> None:
     _, extra = learner.update(TrainBatch.from_arrays(local, length=learner.seq_len))
     logp_now = learner.logprobs_now(extra["batch"])
     params = distributed.fetch_to_host(jax.tree.leaves(learner.state.params))
+    packed = extra["batch"].packed
+    assert packed is not None and learner.packing is not None, "two hosts must pack too"
+    mini_count = distributed.fetch_to_host(packed.mini_count)
     out = Path(out_dir)
     np.savez(out / f"host_{jax.process_index()}.npz", rows=np.array([rows.start, rows.stop]),
-             advantages=extra["advantages"], old_logp=extra["old_logp"], logp_now=logp_now)
+             advantages=extra["advantages"], old_logp=extra["old_logp"], logp_now=logp_now,
+             mini_count=mini_count, compiles=np.array(sorted(learner.compile_counts().values())))
     if distributed.is_main_process():
         np.savez(out / "metrics.npz", **extra["per_mini_batch"])
         np.savez(out / "params.npz", *params)

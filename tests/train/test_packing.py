@@ -26,7 +26,7 @@ from llds_jax.parallel.mesh import make_mesh
 from llds_jax.parallel.placement import shard_model
 from llds_jax.train.batch import TrainBatch, padded_length, scored_positions_per_row
 from llds_jax.train.learner import Learner
-from llds_jax.train.packing import PackingSizes, pack, packing_sizes, plan_rows
+from llds_jax.train.packing import PackingSizes, pack, pack_on_device, packing_sizes, place, plan_rows
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 F32_EPS = float(np.finfo(np.float32).eps)
@@ -60,6 +60,19 @@ def test_first_fit_keeps_each_mini_batch_and_cuts_nothing():
     assert np.array_equal(packed.mini_first, np.concatenate([[0], np.cumsum(packed.mini_count)[:-1]]))
 
 
+def test_the_device_scatter_packs_exactly_what_the_host_packer_does():
+    """Several hosts pack with ``pack_on_device`` (their tokens stay on their devices): same arrays as ``pack``."""
+    arrays = mixed_rollout(seed=5, n=16, length=32)
+    sizes = _sizes(rows=4)
+    want = pack(arrays["input_ids"], arrays["attention_mask"], arrays["action_mask"], sizes)
+    lengths = arrays["attention_mask"].sum(1)
+    where = place(plan_rows(lengths, (arrays["action_mask"][:, 1:] > 0).sum(1), sizes), sizes)
+    got = jax.jit(functools.partial(pack_on_device, sizes=sizes))(
+        arrays["input_ids"], arrays["action_mask"], lengths.astype(np.int32), where)
+    for name, a, b in zip(want._fields, want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(b), a, err_msg=name)
+
+
 @pytest.mark.parametrize(("tokens", "shards", "rows"), [
     (0, 1, 1), (0, 8, 8), (0, 3, 3),  # default: one row per data shard, the finest split
     (32, 8, 8), (96, 2, 4), (256, 1, 8),  # a token budget: whole rows, rounded up to the shards
@@ -70,17 +83,20 @@ def test_rows_per_micro_batch_come_from_the_token_budget_in_whole_shards(tokens,
     assert packing_sizes(config, width=SEQ, scored=SEQ - 1, data_parallel=shards).rows == rows
 
 
-def test_paper_configs_pack_micro_batches_as_wide_as_their_padded_ones():
-    """On one H100 the 0.5B passes took 2.5× as long at one 4,096-token row a micro-batch as at 16
-    (docs/performance.md): the accelerator configs keep the padded micro-batch's rows."""
-    for name in ("qwen0p5b", "qwen3b", "qwen7b", "device_check"):
+def test_paper_configs_pack_micro_batches_of_16_rows_whole_per_shard():
+    """configs/_paper.py: 16-row micro-batches — as wide as the H100 ran efficiently (one 4,096-token row
+    a micro-batch took 2.5× as long as 16) and narrow enough that a mini-batch's ≈ 47.5 rows round up
+    to 48 (computed ÷ useful 1.15 on 8 shards, not 64 rows' 1.48: docs/performance.md). On 64 shards
+    rows round up to one per shard."""
+    for name in ("qwen0p5b", "qwen3b", "qwen7b"):
         spec = importlib.util.spec_from_file_location(name, CONFIGS / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         config = module.get_config()
         width = padded_length(config)
-        sizes = packing_sizes(config, width, scored_positions_per_row(config, width), data_parallel=1)
-        assert sizes.rows == min(config.train.micro_batch_size, config.train.mini_batch_size), name
+        scored = scored_positions_per_row(config, width)
+        for shards, rows in ((1, 16), (8, 16), (64, 64)):
+            assert packing_sizes(config, width, scored, data_parallel=shards).rows == rows, (name, shards)
 
 
 def test_a_row_holds_what_fits_and_a_full_length_trajectory_gets_its_own():
