@@ -13,6 +13,8 @@ from llds_jax.models.testing import tiny_config
 from llds_jax.plan.step_time import DECODE_STEP_OVERHEAD, predict_step_time, step_lengths, waves_schedule
 from llds_jax.utils import flops
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -117,6 +119,7 @@ def _plan_json(tmp_path, config: str) -> tuple[str, dict]:
     return proc.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.integration
 def test_mode_plan_writes_the_step_time_as_json(tmp_path):
     stdout, plan = _plan_json(tmp_path, "configs/qwen3b.py")
     assert "step time, predicted" in stdout and "36-54 s" in stdout
@@ -125,6 +128,7 @@ def test_mode_plan_writes_the_step_time_as_json(tmp_path):
     assert "matmul_efficiency" in plan["assumptions"]
 
 
+@pytest.mark.integration
 def test_the_plan_puts_the_waves_and_the_engine_side_by_side(tmp_path):
     _, plan = _plan_json(tmp_path, "configs/qwen7b.py")
     by = plan["step_time_s_by_schedule"]
