@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
 # The test command README shows: make/refresh the venv, install with test extras, lint, run the suite.
 # Every step runs even when an earlier one fails (a red test step must not hide the numeric one);
-# the script exits non-zero if any step failed.
+# the script exits non-zero if any step failed. At the end it prints the suite's CPU seconds.
+#   bash launch/test.sh          every test (what .ci/run runs)
+#   bash launch/test.sh --unit   the unit tier only (pytest -m unit, tests/conftest.py): the loop for a change
+# Other arguments go to both pytest steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+unit="" args=()
+for arg in "$@"; do
+  if [ "$arg" = --unit ]; then unit="unit and "; else args+=("$arg"); fi
+done
+set -- "${args[@]}"
 set -e
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
@@ -27,27 +35,40 @@ step lint .venv/bin/ruff check llds_jax tests benchmarks tools configs
 # A size limit turns on the cache's file lock (filelock, which transformers installs), so two workers never read
 # an entry the other is half-way through writing.
 JAX_COMPILATION_CACHE_DIR=$(mktemp -d) && export JAX_COMPILATION_CACHE_DIR JAX_COMPILATION_CACHE_MAX_SIZE=$((16 * 2**30))
-trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+cpu=$(mktemp -d)
+trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR" "$cpu"' EXIT
 # Two XLA:CPU code generators (tests/codegen_sensitive.py). Every test, slow ones included, runs once under the
 # second: AVX2, 128-bit vectors, one Eigen thread, XLA's element-wise fusion emitters, no LLVM optimisation (the
 # processes a test starts too, but the device check's dry run: level 1); it compiles about 4x faster (compiling
-# was about 70 % of the suite's time under the default alone). The tests whose result can differ between
-# code generators (numeric kernels, reductions, objectives, gradients) run again under this host's default, the
-# one a user's CPU run gets; reduction order and rounding differ between the two, so tolerances must come from
-# the quantities, not from one CPU's rounding. The few tests that read XLA:CPU's cost analysis as a target's
-# model run under the default only (DEFAULT_CODEGEN_ONLY).
+# was about 70 % of the suite's time under the default alone). The tests marked codegen_sensitive (numeric
+# kernels, reductions, objectives, gradients: results can differ between code generators) run again under this
+# host's default, the one a user's CPU run gets; reduction order and rounding differ between the two, so
+# tolerances must come from the quantities, not from one CPU's rounding. The few tests that read XLA:CPU's cost
+# analysis as a target's model run under the default only (marked default_codegen_only).
 mapfile -t codegen < <(.venv/bin/python -c "import tests.codegen_sensitive as t; print(t.SECOND_CODEGEN)")
-mapfile -t numeric < <(.venv/bin/python -c "import tests.codegen_sensitive as t; print(*{**t.CODEGEN_SENSITIVE, **t.DEFAULT_CODEGEN_ONLY}, sep='\n')")
+# CPU seconds: bash's `times` (second line) is the user and system time of this shell's finished children, each
+# with the children it waited for: pytest, its xdist workers and the processes the tests start and wait for.
+times > "$cpu/start"
 # Two workers for two cores, started once. --dist loadscope: a module's tests go to one worker, so a
 # module-scoped fixture (a tiny training run, a rollout in three wave sizes, a real-weights load) is built once,
 # not once per worker that gets one of its tests. --no-loadscope-reorder: modules run in the order
-# tests/conftest.py gives (the ones holding slow tests first, so no long module starts last); --durations=25:
+# tests/conftest.py gives (the ones holding slow tests first, so no long module starts last); --durations=30:
 # the slowest tests in the log.
 step "tests (second code generator)" env XLA_FLAGS="--xla_force_host_platform_device_count=8 ${codegen[0]}" \
-  .venv/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder --durations=25 -m "not default_codegen_only" "$@"
+  .venv/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder --durations=30 \
+  -m "${unit}not default_codegen_only" "$@"
+times > "$cpu/main"
 step "numeric tests (this host's default code generator)" env XLA_FLAGS="--xla_force_host_platform_device_count=8" \
-  .venv/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder -m "codegen_sensitive or default_codegen_only" --durations=10 \
-  "${numeric[@]}" "$@"
+  .venv/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder --durations=10 \
+  -m "${unit}(codegen_sensitive or default_codegen_only)" "$@"
+times > "$cpu/numeric"
+
+seconds() {  # user + system CPU seconds between two `times` readings
+  awk 'FNR == 2 { gsub(",", "."); for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); s += (FILENAME == ARGV[1] ? -1 : 1) * (60 * t[1] + t[2]) } }
+       END { printf "%.0f", s }' "$cpu/$1" "$cpu/$2"
+}
+echo "=== CPU: $(seconds start numeric) s user+system for the ${unit:+unit }test steps (second code generator" \
+  "$(seconds start main) s, this host's default $(seconds main numeric) s; pytest and every process it waited for)"
 
 if [ "${#failed[@]}" -ne 0 ]; then
   printf 'FAILED step: %s\n' "${failed[@]}"

@@ -23,7 +23,7 @@ import pytest
 from tests.codegen_sensitive import child_xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 TINY_CONFIG = '''
 import sys

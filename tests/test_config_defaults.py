@@ -24,6 +24,8 @@ import pytest
 from llds_jax.config import base_config, validate_sections
 from llds_jax.errors import InputError
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("llds_jax", "configs", "benchmarks", "tools")
 

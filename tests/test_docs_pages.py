@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 CAPTIONED = ("performance.md", "decisions.md", "collapse_fixes.md")

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "llds_jax"
 ROOT = PACKAGE_DIR.name
 

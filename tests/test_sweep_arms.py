@@ -8,6 +8,8 @@ import pytest
 from llds_jax.app.sweep import load_config_file, plan
 from llds_jax.config import TrainConfigError
 
+pytestmark = pytest.mark.unit
+
 
 def test_collapse_fixes_sweep_validates_every_arm_with_its_own_fields():
     runs = dict(plan(load_config_file("configs/sweep_collapse_fixes.py")))

@@ -15,6 +15,8 @@ import pytest
 from llds_jax.config import base_config, validate, validate_sections
 from llds_jax.errors import InputError
 
+pytestmark = pytest.mark.unit
+
 MISSING_MODEL = "/nonexistent/model-for-validation-tests"
 
 # (section, dotted field, bad value, text the error must contain)

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 KEYS = {"queries", "devices", "id_agreement", "qps_mesh", "qps_faiss_flat", "turn_seconds"}
 

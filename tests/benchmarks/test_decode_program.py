@@ -18,6 +18,8 @@ import pytest
 
 from llds_jax.plan.targets import target_installed
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -84,6 +86,7 @@ def _tiny_lengths() -> list[int]:
     return _decode_step.mid_decode_lengths(4, max_context=512)
 
 
+@pytest.mark.unit
 def test_mid_decode_lengths_by_hand_for_the_first_reference_trajectory():
     """Trajectory 0: prompt 145, actions (65, 8), feedback (462,): 73 sampled tokens, the 37th is
     action 0's 37th, drawn with 145 + 36 slots live."""
@@ -92,6 +95,7 @@ def test_mid_decode_lengths_by_hand_for_the_first_reference_trajectory():
     assert _decode_step.mid_decode_lengths(1) == [181]
 
 
+@pytest.mark.unit
 def test_tpu_decode_read_bytes_by_hand():
     from llds_jax.models.attention.decode_tpu import decode_read_bytes
 

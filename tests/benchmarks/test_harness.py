@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 _SPEC = importlib.util.spec_from_file_location("_harness", BENCHMARKS / "_harness.py")
 harness = importlib.util.module_from_spec(_SPEC)
@@ -32,6 +34,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@pytest.mark.unit
 def test_alternation_interleaves_sides_per_repeat_never_all_of_one_first():
     assert harness.alternation_order(["a", "b"], 3) == ["a", "b", "a", "b", "a", "b"]
     calls = []
@@ -41,6 +44,7 @@ def test_alternation_interleaves_sides_per_repeat_never_all_of_one_first():
     assert [len(times[s].cpu_s) for s in "ab"] == [2, 2]
 
 
+@pytest.mark.unit
 def test_setup_runs_untimed_before_each_call_and_feeds_it():
     calls = []
 
@@ -55,6 +59,7 @@ def test_setup_runs_untimed_before_each_call_and_feeds_it():
     assert max(times["a"].wall_s) < 0.2, times["a"].wall_s  # the 0.2 s sleep is setup, not the timed call
 
 
+@pytest.mark.unit
 def test_cpu_seconds_count_the_work_done_on_a_side():
     def spin():
         x = 0
@@ -65,6 +70,7 @@ def test_cpu_seconds_count_the_work_done_on_a_side():
     assert times["busy"].cpu_s[0] > 0
 
 
+@pytest.mark.unit
 def test_gate_refuses_above_max_load_with_exit_2_and_a_clear_error(capsys):
     with pytest.raises(SystemExit) as stop:
         harness.start("bench_x", parse(["--max-load=-1"]))
@@ -75,6 +81,7 @@ def test_gate_refuses_above_max_load_with_exit_2_and_a_clear_error(capsys):
     assert "--allow-noisy" in err[0], err[0]
 
 
+@pytest.mark.unit
 def test_allow_noisy_runs_and_marks_the_record_and_table_noisy():
     session = harness.start("bench_x", parse(["--max-load=-1", "--allow-noisy"]))
     assert session.noisy
@@ -83,6 +90,7 @@ def test_allow_noisy_runs_and_marks_the_record_and_table_noisy():
     assert not quiet.noisy and not harness.format_table(quiet.record()).startswith("NOISY")
 
 
+@pytest.mark.unit
 def test_json_record_has_every_field_and_ratios_are_peer_time_over_ours(capsys):
     session = harness.start("bench_x", parse(["--json", "--allow-noisy", "--size=7"]))
     times = {"llds_jax": harness.SideTimes([1.0, 3.0, 2.0], [0.5, 0.5, 0.5]),

@@ -14,6 +14,8 @@ from llds_jax.rollout.multi_turn import run_rollouts
 from llds_jax.rollout.scripted_policy import ScriptedPolicy, scripted_logprob
 from llds_jax.sampling.token_bytes import vocab_bytes
 
+pytestmark = pytest.mark.unit
+
 
 class QueryEchoRetriever:
     """Returns one passage named after the query, so equal queries retrieve equal documents."""

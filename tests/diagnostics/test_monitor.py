@@ -18,6 +18,8 @@ from llds_jax.diagnostics.monitor import (
 )
 from llds_jax.diagnostics.synthetic import SpiralShape, death_spiral_run, stable_run
 
+pytestmark = pytest.mark.unit
+
 SHAPES = [
     SpiralShape(),  # the paper's boundaries: II at 60, III at 120
     SpiralShape(steps=240, phase_two_start=90, phase_three_start=150),

@@ -12,6 +12,8 @@ from llds_jax.diagnostics.report import load_metrics, report_main
 from llds_jax.diagnostics.synthetic import death_spiral_run, stable_run
 from llds_jax.train.metrics import MetricsWriter
 
+pytestmark = pytest.mark.unit
+
 PANELS = {"reward", "likelihood", "likelihood_correct_by_action", "likelihood_incorrect_by_action",
           "lld_rate", "grad_norm", "entropy", "searches", "overview"}
 

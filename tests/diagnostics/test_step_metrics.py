@@ -9,6 +9,8 @@ import pytest
 
 from llds_jax.diagnostics.step_metrics import ResponseBatch, first_action_correctness, step_diagnostics
 
+pytestmark = pytest.mark.unit
+
 # Two GRPO groups of three; A = 2 action slots. Rows: r0..r5.
 ADVANTAGE = [1.15, -0.58, -0.58, 0.58, 0.58, -1.15]  # correct: r0, r3, r4
 TOKENS = [[4, 2], [5, 0], [2, 2], [2, 4], [10, 0], [1, 1]]

@@ -18,6 +18,8 @@ from llds_jax.data.benchmarks import (
     load_searchr1_parquet,
 )
 
+pytestmark = pytest.mark.unit
+
 SLICE_SIZES = {
     "nq": 200, "triviaqa": 200, "popqa": 200, "hotpotqa": 200,
     "2wikimultihopqa": 200, "musique": 200, "bamboogle": 50,

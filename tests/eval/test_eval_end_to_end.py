@@ -17,6 +17,8 @@ from llds_jax.rollout.config import default_config as rollout_defaults
 from llds_jax.rollout.scripted_policy import ScriptedPolicy
 from llds_jax.sampling.token_bytes import vocab_bytes
 
+pytestmark = pytest.mark.unit
+
 CORPUS_ROWS = 3000
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,6 +64,7 @@ def small_rollout_config(max_turns=1, max_action_tokens=12):
     return cfg
 
 
+@pytest.mark.integration
 def test_eval_mode_runs_a_tiny_model_with_real_bm25_on_all_seven_slices(shared_dir, bm25_config, tmp_path):
     config = load_config_file(REPO / "configs" / "eval.py")
     config.workdir = str(tmp_path)

@@ -9,6 +9,8 @@ import pytest
 
 from llds_jax.eval.metrics import EvalResponse, markdown_table, score_response, summarize
 
+pytestmark = pytest.mark.unit
+
 FIXTURE = Path(__file__).parent / "fixtures" / "recorded_responses.jsonl"
 
 

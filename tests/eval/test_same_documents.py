@@ -16,6 +16,8 @@ from llds_jax.eval.run import load_policy_and_retriever as eval_inputs
 from llds_jax.parallel.mesh import make_mesh
 from llds_jax.retrieval.factory import build_retriever
 
+pytestmark = pytest.mark.unit
+
 QUERIES = ["who wrote the declaration of independence", "capital of australia", "largest planet"]
 TOPK = 3
 

@@ -3,9 +3,12 @@
 import json
 
 import numpy as np
+import pytest
 
 from llds_jax.lab.criteria import calibrate_monitor, evaluate, results_table
 from llds_jax.train.metrics import MetricsWriter
+
+pytestmark = pytest.mark.unit
 
 
 def write(run, rows, probes=()):

@@ -18,6 +18,8 @@ from llds_jax.lab.criteria import (
 )
 from llds_jax.train.metrics import MetricsWriter
 
+pytestmark = pytest.mark.unit
+
 
 def stratum(questions: int, share: float, per_question: int = 5, order: str = "same") -> list[dict]:
     """Subsets over ``questions`` questions, exactly ``share`` of them with m₊₋ > m₊₊; the norm ratio

@@ -12,6 +12,8 @@ from llds_jax.lab.world import DEFAULT_WORLD, generate_world, question_files, re
 from llds_jax.retrieval.factory import build_retriever
 from llds_jax.rollout.trajectory import token_layout
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):

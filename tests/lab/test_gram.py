@@ -12,6 +12,8 @@ from llds_jax.lab.gram import (
     subset_stats,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def test_gram_matrices_per_action_and_total():
     g = np.array([[[1.0, 0.0], [0.0, 1.0]], [[2.0, 0.0], [0.0, -1.0]]])  # 2 responses, 2 actions, P = 2
@@ -83,6 +85,7 @@ def test_first_order_predicts_an_exact_small_sgd_step_on_a_softmax_policy():
     assert sign_agreement([None], [1.0]) == {"groups": 0, "agreement": None, "first_order_ok": False}
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # ≈ 40 s: a tiny random model, two probed groups plus the Gram probe's fresh sample
 def test_gram_probe_on_a_tiny_model_matches_the_sgd_probe_and_the_batch_gradient(shared_dir, tmp_path):
     import sys

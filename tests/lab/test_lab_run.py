@@ -16,6 +16,8 @@ import pytest
 
 from tests.codegen_sensitive import child_xla_flags
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 
 SHRINK = {

@@ -2,6 +2,7 @@
 and train only actions."""
 
 import ml_collections
+import pytest
 from transformers import AutoTokenizer
 
 from llds_jax.lab.policy import lab_trajectories, reading_drills
@@ -9,6 +10,8 @@ from llds_jax.lab.tokenizer import train_tokenizer
 from llds_jax.lab.world import generate_world, question_files, read_questions, write_world
 from llds_jax.retrieval.factory import build_retriever
 from llds_jax.rollout.trajectory import token_layout
+
+pytestmark = pytest.mark.unit
 
 SMALL = dict(seed=2, countries=3, cities=6, companies=5, people=30, train_questions=40, dev_questions=4)
 

@@ -4,6 +4,8 @@ import pytest
 
 from llds_jax.lab.prepare import _built, _digest
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_built_artifact_is_reused_without_calling_the_builder(tmp_path):
     calls = []

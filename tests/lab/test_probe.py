@@ -13,6 +13,8 @@ import pytest
 
 from llds_jax.lab.probe import ches, eq3_delta, mean_action_hidden, per_action_delta, summarise
 
+pytestmark = pytest.mark.unit
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
 
@@ -64,6 +66,7 @@ def test_summary_shares():
     assert summarise([], 2)["lld_share"] is None
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # ≈ 30 s: a tiny random model, two probed groups
 def test_probe_checkpoint_isolates_each_group_and_sizes_the_sgd_step(shared_dir, tmp_path):
     from train_helpers import tiny_loop_config

@@ -1,10 +1,13 @@
 """The lab tokenizer: loads through AutoTokenizer, round-trips any text, keeps the protocol short."""
 
+import pytest
 from transformers import AutoTokenizer
 
 from llds_jax.lab.tokenizer import EOS, train_tokenizer
 from llds_jax.lab.world import generate_world
 from llds_jax.rollout import protocol
+
+pytestmark = pytest.mark.unit
 
 SMALL = dict(seed=1, countries=3, cities=6, companies=5, people=30, train_questions=60, dev_questions=10)
 

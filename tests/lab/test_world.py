@@ -8,6 +8,8 @@ from llds_jax.data.benchmarks import load_qa_file
 from llds_jax.lab.world import WorldConfigError, generate_world, question_files, write_world
 from llds_jax.retrieval.corpus import parse_row
 
+pytestmark = pytest.mark.unit
+
 SMALL = dict(seed=3, countries=3, cities=6, companies=5, people=30, train_questions=60, dev_questions=10)
 
 

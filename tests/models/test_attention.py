@@ -35,6 +35,8 @@ from llds_jax.models.attention.cudnn import (
 from llds_jax.models.config import ConfigError
 from llds_jax.models.testing import tiny_config
 
+pytestmark = pytest.mark.unit
+
 TOL = 1e-5
 
 
@@ -79,6 +81,7 @@ LEFT_AND_RIGHT = np.array([[0, 0, 0] + [1] * 18 + [0] * 3,   # left pads, then r
                            [1] * 24], bool)                  # no padding
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("block", [5, 8, 24, 512])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (4, 1)])
 def test_blockwise_matches_naive_on_left_and_right_padding(block, heads, kv_heads):
@@ -88,6 +91,7 @@ def test_blockwise_matches_naive_on_left_and_right_padding(block, heads, kv_head
     assert max(diffs) <= TOL, f"block={block} GQA {heads}/{kv_heads}: |out|,|dq|,|dk|,|dv| differ by {diffs}"
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("query_block", [5, 8, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1)])
 def test_query_blocked_self_attention_matches_naive_on_left_and_right_padding(query_block, heads, kv_heads):
@@ -97,6 +101,7 @@ def test_query_blocked_self_attention_matches_naive_on_left_and_right_padding(qu
     assert max(diffs) <= TOL, f"query_block={query_block} GQA {heads}/{kv_heads}: differences {diffs}"
 
 
+@pytest.mark.codegen_sensitive
 def test_a_query_block_never_reads_keys_past_its_own_last_query():
     """Queries 0..15 in pieces of 8 walk key blocks 0..1 only: NaN in keys/values 16.. cannot
     reach them (one [T, T] pass would read every key for every query: 0 x NaN = NaN)."""
@@ -138,6 +143,7 @@ def _holey_cache_mask():
     return AttentionMask.cached(jnp.asarray(slots), jnp.asarray(valid))
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("block", [4, 7, 16, 512])
 def test_blockwise_matches_naive_over_a_cache_with_holes(block):
     mask = _holey_cache_mask()
@@ -146,6 +152,7 @@ def test_blockwise_matches_naive_over_a_cache_with_holes(block):
     assert max(diffs) <= TOL, f"block={block}: |out|,|dq|,|dk|,|dv| differ by {diffs}"
 
 
+@pytest.mark.codegen_sensitive
 def test_query_with_no_visible_key_is_finite():
     """A left pad in a full-sequence forward sees nothing: the oracle averages all keys,
     blockwise the keys it read; both only need to be finite (the row is never used)."""
@@ -156,6 +163,7 @@ def test_query_with_no_visible_key_is_finite():
     assert all(np.all(np.isfinite(np.asarray(x))) for x in (out, *grads))
 
 
+@pytest.mark.codegen_sensitive
 def test_decode_never_reads_key_blocks_past_the_furthest_query():
     """One-token decode at slot 9 of a 64-slot cache reads blocks 0..1 of 8 keys only:
     NaN written into slots 16.. cannot reach the output (the naive form, which reads
@@ -180,6 +188,7 @@ def _key_blocks(x, block):
     return tuple(x[:, :, start:start + block] for start in range(0, x.shape[2], block))
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("length", [1, 5])
 def test_a_key_block_cache_skips_blocks_past_the_furthest_query_and_equals_naive(length):
     """Decode (and a 5-token append) at slots ≤ 13 of 64 slots held as 8-slot buffers read
@@ -196,6 +205,7 @@ def test_a_key_block_cache_skips_blocks_past_the_furthest_query_and_equals_naive
     assert diff <= TOL, f"key-block cache attention differs from naive by {diff}"
 
 
+@pytest.mark.codegen_sensitive
 def test_causal_by_index_and_segment_ids_equal_our_mask_on_real_tokens():
     """What splash evaluates (t >= s and segment[t] == segment[s], pads segment 0) is our
     mask on every real query row; pad rows differ but see at least themselves."""
@@ -208,6 +218,7 @@ def test_causal_by_index_and_segment_ids_equal_our_mask_on_real_tokens():
     assert splash_view[~real].any(-1).all(), "a pad row would be empty for splash"
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
 def test_splash_kernel_matches_naive_in_the_pallas_interpreter(heads, kv_heads):
     """The real splash kernel (interpreted on CPU) with our segment-id mapping and
@@ -222,6 +233,7 @@ def test_splash_kernel_matches_naive_in_the_pallas_interpreter(heads, kv_heads):
     assert max(diffs) <= TOL, f"splash |out|,|dq|,|dk|,|dv| differ by {diffs}"
 
 
+@pytest.mark.codegen_sensitive
 def test_splash_kernel_keeps_packed_trajectories_apart_in_the_pallas_interpreter():
     """Packed rows (several trajectories per row, ``AttentionMask.packed``): splash's segment ids
     are one per trajectory, so values and gradients on real tokens equal the oracle's packed mask."""
@@ -234,6 +246,7 @@ def test_splash_kernel_keeps_packed_trajectories_apart_in_the_pallas_interpreter
     assert max(diffs) <= TOL, f"splash |out|,|dq|,|dk|,|dv| differ by {diffs}"
 
 
+@pytest.mark.codegen_sensitive
 def test_cudnn_rotation_to_right_padding_matches_naive():
     """The cuDNN path's rotation (left pads moved behind the row, per-row lengths),
     run through jax's reference kernel since this host has no cuDNN."""
@@ -244,6 +257,7 @@ def test_cudnn_rotation_to_right_padding_matches_naive():
     assert max(diffs) <= TOL, f"rotated |out|,|dq|,|dk|,|dv| differ by {diffs}"
 
 
+@pytest.mark.codegen_sensitive
 def test_cudnn_path_falls_back_to_blockwise_when_a_row_has_a_hole():
     holey = LEFT_AND_RIGHT.copy()
     holey[2, 10:12] = False
@@ -282,6 +296,7 @@ def test_packed_runs_describe_each_segment_and_each_padding_run():
     np.testing.assert_array_equal(runs, [3, 1])
 
 
+@pytest.mark.codegen_sensitive
 def test_cudnn_packed_layout_matches_naive_on_packed_rows():
     """The packed-row mapping (runs -> offsets and lengths) through a dense stand-in for cuDNN's
     packed kernel: values and gradients equal the oracle's packed mask on real tokens."""
@@ -348,6 +363,7 @@ def test_attend_refuses_an_unresolved_backend():
         attend(q, k, v, AttentionMask.causal(jnp.ones((1, 4), bool)), "auto")
 
 
+@pytest.mark.codegen_sensitive
 def test_float32_queries_under_cudnn_run_the_blockwise_kernel():
     """cuDNN's fused kernel takes half precision only (it raised on the first H100 run of an fp32
     job under "auto"): a float32 program resolved to "cudnn" computes with the blockwise kernel,

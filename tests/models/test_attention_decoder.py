@@ -18,6 +18,8 @@ from llds_jax.models.logprobs import sequence_logprobs
 from llds_jax.models.testing import tiny_model
 from llds_jax.parallel import make_mesh, shard_model
 
+pytestmark = [pytest.mark.unit, pytest.mark.codegen_sensitive]
+
 TOL = 1e-5
 LENGTH = 600
 

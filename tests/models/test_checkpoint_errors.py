@@ -10,6 +10,8 @@ from llds_jax.models import ConfigError, DecoderConfig, from_pretrained, save_pr
 from llds_jax.models.safetensors_io import CheckpointError, read_safetensors, write_safetensors
 from llds_jax.models.testing import tiny_model
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def saved_dir(tmp_path_factory):

@@ -14,6 +14,8 @@ from llds_jax.models.testing import tiny_model
 from llds_jax.sampling import decode_loop
 from llds_jax.train.step import forward_logprobs
 
+pytestmark = pytest.mark.unit
+
 
 def test_floating_leaves_are_cast_and_others_kept():
     tree = {"w": jnp.ones((2, 3), jnp.float32), "ids": jnp.arange(3, dtype=jnp.int32)}
@@ -28,6 +30,7 @@ def test_narrower_leaves_are_not_widened():
     assert out["ref"].dtype == jnp.bfloat16 and out["master"].dtype == jnp.float32
 
 
+@pytest.mark.codegen_sensitive
 def test_bf16_compute_with_precast_weights_is_bit_identical():
     model = tiny_model("qwen2", seed=3, dtype="bfloat16")  # fp32 stored weights, bf16 compute
     assert jnp.dtype(model.config.compute_dtype) == jnp.bfloat16
@@ -46,6 +49,8 @@ def test_bf16_compute_with_precast_weights_is_bit_identical():
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.codegen_sensitive
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("family, tied", [("qwen2", True), ("qwen2", False)])
 def test_the_gradient_through_weights_cast_once_is_the_masters_gradient(family, tied):

@@ -23,6 +23,8 @@ import pytest
 
 from llds_jax.models.attention import decode_gpu, paged, resolve_paged_backend
 
+pytestmark = pytest.mark.unit
+
 BLOCK, COLUMNS = 16, 3
 LENGTHS = (0, 1, BLOCK - 1, BLOCK, BLOCK + 1, COLUMNS * BLOCK)  # idle, first key, around a block edge, full
 SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-3b": (16, 2, 128)}  # heads, KV heads, Dh: G = 7 and G = 8
@@ -220,6 +222,7 @@ def _target_missing() -> str:
     return target_installed("gpu")
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(bool(_target_missing()), reason=_target_missing() or "installed")
 def test_xla_gpu_runs_one_triton_kernel_per_layer_and_no_host_driven_loop():
     hlo = _gpu_decode_hlo("auto")
@@ -266,6 +269,7 @@ def _against_fp64_oracle(model: str, dtype, *, batch: int, columns: int, block: 
     return float(np.max(np.abs(out - want))), _tolerance(dtype, float(np.max(np.abs(pools[1]))), columns * block)
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (JAX_PLATFORMS=cuda)")
 @pytest.mark.parametrize("splits", [None, 1])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -304,6 +308,7 @@ def _bf16_decode_logits(attention: str) -> np.ndarray:
     return np.asarray(run(state))
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (JAX_PLATFORMS=cuda)")
 def test_on_a_gpu_the_decoder_decodes_through_the_kernel_what_it_decodes_through_the_xla_loop():
     """model.attention="auto" (the kernel) against "xla_blockwise" (the XLA loop): logits within

@@ -17,6 +17,8 @@ import pytest
 from llds_jax.models.attention import AttentionMask, attend_cached, naive_attention
 from llds_jax.models.attention.decode_tpu import decode_and_write, decode_block, row_tile
 
+pytestmark = pytest.mark.unit
+
 TOL = 1e-5
 SLOTS = 64
 
@@ -43,6 +45,7 @@ def _scattered(k_new, v_new, k_cache, v_cache, mask):
             v_cache.at[rows, :, mask.query_index].set(v_new.astype(v_cache.dtype), mode="drop"))
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (2, 2)])
 def test_kernel_matches_the_oracle_and_writes_what_the_scatter_writes(heads, kv_heads, dtype):
@@ -56,6 +59,7 @@ def test_kernel_matches_the_oracle_and_writes_what_the_scatter_writes(heads, kv_
     assert diff <= TOL, f"decode kernel differs from the oracle by {diff}"
 
 
+@pytest.mark.codegen_sensitive
 def test_a_slot_past_the_cache_is_dropped_like_the_scatter_drops_it():
     q, k_new, v_new, k_cache, v_cache, mask = _case(4, 2, jnp.float32)
     full = AttentionMask.cached(mask.query_index.at[1, 0].set(SLOTS), mask.key_valid.at[1].set(True))
@@ -66,6 +70,7 @@ def test_a_slot_past_the_cache_is_dropped_like_the_scatter_drops_it():
     assert float(jnp.max(jnp.abs(out - oracle))) <= TOL
 
 
+@pytest.mark.codegen_sensitive
 def test_each_row_reads_only_its_own_live_blocks():
     """NaN in every slot from a row's first block past its slot on cannot reach its output (the
     oracle over the same poisoned cache turns 0 x NaN into NaN: checked, so the test can fail),
@@ -89,6 +94,7 @@ def test_each_row_reads_only_its_own_live_blocks():
                                                mask))).any()
 
 
+@pytest.mark.codegen_sensitive
 def test_attend_cached_on_the_blockwise_path_equals_the_kernel():
     """The two implementations of one contract: ``attend_cached`` with xla_blockwise (every
     backend but TPU) and the kernel return the same attention and caches."""
@@ -109,6 +115,7 @@ def test_decode_block_divides_the_cache_in_whole_memory_tiles(slots, block, dtyp
         assert slots % expected == 0 and expected % row_tile(dtype) == 0
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_the_decoder_through_the_kernel_decodes_what_it_decodes_through_blockwise(family, monkeypatch):
     """The decoder's cached forward with the kernel swapped in (as on TPU, interpreted here):

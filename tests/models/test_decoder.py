@@ -15,6 +15,8 @@ from llds_jax.models import DecoderConfig, positions_from_mask
 from llds_jax.models.logprobs import sequence_logprobs
 from llds_jax.models.testing import tiny_config, tiny_model
 
+pytestmark = pytest.mark.unit
+
 
 def _count_dots(model) -> int:
     graphdef, state = nnx.split(model)
@@ -31,6 +33,7 @@ def test_scanned_model_traces_one_block_whatever_the_depth():
     assert unrolled > deep
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("remat", ["dots_saveable", "minimal", "full"])
 def test_remat_and_scan_leave_gradients_unchanged(remat):
     ids = jax.random.randint(jax.random.key(1), (2, 9), 0, 256)

@@ -18,6 +18,8 @@ from llds_jax.models.loading import decoder_config
 from llds_jax.models.safetensors_io import read_safetensors
 from llds_jax.models.testing import tiny_model
 
+pytestmark = pytest.mark.unit
+
 _HF_TO_GGUF = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -73,6 +75,7 @@ def write_gguf(model, hf_dir, path, arch: str):
     writer.close()
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("family,arch", [("llama", "llama"), ("qwen2_untied", "qwen2")])
 def test_gguf_written_like_llama_cpp_loads_to_the_same_logits(family, arch, tmp_path):
     model = tiny_model(family, seed=4)
@@ -104,6 +107,7 @@ def test_the_planners_config_of_a_gguf_equals_the_loaded_models(family, arch, tm
     assert {f: getattr(planned, f) for f in SHAPE_FIELDS} == {f: getattr(loaded, f) for f in SHAPE_FIELDS}
 
 
+@pytest.mark.codegen_sensitive
 def test_unpermuting_is_needed_for_llama(tmp_path, monkeypatch):
     """Guard against a vacuous pass: loading the permuted rows as-is must change the logits."""
     from llds_jax.models import gguf_io

@@ -11,6 +11,8 @@ from llds_jax.models.gguf_tokenizer import load_gguf_tokenizer
 from llds_jax.utils.assets import smollm2_gguf_path
 from tests.models import smollm2_reference
 
+pytestmark = pytest.mark.integration
+
 TEXTS = [
     "Hello <search> world </search>",
     "<|im_start|>user\nWho wrote Hamlet?<|im_end|>\n<|im_start|>assistant\n<think>",
@@ -50,6 +52,7 @@ def test_builds_in_a_process_where_torch_cannot_be_imported(gguf_path):
     assert result.stdout.strip().splitlines()[-1] == str(reference)
 
 
+@pytest.mark.unit
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         load_gguf_tokenizer(tmp_path / "absent.gguf")

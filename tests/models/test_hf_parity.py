@@ -12,6 +12,8 @@ from llds_jax.models import from_pretrained, save_pretrained
 from llds_jax.models.testing import TINY_FAMILIES, tiny_model
 from llds_jax.parallel.placement import iter_params
 
+pytestmark = [pytest.mark.unit, pytest.mark.codegen_sensitive]
+
 TOL = 1e-4
 
 

@@ -13,6 +13,8 @@ from flax import nnx
 from llds_jax.models import init_cache
 from llds_jax.models.testing import tiny_model
 
+pytestmark = [pytest.mark.unit, pytest.mark.codegen_sensitive]
+
 TOL = 1e-4
 
 

@@ -9,6 +9,8 @@ from flax import nnx
 from llds_jax.models.logprobs import sequence_logprobs, token_logprobs
 from llds_jax.models.testing import tiny_model
 
+pytestmark = pytest.mark.unit
+
 
 def _naive(hidden, unembed, targets, temperature):
     logits = (hidden @ unembed).astype(jnp.float32) / temperature
@@ -26,6 +28,7 @@ def _inputs(batch=3, length=37, width=16, vocab=300, seed=0):
     return hidden, unembed, targets
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("chunk_size,temperature", [(8, 1.0), (37, 0.7), (5, 1.3)])
 def test_chunked_values_equal_naive_softmax(chunk_size, temperature):
     hidden, unembed, targets = _inputs()
@@ -35,6 +38,7 @@ def test_chunked_values_equal_naive_softmax(chunk_size, temperature):
     np.testing.assert_allclose(entropy, want_entropy, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("vocab_major,chunk_size", [(False, 8), (True, 8), (False, 64)])
 def test_chunked_gradients_equal_naive_softmax(vocab_major, chunk_size):
     """A vocab-major table ([V, D], a tied embedding as stored) gives the same values and its
@@ -97,6 +101,7 @@ def test_peak_temporary_memory_does_not_grow_with_length_times_vocab():
     assert long - short < 2 * 2048 * vocab * 4 / 8, f"temp grew {short} -> {long} bytes for 8x length"
 
 
+@pytest.mark.codegen_sensitive
 def test_sequence_logprobs_scores_the_next_token_of_a_decoder():
     model = tiny_model("qwen3")
     ids = jax.random.randint(jax.random.key(0), (2, 10), 0, 256)

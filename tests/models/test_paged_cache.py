@@ -8,10 +8,13 @@ other's are fully masked, whose online-softmax update is an exact no-op.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from llds_jax.models import PagedKVCache, init_cache, init_paged_pools
 from llds_jax.models.testing import tiny_model
+
+pytestmark = pytest.mark.unit
 
 BLOCK = 128
 

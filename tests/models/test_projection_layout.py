@@ -13,9 +13,12 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from llds_jax.models.testing import tiny_model
+
+pytestmark = pytest.mark.unit
 
 BATCH, LENGTH = 2, 24  # 48 tokens: no weight dimension of the config below equals 48, 24 or 2
 

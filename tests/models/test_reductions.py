@@ -10,6 +10,8 @@ import pytest
 
 from llds_jax.models.reductions import log_softmax, log_softmax_at, row_max, row_sum, row_sum_of
 
+pytestmark = [pytest.mark.unit, pytest.mark.codegen_sensitive]
+
 F32_EPS = float(np.finfo(np.float32).eps)
 
 

@@ -16,7 +16,7 @@ from flax import nnx
 from llds_jax.models import init_cache
 from tests.models import smollm2_reference
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")

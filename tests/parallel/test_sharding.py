@@ -23,6 +23,8 @@ from llds_jax.models.testing import tiny_model
 from llds_jax.parallel import ShardingRules, constrain, logical_to_sharding, make_mesh, shard_model, use_rules
 from llds_jax.parallel.placement import golden_path, iter_params, param_specs, specs_to_json, write_golden
 
+pytestmark = pytest.mark.unit
+
 MESHES = [(8, 1, 1), (2, 4, 1), (1, 2, 4)]
 QWEN25_3B = DecoderConfig(vocab_size=151936, hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=2,
                           head_dim=128, intermediate_size=11008, family="qwen2", qkv_bias=True,
@@ -55,6 +57,7 @@ def single_device_outputs():
     return [np.asarray(x) for x in _outputs(tiny_model("qwen2_untied"), ids, mask)]
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("mesh_shape", MESHES)
 def test_forward_on_mesh_equals_single_device(mesh_shape, single_device_outputs):
     mesh = make_mesh(mesh_shape)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from llds_jax.retrieval.server import MicroBatcher
+
+pytestmark = pytest.mark.unit
 
 
 def test_requests_queued_together_are_searched_in_one_call_and_split_back(small_bm25):

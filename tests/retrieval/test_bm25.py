@@ -6,6 +6,8 @@ import pytest
 
 from llds_jax.retrieval import BM25Retriever, Corpus, Hit, RetrievalError
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_passages_own_title_and_opening_retrieve_it_first(small_bm25, small_corpus):
     for index in (0, 123, 1999):

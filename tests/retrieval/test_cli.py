@@ -5,9 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from llds_jax.retrieval import BM25Retriever, build_retriever, default_retrieval_config
 
 from .service_process import REPO
+
+pytestmark = pytest.mark.integration
 
 
 def test_index_mode_writes_a_bm25_index_that_build_retriever_loads_instead_of_rebuilding(small_corpus_path,

@@ -12,6 +12,8 @@ import pytest
 from llds_jax.retrieval import Corpus, CorpusFormatError
 from llds_jax.retrieval.corpus import OFFSETS_SUFFIX
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(autouse=True)
 def isolated_cache(tmp_path, monkeypatch):

@@ -12,6 +12,8 @@ import pytest
 from llds_jax.retrieval import Corpus, DenseRetriever, RetrievalError
 from llds_jax.retrieval.dense import build_dense_index, faiss_file
 
+pytestmark = pytest.mark.integration
+
 DENSE_ROWS = 160
 SHARD_SIZE = 64
 PROBE_ROWS = (0, 70, 159)

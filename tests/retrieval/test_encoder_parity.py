@@ -15,6 +15,8 @@ from llds_jax.models.encoder_weights import load_bert_encoder  # noqa: E402
 from llds_jax.retrieval.embedder import EmbedderOptions, TextEmbedder  # noqa: E402
 from llds_jax.utils.assets import minilm_dir  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 TOLERANCE = 1e-4
 SENTENCES = [
     "who got the first nobel prize in physics?",
@@ -39,6 +41,7 @@ def tiny_random_bert_dir(tmp_path_factory):
     return folder, model
 
 
+@pytest.mark.unit
 def test_tiny_random_bert_hidden_states_match_pytorch(tiny_random_bert_dir):
     folder, reference = tiny_random_bert_dir
     ours = load_bert_encoder(folder)
@@ -104,6 +107,7 @@ def test_prefixes_are_prepended_to_queries_and_passages(make_embedder, minilm_em
     assert np.allclose(e5_style.encode_passages(["x"]), minilm_embedder.encode(["passage: x"]), atol=1e-6)
 
 
+@pytest.mark.unit
 def test_missing_tensor_fails_naming_the_key_and_file(tiny_random_bert_dir, tmp_path):
     folder, _ = tiny_random_bert_dir
     tensors = load_file(folder / "model.safetensors")
@@ -114,6 +118,7 @@ def test_missing_tensor_fails_naming_the_key_and_file(tiny_random_bert_dir, tmp_
         load_bert_encoder(tmp_path)
 
 
+@pytest.mark.unit
 def test_non_bert_config_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="model_type 'llama'"):
         BertConfig.from_hf_dict({"model_type": "llama", "vocab_size": 3, "hidden_size": 8, "num_hidden_layers": 1,

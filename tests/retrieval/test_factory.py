@@ -15,6 +15,8 @@ from llds_jax.retrieval import (
 )
 from llds_jax.retrieval.config import resolve_index_path
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(autouse=True)
 def isolated_cache(tmp_path, monkeypatch):

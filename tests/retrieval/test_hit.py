@@ -7,6 +7,8 @@ import pytest
 from llds_jax.retrieval import Hit, format_docs
 from llds_jax.retrieval.hit import check_search_args
 
+pytestmark = pytest.mark.unit
+
 
 def search_r1_passages2string(contents_list: list[str]) -> str:
     """Search-R1 search_r1/llm_agent/generation.py `_passages2string`, restated as the oracle."""

@@ -13,11 +13,14 @@ import json
 import threading
 from urllib.parse import urlparse
 
+import pytest
 import uvicorn
 
 from llds_jax.retrieval.server import bind_socket, create_app
 
 from .test_server import QUERIES, service  # noqa: F401
+
+pytestmark = pytest.mark.integration
 
 TEN_MB = 10 * 2**20
 MAX_REPLY_BYTES = 1024  # five field errors of at most 120 characters each, plus their paths
@@ -136,6 +139,7 @@ class _FailingOnce:
         return self.inner.search(queries, topk)
 
 
+@pytest.mark.unit
 def test_a_failing_retriever_is_a_short_json_500_and_the_connection_and_service_survive(small_bm25):
     sock = bind_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(create_app(_FailingOnce(small_bm25)), log_level="critical"))

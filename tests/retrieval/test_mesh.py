@@ -17,6 +17,8 @@ from llds_jax.retrieval.config import BUNDLED_CORPUS
 from llds_jax.retrieval.hashed import HashedEmbedder, bundled_queries
 from llds_jax.retrieval.mesh import MeshIndex, MeshIndexError
 
+pytestmark = pytest.mark.unit
+
 MIN_QUERIES = 1000
 
 

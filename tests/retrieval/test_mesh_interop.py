@@ -17,6 +17,8 @@ from llds_jax.retrieval.dense import build_dense_index
 from llds_jax.retrieval.mesh import MeshIndexError, MeshRetriever, read_faiss_flat
 from llds_jax.rollout.protocol import batch_search_feedback
 
+pytestmark = pytest.mark.integration
+
 ROWS = 64
 QUERIES = ["what carries blood away from the heart", "nobel prize in physics", "", "film director " * 5]
 
@@ -160,6 +162,7 @@ def test_an_unfinished_index_directory_is_refused_before_anything_is_placed(mini
         build_retriever(mesh_config(mini, index_path=tmp_path / "nothing"))
 
 
+@pytest.mark.unit
 def test_config_values_are_checked_by_field():
     r = default_retrieval_config()
     r.method = "mesh"

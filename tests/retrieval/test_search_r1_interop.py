@@ -27,6 +27,8 @@ from llds_jax.retrieval.client import HttpRetriever
 
 from .test_server import service  # noqa: F401  (the real service fixture, module-scoped)
 
+pytestmark = pytest.mark.integration
+
 PAPER_BATCH = 512 * 5
 
 
@@ -108,6 +110,7 @@ def official_bm25_server(small_bm25):
     server.server_close()
 
 
+@pytest.mark.unit
 def test_our_client_reads_the_official_bm25_servers_rows_without_id(official_bm25_server, small_bm25):
     queries = ["first nobel prize in physics", "tamil film director", "river in europe"]
     with HttpRetriever(official_bm25_server, retries=0) as retriever:

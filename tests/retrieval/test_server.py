@@ -13,6 +13,8 @@ from llds_jax.retrieval.client import HttpRetriever
 
 from .service_process import ServiceProcess
 
+pytestmark = pytest.mark.integration
+
 QUERIES = ["who directed the 1962 Tamil film Padithal Mattum Podhuma?", "nobel prize in physics", "the of and"]
 
 
@@ -192,6 +194,7 @@ def test_client_reports_a_rejected_request_at_once_with_the_servers_reason(servi
             retriever.search(["q"], 1000)
 
 
+@pytest.mark.unit
 def test_client_refuses_a_lone_surrogate_query_naming_it_before_sending():
     with HttpRetriever("http://127.0.0.1:9", retries=0) as retriever:  # nothing listens: nothing may be sent
         with pytest.raises(ValueError, match=r"queries\[1\] is not valid Unicode"):

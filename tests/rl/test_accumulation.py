@@ -21,6 +21,8 @@ from rl_strategies import BATCH, rollouts
 
 from llds_jax import rl
 
+pytestmark = [pytest.mark.unit, pytest.mark.codegen_sensitive]
+
 # Sliced micro-batches of one size: eager mode compiles every primitive once per shape, so shape
 # variety (not example count) is what costs time. Halves already differ in token counts; any
 # partition of rows is covered by the hypothesis test at the end (padding-row micro-batches).

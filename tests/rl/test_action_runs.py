@@ -5,11 +5,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rl_torch_reference import action_runs
 
 from llds_jax import rl
+
+pytestmark = pytest.mark.unit
 
 
 def test_feedback_spans_split_a_row_into_numbered_actions():
@@ -27,6 +30,7 @@ def test_a_change_of_action_index_splits_adjacent_actions():
     np.testing.assert_array_equal(np.asarray(rl.action_run_ids(mask)), [[0, 0, 0, 0, 0, 0]])
 
 
+@pytest.mark.codegen_sensitive
 def test_sum_over_runs_gives_each_action_token_its_run_total_and_zero_elsewhere():
     mask = jnp.array([[1, 1, 0, 1, 0, 1]], jnp.float32)
     values = jnp.array([[1.0, 2.0, 100.0, 4.0, 100.0, -8.0]])
@@ -37,6 +41,7 @@ def test_sum_over_runs_gives_each_action_token_its_run_total_and_zero_elsewhere(
 _run_sums = jax.jit(lambda values, mask: rl.sum_over_runs(values, rl.action_run_ids(mask)))
 
 
+@pytest.mark.codegen_sensitive
 @settings(max_examples=40, deadline=None)
 @given(
     mask=st.lists(st.lists(st.integers(0, 1), min_size=12, max_size=12), min_size=3, max_size=3),

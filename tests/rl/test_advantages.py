@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from llds_jax import rl
 
+pytestmark = pytest.mark.unit
+
 
 def numpy_advantages(rewards, group_ids, valid, estimator, eps=1e-6, unbiased_std=True):
     """SPEC §4 read literally, one group at a time."""
@@ -42,6 +44,7 @@ def random_groups(seed, n=24):
     return rewards, group_ids, valid
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
 @pytest.mark.parametrize("unbiased_std", [True, False])
 def test_estimators_match_loop_over_groups_reference(estimator, unbiased_std):
@@ -56,23 +59,27 @@ def test_estimators_match_loop_over_groups_reference(estimator, unbiased_std):
     assert fn._cache_size() == 1, "compute_advantages must jit once per shape"
 
 
+@pytest.mark.codegen_sensitive
 def test_grpo_uses_unbiased_std_by_default():
     got = rl.compute_advantages(jnp.array([1.0, 0.0]), jnp.array([5, 5]), jnp.array([True, True]))
     std = np.std([1.0, 0.0], ddof=1)
     np.testing.assert_allclose(np.asarray(got), [0.5 / (std + 1e-6), -0.5 / (std + 1e-6)], rtol=1e-6)
 
 
+@pytest.mark.codegen_sensitive
 def test_group_of_one_has_mean_zero_and_std_one():
     got = rl.compute_advantages(jnp.array([1.0, 0.0]), jnp.array([0, 1]), jnp.array([True, True]))
     np.testing.assert_allclose(np.asarray(got), [1.0 / (1.0 + 1e-6), 0.0], rtol=1e-7)
 
 
+@pytest.mark.codegen_sensitive
 def test_constant_reward_group_gets_exactly_zero_even_for_inexact_floats():
     rewards = jnp.full((5,), 0.1, jnp.float32)  # 0.1 is inexact: a float std would be ~1e-9, not 0
     got = rl.compute_advantages(rewards, jnp.zeros(5, jnp.int32), jnp.ones(5, bool))
     assert np.all(np.asarray(got) == 0.0), got
 
 
+@pytest.mark.codegen_sensitive
 def test_padding_rows_get_zero_and_do_not_shift_their_group():
     rewards = jnp.array([1.0, 0.0, 1.0, 100.0])
     group_ids = jnp.array([3, 3, 3, 3])
@@ -83,6 +90,7 @@ def test_padding_rows_get_zero_and_do_not_shift_their_group():
     assert got[3] == 0.0
 
 
+@pytest.mark.codegen_sensitive
 def test_two_prompts_with_different_ids_are_never_merged():
     rewards = jnp.array([1.0, 1.0, 0.0, 0.0])
     got = rl.compute_advantages(rewards, jnp.array([10, 10, 11, 11]), jnp.ones(4, bool))
@@ -97,6 +105,7 @@ def test_unknown_estimator_lists_known_ones():
 _grpo = jax.jit(lambda r, g, v: rl.compute_advantages(r, g, v))
 
 
+@pytest.mark.codegen_sensitive
 @settings(max_examples=30, deadline=None)
 @given(
     rewards=st.lists(st.sampled_from([0.0, 0.25, 1.0]), min_size=16, max_size=16),

@@ -21,6 +21,8 @@ from llds_jax.rl.aggregation import aggregate
 from llds_jax.rl.kl import KL_ESTIMATORS
 from llds_jax.rl.policy_losses import POLICY_LOSSES
 
+pytestmark = [pytest.mark.unit, pytest.mark.codegen_sensitive]
+
 GATES = ("token", "response", "action")
 PROPERTY_SETTINGS = settings(max_examples=15, deadline=None)
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from rl_batches import rollout_batch
 
 from llds_jax import rl
+
+pytestmark = pytest.mark.unit
 
 
 def inputs(batch: int, length: int, seed: int = 0):
@@ -42,6 +45,7 @@ def test_traced_program_size_does_not_grow_with_batch_or_length():
     assert len(set(sizes.values())) == 1, sizes
 
 
+@pytest.mark.codegen_sensitive
 def test_metrics_are_finite_on_an_all_padding_batch():
     cfg = rl.default_config()
     *arrays, adv, masks = inputs(8, 24)
@@ -52,6 +56,7 @@ def test_metrics_are_finite_on_an_all_padding_batch():
     assert not bad, bad
 
 
+@pytest.mark.codegen_sensitive
 def test_lambda_passed_through_batch_constants_changes_without_recompiling():
     """A monitor may raise lambda mid-run: a traced lambda must equal the static one, one compile."""
     cfg = rl.default_config()

@@ -23,6 +23,8 @@ from rl_torch_reference import reference_loss
 
 from llds_jax import rl
 
+pytestmark = [pytest.mark.unit, pytest.mark.codegen_sensitive]
+
 SEEDS = (0, 1)
 TOL = 1e-6
 

@@ -10,6 +10,8 @@ from rl_batches import rollout_batch
 
 from llds_jax import rl
 
+pytestmark = [pytest.mark.unit, pytest.mark.codegen_sensitive]
+
 
 def cfg_with(**overrides):
     cfg = rl.default_config()

@@ -14,6 +14,8 @@ import pytest
 from llds_jax import rl
 from llds_jax.rl.advantages import ADVANTAGE_ESTIMATORS, reinforce_pp_token_advantages, row_summary
 
+pytestmark = pytest.mark.unit
+
 
 def reference(rewards, mask, old, ref, beta, row_weight):
     """Eqs. 8-10 token by token, with explicit loops (no cumsum)."""
@@ -50,6 +52,7 @@ def test_registered_beside_the_group_estimators():
     rl.validate(cfg)
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("beta", [0.0, 0.05, 1.0])
 def test_token_advantages_match_the_paper(beta):
     rewards, mask, old, ref, row_weight = batch(1)
@@ -65,6 +68,7 @@ def test_token_advantages_match_the_paper(beta):
         assert np.ptp(np.asarray(got)[2][mask[2] > 0]) > 1e-4
 
 
+@pytest.mark.codegen_sensitive
 def test_an_all_equal_group_keeps_its_signal_unlike_grpo():
     rewards, mask, old, ref, row_weight = batch(2)
     groups = jnp.array([0, 0, 1, 1, 2, 2])
@@ -76,6 +80,7 @@ def test_an_all_equal_group_keeps_its_signal_unlike_grpo():
     assert np.all(np.asarray(row_summary(token, jnp.asarray(mask)))[:2] != 0.0)
 
 
+@pytest.mark.codegen_sensitive
 def test_advantages_carry_no_gradient_into_the_log_probs():
     rewards, mask, old, ref, row_weight = batch(3)
     grad = jax.grad(lambda o: reinforce_pp_token_advantages(jnp.asarray(rewards), jnp.asarray(mask), o,
@@ -84,6 +89,7 @@ def test_advantages_carry_no_gradient_into_the_log_probs():
     assert np.all(np.asarray(grad) == 0.0)
 
 
+@pytest.mark.codegen_sensitive
 def test_the_objective_reads_token_advantages_as_given():
     """Token-level advantages enter the pg term per token: on-policy ∂loss/∂logp_t = −A_t / Σ mask."""
     rewards, mask, old, ref, row_weight = batch(4)

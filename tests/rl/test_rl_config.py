@@ -7,6 +7,8 @@ import pytest
 from llds_jax import rl
 from llds_jax.rl.rollout_correction import ROLLOUT_CORRECTIONS
 
+pytestmark = pytest.mark.unit
+
 
 def test_defaults_are_the_reference_settings():
     cfg = rl.default_config()

@@ -16,6 +16,8 @@ from llds_jax import rl
 from llds_jax.rl.config import RLConfigError
 from llds_jax.rl.rollout_correction import host_metrics, rollout_correction
 
+pytestmark = pytest.mark.unit
+
 B, T = 4, 6
 
 
@@ -59,6 +61,7 @@ def pg_loss_and_grad(cfg, mask, delta, old, adv):
     return float(value), np.asarray(grad)
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("mode", ["tis", "seq_tis", "mis", "seq_mis"])
 def test_weights_match_verl_formulas(mode):
     mask, delta, _, _ = sample()
@@ -70,6 +73,7 @@ def test_weights_match_verl_formulas(mode):
     assert np.asarray(corr.weight).max() <= 2.0 and np.isfinite(np.asarray(corr.weight)).all()
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("mode", ["tis", "seq_tis", "mis", "seq_mis"])
 def test_pg_loss_and_gradient_are_the_weighted_surrogate(mode):
     """On-policy the PPO surrogate is −A·ρ with ρ = 1: loss = −Σ w A m / Σ keep, ∂/∂logp_t = −w_t A / Σ keep."""
@@ -85,6 +89,7 @@ def test_pg_loss_and_gradient_are_the_weighted_surrogate(mode):
         assert np.all(grad[(mask > 0) & (keep == 0)] == 0)
 
 
+@pytest.mark.codegen_sensitive
 def test_masked_tokens_leave_every_term_and_its_denominator():
     """verl replaces the response mask: the KL term's token mean runs over kept tokens only."""
     mask, delta, old, adv = sample(2)
@@ -100,6 +105,7 @@ def test_masked_tokens_leave_every_term_and_its_denominator():
     assert abs((gap * keep).sum() / keep.sum() - (gap * mask).sum() / mask.sum()) > 1e-3
 
 
+@pytest.mark.codegen_sensitive
 def test_none_ignores_the_log_ratio_and_is_the_default():
     mask, delta, old, adv = sample(3)
     cfg = make_cfg()
@@ -110,6 +116,7 @@ def test_none_ignores_the_log_ratio_and_is_the_default():
     assert with_ratio[0] == float(without)
 
 
+@pytest.mark.codegen_sensitive
 def test_batch_constants_drop_masked_tokens_from_the_denominator():
     mask, delta, _, adv = sample(4)
     cfg = make_cfg(rollout_correction="mis", rollout_correction_cap=1.5)
@@ -133,6 +140,7 @@ def test_bad_settings_fail_naming_the_field(bad):
         rl.validate(make_cfg(**bad))
 
 
+@pytest.mark.codegen_sensitive
 def test_host_metrics_report_what_token_tis_would_cap_when_off():
     mask, delta, old, _ = sample(5)
     sampler = old - delta

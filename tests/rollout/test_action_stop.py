@@ -31,6 +31,8 @@ from llds_jax.rollout.config import terminator_ids
 from llds_jax.sampling import stop_strings
 from llds_jax.sampling.token_bytes import decode_text, vocab_bytes
 
+pytestmark = pytest.mark.unit
+
 WITNESSES = ("", "</search>", "</answer>", "<search>w</search>", "<answer>w</answer>")
 
 

@@ -34,6 +34,8 @@ from tests.rollout.test_rollout_waves import (
     wave_config,
 )
 
+pytestmark = pytest.mark.unit
+
 KEY = 7
 
 

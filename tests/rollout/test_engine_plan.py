@@ -9,6 +9,8 @@ from llds_jax.models.paged_cache import paged_pool_bytes
 from llds_jax.plan.run import make_plan
 from tests.scale.test_plan import _tiny_config, needs_tpu
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.slow
 def test_the_plan_compiles_prefill_and_decode_on_the_engines_paged_pool():

@@ -16,6 +16,8 @@ from llds_jax.sampling.stop_strings import MATCHED
 
 from .conftest import RecordingRetriever
 
+pytestmark = pytest.mark.unit
+
 QUESTION = "who got the first nobel prize in physics"
 
 # One row per trajectory; one string per turn (what the policy would write if nothing stopped it).

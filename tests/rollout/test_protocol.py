@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pyarrow.parquet as pq
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from llds_jax.retrieval import Hit
 from llds_jax.rollout import protocol
+
+pytestmark = pytest.mark.unit
 
 
 def test_user_prompt_is_byte_identical_to_searchr1_parquet_prompts(shared_dir):

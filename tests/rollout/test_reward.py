@@ -21,6 +21,8 @@ from llds_jax.rollout.reward import (
     token_f1,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def spec_normalize(text: str) -> str:
     """SPEC §3 written out independently: the steps in the stated order, as separate passes."""

@@ -26,6 +26,8 @@ from llds_jax.rollout import default_config, run_rollouts
 from llds_jax.sampling import decode_loop
 from llds_jax.sampling.session import DecodeSession
 
+pytestmark = pytest.mark.unit
+
 WORDS = ("[PAD]", "[UNK]", "<|im_end|>", "<search>", "</search>", "<answer>", "</answer>",
          "▁paris", "▁nobel", "▁physics", "▁france", "▁capital")
 QUESTIONS = ("who got the first nobel prize in physics", "what is the capital of france", "paris",

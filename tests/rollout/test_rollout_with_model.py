@@ -18,6 +18,8 @@ from llds_jax.models.testing import tiny_model
 from llds_jax.rollout import default_config, run_rollouts
 from llds_jax.rollout.protocol import INVALID_ACTION_FEEDBACK
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def model(qwen_tokenizer):

@@ -20,6 +20,8 @@ from llds_jax.rollout.schedule_sim import (
 )
 from llds_jax.rollout.scheduler import Phase, Scheduler, SchedulerError
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -118,6 +120,7 @@ def test_a_short_pool_preempts_and_still_finishes_every_trajectory():
     assert tight["preemptions"] > 0 and tight["peak_kv_blocks"] <= 16
 
 
+@pytest.mark.integration
 def test_paper_schedule_meets_the_issue_targets(shared_dir):
     """The acceptance of issue 41 on Search-R1's own 3B lengths: engine efficiency >= 0.85 at
     every target, never more decode steps than waves, >= 2x fewer where waves need > 1 wave."""

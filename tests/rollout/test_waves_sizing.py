@@ -16,6 +16,8 @@ from llds_jax.rollout.waves import (
 )
 from llds_jax.sampling.session import cache_slot_limit, cache_slots_at_peak
 
+pytestmark = pytest.mark.unit
+
 QWEN_3B = DecoderConfig(vocab_size=151936, hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=2,
                         head_dim=128, intermediate_size=11008, family="qwen2", qkv_bias=True, tie_embeddings=True,
                         dtype="bfloat16", param_dtype="bfloat16")

@@ -12,6 +12,8 @@ import pytest
 from llds_jax.plan.targets import target_installed
 from llds_jax.sampling import filtering
 
+pytestmark = pytest.mark.unit
+
 filter_logits = jax.jit(filtering.filter_logits)
 sample_tokens = jax.jit(filtering.sample_tokens)
 
@@ -23,12 +25,14 @@ def kept(logits) -> set[int]:
     return set(np.flatnonzero(np.isfinite(np.asarray(logits)[0])).tolist())
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("top_k, expected", [(1, {1}), (2, {1, 3}), (4, {1, 3, 4, 2}), (0, {0, 1, 2, 3, 4}),
                                              (99, {0, 1, 2, 3, 4})])
 def test_top_k_keeps_the_k_most_likely_tokens(top_k, expected):
     assert kept(filter_logits(LOGITS, 1.0, top_k, 1.0)) == expected
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("top_p, expected", [
     (0.3, {1}),              # 0.4 already reaches 0.3
     (0.39, {1}),
@@ -41,12 +45,14 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p, expected):
     assert kept(filter_logits(LOGITS, 1.0, 0, top_p)) == expected
 
 
+@pytest.mark.codegen_sensitive
 def test_top_k_applies_before_top_p():
     # top-k 2 leaves {.4, .25} renormalised to {.615, .385}: top-p .6 needs only the first.
     assert kept(filter_logits(LOGITS, 1.0, 2, 0.6)) == {1}
     assert kept(filter_logits(LOGITS, 1.0, 2, 0.7)) == {1, 3}
 
 
+@pytest.mark.codegen_sensitive
 def test_temperature_scales_logits_before_filtering():
     hot = filter_logits(LOGITS, 2.0, 0, 1.0)
     np.testing.assert_allclose(np.asarray(hot), np.asarray(LOGITS) / 2.0, rtol=1e-6)
@@ -54,6 +60,7 @@ def test_temperature_scales_logits_before_filtering():
     assert kept(filter_logits(LOGITS, 0.5, 0, 0.5)) == {1}
 
 
+@pytest.mark.codegen_sensitive
 def test_sampling_frequencies_follow_the_filtered_distribution():
     n = 40_000
     logits = jnp.broadcast_to(LOGITS, (n, 5))
@@ -64,12 +71,14 @@ def test_sampling_frequencies_follow_the_filtered_distribution():
     np.testing.assert_allclose(np.exp(np.asarray(logprobs)), expected[np.asarray(tokens)], rtol=1e-5)
 
 
+@pytest.mark.codegen_sensitive
 def test_greedy_takes_argmax_and_reports_the_model_logprob():
     tokens, logprobs = sample_tokens(LOGITS, jax.random.key(0), 0.0, 0, 0.5)
     assert int(tokens[0]) == 1
     np.testing.assert_allclose(float(logprobs[0]), np.log(0.4), rtol=1e-5)
 
 
+@pytest.mark.codegen_sensitive
 def test_sampling_with_a_fixed_key_is_reproducible():
     logits = jax.random.normal(jax.random.key(1), (8, 1000))
     a = sample_tokens(logits, jax.random.key(7), 1.0, 50, 0.9)
@@ -106,6 +115,7 @@ def _definition(row: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, 
     return row >= floor, margin
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("ways", [2, 32])  # bisection (XLA:CPU) and the 32-way search TPU/GPU run
 @pytest.mark.parametrize("vocab", [7, 1000, 49152])
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.95), (0, 0.5), (40, 1.0), (40, 0.9), (1, 0.7), (0, 0.0)])
@@ -124,6 +134,7 @@ def test_cut_offs_match_the_definition_with_ties_and_masked_tokens(vocab, top_k,
         assert kept_row.any(), "at least the top token is always kept"
 
 
+@pytest.mark.codegen_sensitive
 def test_top_p_one_keeps_every_token_after_top_k():
     """A wide top-k with top-p 1 keeps the whole row (the sort-based filter used to drop tail tokens
     whose cumulative mass rounded to 1.0 and so failed ``mass_before < 1``)."""
@@ -147,6 +158,7 @@ def test_xla_cpu_bisects_in_32_passes():
     assert _search_passes() == {"32"}
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(bool(target_installed("gpu")), reason=target_installed("gpu") or "installed")
 def test_xla_gpu_searches_32_ways_in_7_passes():
     """Compiled for an H100 from this host (the compile-only target ``--mode=plan`` uses)."""
@@ -155,6 +167,7 @@ def test_xla_gpu_searches_32_ways_in_7_passes():
     assert _search_passes(gpu_target("h100", 1, 1).devices[0]) == {"7"}
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.95), (0, 0.6), (50, 1.0), (50, 0.8), (7, 0.99)])
 def test_kept_sets_match_transformers_warpers(top_k, top_p):
     """transformers' TopKLogitsWarper then TopPLogitsWarper (what HF ``generate`` runs) keep the same
@@ -304,6 +317,7 @@ def test_compiled_samplers_hold_no_conditional(mode):
         assert " while(" not in hlo, "a greedy program draws no noise and searches nothing"
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(bool(target_installed("gpu")), reason=target_installed("gpu") or "installed")
 @pytest.mark.parametrize("mode", ["greedy", "top-p", "top-k+top-p"])
 def test_xla_gpu_samplers_hold_no_conditional(mode):

@@ -13,6 +13,8 @@ from llds_jax.sampling import FinishReason, build_stop_table, decode_loop, gener
 
 from .hf_reference import hf_greedy, left_padded, tiny_hf_model
 
+pytestmark = pytest.mark.unit
+
 NEW_TOKENS = 12
 
 
@@ -24,6 +26,7 @@ def hf_and_ours(request, tmp_path_factory):
     return request.param, hf_model, from_pretrained(directory)
 
 
+@pytest.mark.codegen_sensitive
 def test_greedy_matches_transformers_generate_on_left_padded_batch(hf_and_ours):
     family, hf_model, model = hf_and_ours
     ids, mask = left_padded((11, 6, 3, 9), vocab=256, seed=1)
@@ -35,6 +38,7 @@ def test_greedy_matches_transformers_generate_on_left_padded_batch(hf_and_ours):
                                f"ours\n{out.tokens}\ntransformers\n{expected}"
 
 
+@pytest.mark.codegen_sensitive
 def test_logprobs_are_the_models_logprobs_at_temperature_one(hf_and_ours):
     _, _, model = hf_and_ours
     ids, mask = left_padded((11, 6, 3, 9), vocab=256, seed=2)
@@ -53,6 +57,7 @@ def model():
     return tiny_model("qwen2", seed=3)
 
 
+@pytest.mark.codegen_sensitive
 def test_sampled_decoding_with_a_fixed_key_is_reproducible(model):
     ids, mask = left_padded((5, 9, 2), vocab=256)
     kwargs = dict(max_new_tokens=10, temperature=1.0, top_p=0.9, top_k=50)
@@ -127,6 +132,7 @@ def test_one_compiled_program_per_bucket_across_repeated_calls(model):
     assert grown[0] == before[0] + 1, f"a new prompt bucket should add one extend program: {before} -> {grown}"
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_greedy_matches_transformers_on_smollm2_for_32_tokens():
     from tests.models import smollm2_reference

@@ -11,6 +11,8 @@ from llds_jax.sampling import SamplingParams
 from llds_jax.sampling.generate import resolve_stop_table
 from llds_jax.sampling.session import DecodeSession
 
+pytestmark = pytest.mark.unit
+
 
 def _forward_logprobs(model, rows: list[list[int]]) -> list[np.ndarray]:
     """log-softmax of one uncached forward over each whole row, [len(row), V] per row. The rows are
@@ -24,6 +26,7 @@ def _forward_logprobs(model, rows: list[list[int]]) -> list[np.ndarray]:
     return [logp[i, :len(row)] for i, row in enumerate(rows)]
 
 
+@pytest.mark.codegen_sensitive
 def test_session_continuation_equals_one_forward_over_the_whole_conversation():
     model = tiny_model("llama", seed=1)
     sampling = SamplingParams.create(temperature=1.0, top_k=0, top_p=1.0, stop_token_ids=[],
@@ -64,6 +67,7 @@ def test_session_continuation_equals_one_forward_over_the_whole_conversation():
             assert abs(expected - logprob) < 1e-4, (row, position, expected, logprob)
 
 
+@pytest.mark.codegen_sensitive
 def test_cutting_an_action_continues_as_if_decoding_had_stopped_at_the_cut():
     """After cut_last_actions the dropped ids are gone from the cache: feedback and the next action
     get the positions and attention a single forward over the kept conversation gives them."""

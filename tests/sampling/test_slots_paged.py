@@ -8,11 +8,14 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from llds_jax.models.testing import tiny_model
 from llds_jax.sampling import placement, slots
 from llds_jax.sampling.decode_loop import DecodeState, SamplingParams
+
+pytestmark = pytest.mark.unit
 
 COLLECTIVE = re.compile(r"= (\(?[^=]*?\)?) (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)\(")
 

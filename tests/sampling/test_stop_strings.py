@@ -13,6 +13,8 @@ from llds_jax.rollout.protocol import ACTION_STOP_STRINGS, parse_action
 from llds_jax.sampling import stop_strings
 from llds_jax.sampling.token_bytes import char_offsets, decode_text, vocab_bytes
 
+pytestmark = pytest.mark.unit
+
 STOPS = ACTION_STOP_STRINGS
 
 

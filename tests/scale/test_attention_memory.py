@@ -22,6 +22,8 @@ from llds_jax.models.logprobs import sequence_logprobs
 from llds_jax.models.testing import tiny_model
 from llds_jax.plan.targets import target_installed
 
+pytestmark = pytest.mark.unit
+
 LENGTHS = (1024, 2048)
 LINEAR = 2.5      # max temp ratio for 2x length: linear growth plus rounding of fixed buffers
 QUADRATIC = 3.5   # min temp ratio the naive oracle must show (its scores are T x S)
@@ -78,6 +80,7 @@ def _square_buffers(compiled, length: int) -> list[str]:
     return sorted({s for s in shapes if sum(int(d) >= length for d in s[s.index("[") + 1:-1].split(",")) >= 2})
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(bool(target_installed("tpu")), reason=target_installed("tpu") or "installed")
 def test_splash_decoder_training_step_compiles_for_v5e_without_square_buffers():
     """The decoder's log-prob value_and_grad with attention="splash" compiled by XLA:TPU for

@@ -29,6 +29,8 @@ from llds_jax.train.checkpoint import (
 )
 from tests.scale import toy_train
 
+pytestmark = pytest.mark.unit
+
 
 def _to_numpy(tree):
     """Host copy; typed keys become their raw data so they compare as arrays."""

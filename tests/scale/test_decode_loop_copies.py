@@ -15,6 +15,8 @@ from llds_jax.models.testing import tiny_config
 from llds_jax.plan.targets import target_installed
 from tests.hlo_helpers import compiled_decode_loop, ops_outside_fusions, while_bodies
 
+pytestmark = pytest.mark.unit
+
 SLOTS, BATCH = 256, 8
 
 
@@ -30,6 +32,7 @@ def _cache_ops_in_loop_body(attention: str, target: str = "tpu", slots_per_op: i
     return found, hlo
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(bool(target_installed("tpu")), reason=target_installed("tpu") or "installed")
 def test_tpu_decode_loop_body_touches_no_whole_cache():
     kernel_ops, hlo = _cache_ops_in_loop_body("auto")

@@ -11,6 +11,8 @@ import pytest
 from llds_jax.plan.measured import PHASES
 from tests.codegen_sensitive import child_xla_flags
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -45,6 +47,7 @@ def test_bad_arguments_are_refused_by_name():
     assert proc.returncode == 2 and "unknown option --bogus" in proc.stderr
 
 
+@pytest.mark.unit
 def test_the_wheel_list_names_versions_and_fits_a_device_call():
     lines = [line for line in (REPO / "launch" / "device_check_wheels.txt").read_text().splitlines()
              if line.strip() and not line.startswith("#")]

@@ -23,6 +23,8 @@ from llds_jax.parallel.distributed import (
 )
 from tests.scale import toy_train
 
+pytestmark = pytest.mark.unit
+
 ENV = {"JAX_COORDINATOR_ADDRESS": "10.0.0.2:8476", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
 
 

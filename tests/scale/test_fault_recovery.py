@@ -27,6 +27,8 @@ import pytest
 
 from tests.codegen_sensitive import child_xla_flags
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 MONITOR = {"monitor.likelihood_key": "ratio/mean", "monitor.window": 3, "monitor.surge_window": 1,

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = ["launch/_common.sh", "launch/gpu_node.sh", "launch/tpu_pod.sh", "launch/slurm.sbatch"]
 

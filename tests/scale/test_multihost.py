@@ -18,6 +18,8 @@ from tests.codegen_sensitive import child_xla_flags
 from tests.scale import toy_train
 from tests.scale.multihost_worker import STEPS
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from tests.scale.test_multihost import run_two_processes
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.slow
 def test_every_local_device_samples_and_params_reach_them_device_to_device(tmp_path):

@@ -19,6 +19,8 @@ import pytest
 
 from tests.scale.test_multihost import REPO, run_two_processes
 
+pytestmark = pytest.mark.integration
+
 STEPS = 2
 
 

@@ -22,6 +22,8 @@ from llds_jax.train.checkpoint import Checkpointer, abstract_like
 from llds_jax.train.learner import Learner
 from tests.scale.test_resume_trainer_state import rollout, tiny_config
 
+pytestmark = pytest.mark.integration
+
 
 def host(tree):
     return jax.tree.map(np.asarray, jax.device_get(tree))

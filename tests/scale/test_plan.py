@@ -33,6 +33,8 @@ from llds_jax.plan.targets import resolve_target, target_installed
 from llds_jax.train.step import StepSizes
 from tests.scale import toy_train
 
+pytestmark = pytest.mark.unit
+
 needs_tpu = pytest.mark.skipif(bool(target_installed("tpu")), reason=target_installed("tpu") or "installed")
 needs_gpu = pytest.mark.skipif(bool(target_installed("gpu")), reason=target_installed("gpu") or "installed")
 
@@ -104,6 +106,7 @@ def test_without_libtpu_a_topology_falls_back_to_xla_cpu_and_says_so(monkeypatch
     assert "pip install '.[plan-tpu]'" in target.note and target.hardware == ""
 
 
+@pytest.mark.integration
 @needs_tpu
 def test_libtpu_rejections_name_the_field():
     with pytest.raises(PlanError, match=r"plan.topology='v5e:3x3': libtpu rejected it: .*not divisible"):
@@ -169,6 +172,7 @@ def tiny_plan():
     return make_plan(_tiny_config())
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_plan_compiles_every_phase_and_prints_the_fit_table(tiny_plan):
     plan = tiny_plan
@@ -180,6 +184,7 @@ def test_plan_compiles_every_phase_and_prints_the_fit_table(tiny_plan):
     assert "decodes all 32 trajectories" in table and "no row's own compiler ran" in table
 
 
+@pytest.mark.integration
 @needs_tpu
 def test_plan_compiles_with_xla_tpu_for_a_topology_from_a_cpu_host():
     c = _tiny_config()
@@ -191,6 +196,7 @@ def test_plan_compiles_with_xla_tpu_for_a_topology_from_a_cpu_host():
     assert f"{HARDWARE['v5e'][0]:<28}fits   <- compiled for this chip" in format_plan(plan)
 
 
+@pytest.mark.integration
 @needs_tpu
 def test_xla_tpu_refuses_a_program_beyond_hbm_and_the_plan_still_gets_its_numbers():
     from jax.experimental import topologies
@@ -204,6 +210,7 @@ def test_xla_tpu_refuses_a_program_beyond_hbm_and_the_plan_still_gets_its_number
     assert program.argument_bytes == 32768 * 65536 * 4 and program.peak_bytes > 16 * 2**30
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # XLA:GPU compiles the four tiny programs in 15-55 s here
 @needs_gpu
 def test_plan_compiles_with_xla_gpu_for_h100s_from_a_cpu_host():
@@ -216,6 +223,7 @@ def test_plan_compiles_with_xla_gpu_for_h100s_from_a_cpu_host():
     assert f"{HARDWARE['H100'][0]:<28}fits   <- compiled for this chip" in format_plan(plan)
 
 
+@pytest.mark.integration
 def test_a_run_that_will_not_fit_is_refused_naming_the_phase_and_the_field():
     """``check_fits_before_training`` compiles the run's own programs; 100 kB per device fits none."""
     from llds_jax.errors import InputError
@@ -250,6 +258,7 @@ def test_the_fit_check_is_skipped_where_devices_report_no_limit_unless_asked():
         check_fits_before_training(c, jax.devices())
 
 
+@pytest.mark.integration
 def test_the_plan_decodes_in_the_trainers_waves(tiny_plan):
     """Same wave size as the rollout (rollout.max_concurrent_rows), so the KV cache is the trainer's."""
     c = _tiny_config()

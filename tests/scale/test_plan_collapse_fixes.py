@@ -3,8 +3,12 @@ in the batch, π_ref kept for REINFORCE++'s reward KL with rl.kl_coef = 0)."""
 
 from __future__ import annotations
 
+import pytest
+
 from llds_jax.plan.run import make_plan
 from tests.scale.test_plan import _tiny_config
+
+pytestmark = pytest.mark.integration
 
 
 def test_plan_compiles_rollout_correction_and_reinforce_pp():

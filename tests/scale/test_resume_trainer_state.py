@@ -19,6 +19,8 @@ from llds_jax.train.batch import TrainBatch
 from llds_jax.train.checkpoint import Checkpointer, with_shardings
 from llds_jax.train.learner import Learner
 
+pytestmark = pytest.mark.unit
+
 PROMPTS, GROUP, SEQ = 4, 4, 32
 
 

@@ -33,6 +33,8 @@ from llds_jax.rollout.action_stop import action_stop_table
 from llds_jax.rollout.scripted_policy import ScriptedPolicy
 from llds_jax.sampling import vocab_bytes
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 # Two searches, then an answer: the service is needed in turn 1 and again in turn 2.
 ROWS = [["<search> nobel prize physics </search>", "<search> wilhelm rontgen </search>",

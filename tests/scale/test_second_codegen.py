@@ -18,6 +18,8 @@ import pytest
 from llds_jax.plan.targets import target_installed
 from tests.codegen_sensitive import SECOND_CODEGEN
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 
 # A scanned bf16 matmul + softmax block and its gradient, sharded over 4 devices, compiled for v5e and H100.

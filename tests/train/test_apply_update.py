@@ -14,6 +14,8 @@ import pytest
 from llds_jax.train import state as train_state
 from llds_jax.train.state import apply_update, init_train_state, make_optimizer
 
+pytestmark = pytest.mark.unit
+
 OPTIM = ml_collections.ConfigDict(dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, lr=1e-3))
 EPS = float(np.finfo(np.float32).eps)
 SHAPES = {"stack": (3, 64, 96), "table": (128, 64), "norm": (64,)}
@@ -38,6 +40,7 @@ def skip_form(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.codegen_sensitive
 def test_a_finite_step_is_clipped_adamw(skip_form):
     state, tx = _state(), make_optimizer(OPTIM)
     grads = _grads(state.params, scale=10.0)  # norm well above the clip
@@ -58,6 +61,7 @@ def test_a_finite_step_is_clipped_adamw(skip_form):
     assert (int(new.updates), int(new.skipped_updates), float(metrics["update/skipped"])) == (1, 0, 0.0)
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("poison", ["loss", "gradient"])
 def test_a_non_finite_step_leaves_params_and_moments_bit_identical(poison, skip_form):
     tx = make_optimizer(OPTIM)
@@ -74,7 +78,8 @@ def test_a_non_finite_step_leaves_params_and_moments_bit_identical(poison, skip_
     assert (int(new.updates), int(new.skipped_updates), float(metrics["update/skipped"])) == (1, 1, 1.0)
 
 
-@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+@pytest.mark.parametrize("platform", ["cpu", *(pytest.param(p, marks=pytest.mark.integration)  # compile-only targets
+                                              for p in ("gpu", "tpu"))])
 def test_updates_in_a_loop_copy_no_weight_or_moment(platform):
     """Inside the update's mini-batch loop the step must write params and moments in place, on
     each compiler (GPU and TPU compiled from this host, as ``--mode=plan`` does).

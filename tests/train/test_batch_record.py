@@ -25,6 +25,8 @@ from llds_jax.rl.advantages import compute_advantages
 from llds_jax.train.batch import TrainBatch, next_token_targets, token_aligned
 from llds_jax.train.state import apply_update, init_train_state, make_optimizer
 
+pytestmark = pytest.mark.unit
+
 PINNED = json.loads(pinned_update.PATH.read_text())
 F32_EPS = float(np.finfo(np.float32).eps)
 # The same fp32 operations in a differently fused XLA program may round differently; 16 ulps of

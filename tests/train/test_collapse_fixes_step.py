@@ -14,6 +14,8 @@ from train_helpers import synthetic_rollout, tiny_train_config
 
 from llds_jax.train.batch import TrainBatch
 
+pytestmark = pytest.mark.unit
+
 
 def _learner(mode: str):
     config = tiny_train_config(max_action_tokens_per_row=16)  # 13 action tokens a row: the compacted view

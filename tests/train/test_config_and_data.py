@@ -16,6 +16,8 @@ from llds_jax.data.prompts import BUNDLED_DIR, PromptIterator, load_questions
 from llds_jax.train.metrics import MetricsWriter, read_metrics
 from llds_jax.train.state import learning_rate
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -18,6 +18,8 @@ from llds_jax.rollout.trajectory import RolloutBatch
 from llds_jax.train.dynamic_sampling import Draw, draw_metrics, mixed_groups, select
 from llds_jax.train.loop import dynamic_batch
 
+pytestmark = pytest.mark.unit
+
 PAD = 7
 
 
@@ -166,6 +168,7 @@ def dynamic_job(tmp_path_factory, shared_dir):
     return dict(rows=rows, learner=learner, config=config, trained_rewards=trained_rewards, prompts=prompts)
 
 
+@pytest.mark.integration
 def test_a_tiny_job_logs_draws_within_the_cap_and_trains_the_kept_groups(dynamic_job):
     rows, config = dynamic_job["rows"], dynamic_job["config"]
     groups = config.train.prompts_per_step
@@ -187,6 +190,7 @@ def test_a_tiny_job_logs_draws_within_the_cap_and_trains_the_kept_groups(dynamic
     assert state["epoch"] == 0 and state["position"] == groups * sum(row["dynamic/draws"] for row in rows)
 
 
+@pytest.mark.integration
 def test_a_tiny_job_with_dynamic_sampling_compiles_each_function_once(dynamic_job):
     counts = dynamic_job["learner"].compile_counts()
     assert counts["update"] == 1 and counts["policy_logprobs"] == 1, counts

@@ -21,6 +21,8 @@ from llds_jax.train.loggers import backend_key, effective_loggers
 from llds_jax.train.metrics import MetricsWriter, read_metrics
 from llds_jax.train.profiling import StepProfiler, normalise_steps, trace_dir
 
+pytestmark = pytest.mark.unit
+
 ROWS = [  # (step, phase, metrics): rl and sft share step numbers and the key time/step_s
     (0, "sft", {"sft/loss": 2.5, "time/step_s": 0.25}),
     (0, "rl", {"reward/mean": 0.125, "loss/total": -0.5, "time/step_s": 1.5, "diag/ll_correct/all": float("nan")}),
@@ -117,6 +119,7 @@ def wandb_records(path: Path):
             yield pending
 
 
+@pytest.mark.integration
 def test_wandb_offline_run_holds_the_jsonl_keys_and_values_and_the_config(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="W&B is the optional extra llds-jax[wandb]")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -28,6 +28,8 @@ from llds_jax.train.batch import TrainBatch, padded_length, scored_positions_per
 from llds_jax.train.learner import Learner
 from llds_jax.train.packing import PackingSizes, pack, pack_on_device, packing_sizes, place, plan_rows
 
+pytestmark = pytest.mark.unit
+
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 F32_EPS = float(np.finfo(np.float32).eps)
 WELL_CONDITIONED_EPS = 1e-4  # Adam eps at which the params after a step have a per-entry bound (test_update_step)

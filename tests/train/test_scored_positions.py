@@ -18,6 +18,8 @@ from llds_jax.models.logprobs import balanced_chunk, scored_positions
 from llds_jax.train.batch import TrainBatch, scored_positions_per_row
 from llds_jax.train.step import StepSizes
 
+pytestmark = pytest.mark.unit
+
 BOUND = 16  # ≥ the 13 action tokens of a synthetic row, < the 127 targets of a trainer row
 ALL = 10_000  # more than a row's targets: every position, the full path
 
@@ -47,6 +49,8 @@ def run(bound: int, steps: int = 2, **rl):
     return learner, history
 
 
+@pytest.mark.codegen_sensitive
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("rl", [dict(), dict(aggregation="token-sum-norm", entropy_coef=1e-3, llds_gate="response")],
                          ids=["default", "token-sum-norm+entropy+R-gate"])
@@ -110,6 +114,7 @@ def test_balanced_chunks_split_evenly_within_the_limit(length, size, chunk):
     assert chunk <= size and (pieces - 1) * chunk < length <= pieces * chunk
 
 
+@pytest.mark.codegen_sensitive
 def test_a_compacted_sft_step_equals_the_full_one():
     from llds_jax.models.testing import tiny_model
     from llds_jax.parallel.mesh import make_mesh

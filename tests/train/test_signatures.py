@@ -2,8 +2,11 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from llds_jax.train.signatures import SignatureLog
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_retrace_of_the_same_signature_counts_once_and_a_new_shape_counts():

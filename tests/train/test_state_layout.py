@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from train_helpers import tiny_train_config
 
 import llds_jax
@@ -17,6 +18,8 @@ from llds_jax.parallel.placement import shard_model
 from llds_jax.train.checkpoint import Checkpointer
 from llds_jax.train.learner import Learner
 from llds_jax.train.sft import SFTStep
+
+pytestmark = pytest.mark.unit
 
 MESH = (1, 2, 1)  # FSDP over 2 devices: the layout's shardings are not all replicated
 

@@ -19,6 +19,8 @@ from llds_jax.rl.rollout_correction import host_metrics
 from llds_jax.train.batch import TrainBatch
 from llds_jax.train.learner import logprob_gap
 
+pytestmark = pytest.mark.unit
+
 SLOTS = 2  # synthetic_rollout's two actions (max_turns + 1 of a one-search protocol)
 
 

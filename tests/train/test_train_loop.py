@@ -22,6 +22,8 @@ from llds_jax.diagnostics import keys
 from llds_jax.train.learner import Learner
 from llds_jax.train.metrics import read_metrics
 
+pytestmark = pytest.mark.integration
+
 ROW_FIELDS = {"step", "phase", "wall_time"}
 
 
@@ -135,6 +137,7 @@ def test_every_update_array_is_logged_or_declared_update_only(first_run):
     assert not (reduced | keys.UPDATE_ONLY) - update_names, "table names arrays the update does not return"
 
 
+@pytest.mark.unit
 def test_old_names_are_not_current_names():
     current = {metric.name for metric in keys.TABLE}
     assert not (set(keys.RENAMED) | keys.REMOVED) & current

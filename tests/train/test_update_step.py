@@ -14,6 +14,8 @@ from llds_jax.train.batch import TrainBatch
 from llds_jax.train.checkpoint import Checkpointer, abstract_like
 from llds_jax.train.learner import Learner
 
+pytestmark = pytest.mark.unit
+
 
 def tiny_learner(config, mesh_shape=(1, 1, 1), **create_kwargs) -> Learner:
     mesh = make_mesh(mesh_shape)
@@ -67,6 +69,8 @@ def well_conditioned_reference():
     return run_steps((1, 1, 1), steps=1, eps=WELL_CONDITIONED_EPS)
 
 
+@pytest.mark.codegen_sensitive
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
 def test_one_step_on_mesh_equals_single_device(mesh_shape, well_conditioned_reference):
@@ -121,6 +125,7 @@ def _assert_params_close(name, got, want, lr, step_bound):
         f"{diff.flat[worst]:.3e} = {diff.flat[worst] / lr:.3e} lr (bound {step_bound / lr:.3e} lr + 2 ulp)")
 
 
+@pytest.mark.codegen_sensitive
 def test_llds_is_zero_in_first_mini_batch_and_nonzero_later(single_device):
     """π_old is computed once, before the updates: mini-batch 1 sees π_θ = π_old, later ones do not.
 
@@ -152,6 +157,7 @@ def test_state_counters_advance(single_device):
     assert int(learner.state.updates) + int(learner.state.skipped_updates) == 6
 
 
+@pytest.mark.codegen_sensitive
 def test_non_finite_loss_skips_the_update_and_counts_it():
     """A NaN reward in group 0 poisons mini-batch 1 only. Its own learner (one finite step first, so the
     update is compiled): the shared one's counters stay what the other tests read, in any order."""
@@ -168,6 +174,7 @@ def test_non_finite_loss_skips_the_update_and_counts_it():
     assert learner.compile_counts()["update"] == 1, "a NaN batch must not recompile"
 
 
+@pytest.mark.codegen_sensitive
 def test_raised_llds_lambda_applies_without_recompiling_and_survives_a_checkpoint(tmp_path):
     """The monitor's raise_lambda path: λ is train state, read at run time, saved and restored."""
     learner, history = run_steps((1, 1, 1), steps=1)
@@ -190,6 +197,7 @@ def test_raised_llds_lambda_applies_without_recompiling_and_survives_a_checkpoin
         learner.set_llds_coef(-1.0)
 
 
+@pytest.mark.codegen_sensitive
 @pytest.mark.parametrize("count, expected", [("batch_written", [0.03, 0.03]), ("minibatch_executed", [0.0, 0.06])])
 def test_adaptive_ma_reads_searches_over_the_scope_the_config_names(count, expected):
     """Official ``valid_search_mean``: one mean over the whole rollout batch; ours: per mini-batch.
@@ -211,6 +219,7 @@ def test_adaptive_ma_reads_searches_over_the_scope_the_config_names(count, expec
     np.testing.assert_allclose(extra["per_mini_batch"]["llds/answer_coef"], expected, rtol=1e-6)
 
 
+@pytest.mark.codegen_sensitive
 def test_first_step_reads_pi_old_as_pi_ref_and_later_steps_run_the_reference_pass():
     """Before the first update π_ref is a same-dtype copy of π_θ: step 0 skips its pass and hands the
     update π_old's log-probs, which is exactly what the pass would return (one program, equal inputs)."""

@@ -10,6 +10,8 @@ from llds_jax.models.testing import TINY_FAMILIES, tiny_config, tiny_model
 from llds_jax.parallel.placement import iter_params
 from llds_jax.utils import flops
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_parameter_count_is_the_models_own(family):

@@ -21,6 +21,8 @@ from llds_jax.plan.step_time import (
 )
 from llds_jax.utils import flops
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -150,6 +152,7 @@ def _plan_json(tmp_path, config: str, *extra: str) -> tuple[str, dict]:
     return proc.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.integration
 def test_mode_plan_writes_the_step_time_as_json(tmp_path):
     """One process: qwen3b searching a bf16 mesh index of wiki-18 (the stated fields; its index dir is
     empty) at a stated host rate: the JSON holds the index per device and a paper turn's seconds."""
@@ -170,6 +173,7 @@ def test_mode_plan_writes_the_step_time_as_json(tmp_path):
     assert "retrieval, one turn of 2,560 queries" in stdout
 
 
+@pytest.mark.integration
 def test_the_plan_puts_the_waves_and_the_engine_side_by_side(tmp_path):
     _, plan = _plan_json(tmp_path, "configs/qwen7b.py")
     by = plan["step_time_s_by_schedule"]

@@ -19,6 +19,8 @@ from llds_jax.models.attention import CACHED_BLOCK
 from llds_jax.models.testing import TINY_FAMILIES, tiny_config
 from llds_jax.plan.targets import target_installed
 
+pytestmark = pytest.mark.unit
+
 needs_tpu = pytest.mark.skipif(bool(target_installed("tpu")), reason=target_installed("tpu") or "installed")
 needs_gpu = pytest.mark.skipif(bool(target_installed("gpu")), reason=target_installed("gpu") or "installed")
 # Given peaks: the report must not spend the test's time measuring the machine.
@@ -136,6 +138,7 @@ def test_known_trip_loops_get_their_other_trips_added_times_the_loops_around_the
     assert extra_bytes >= (10 * inner - 1) * 4 * (64 * 128 + 128 * 128), (bytes_, extra_bytes)
 
 
+@pytest.mark.default_codegen_only
 def test_xla_charges_a_lookup_the_whole_table_and_an_in_place_cache_write_the_whole_cache():
     """The two cost-model rules ``_xla_charges`` subtracts, measured on XLA:CPU. If XLA stops
     charging either, the roofline's "without what XLA charges" line changes: this fails first."""
@@ -218,10 +221,14 @@ def cpu_report():
     return _report(["--model", "tiny", "--target", "cpu", *NO_MEASURE])
 
 
+@pytest.mark.default_codegen_only
+@pytest.mark.integration
 def test_report_runs_for_a_tiny_model_on_xla_cpu(cpu_report):
     _check_report(cpu_report, "cpu")
 
 
+@pytest.mark.default_codegen_only
+@pytest.mark.integration
 def test_scored_programs_drop_at_least_the_head_work_the_ideal_drops(cpu_report):
     """``--scored 48``: the trainer's compacted log-prob pass and update, 48 of 255 targets per row
     through the LM head. XLA counts every dot exactly, so its saving is at least the ideal's
@@ -243,6 +250,7 @@ def test_cpu_peaks_are_measured_when_not_given():
     assert chip.flops > 1e9 and chip.bandwidth > 1e8, chip
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @needs_tpu
 def test_report_runs_for_a_tiny_model_on_xla_tpu_v5e():
@@ -260,6 +268,7 @@ def test_report_runs_for_a_tiny_model_on_xla_tpu_v5e():
     assert "TPU log-probs / update as run (HBM)" in roofline.format_report(report)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @needs_gpu
 def test_report_runs_for_a_tiny_model_on_xla_gpu_h100():

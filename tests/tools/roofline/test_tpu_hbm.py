@@ -13,6 +13,8 @@ import pytest
 
 from llds_jax.plan.targets import target_installed
 
+pytestmark = pytest.mark.unit
+
 needs_tpu = pytest.mark.skipif(bool(target_installed("tpu")), reason=target_installed("tpu") or "installed")
 
 # One decode-loop body in libtpu's syntax (lines shaped after `compiled.as_text()` of the real
@@ -269,6 +271,7 @@ def loops():
     return hlo, config
 
 
+@pytest.mark.integration
 @needs_tpu
 def test_a_weight_xla_prefetches_into_vmem_is_charged_one_hbm_read(loops):
     hlo, _ = loops
@@ -290,6 +293,7 @@ def test_a_weight_xla_prefetches_into_vmem_is_charged_one_hbm_read(loops):
         assert not readers, f"{name} is also read from HBM by {readers}"
 
 
+@pytest.mark.integration
 @needs_tpu
 def test_the_cache_size_moves_no_whole_cache_and_the_kernel_reads_live_blocks(loops):
     hlo, config = loops
@@ -311,6 +315,7 @@ def test_the_cache_size_moves_no_whole_cache_and_the_kernel_reads_live_blocks(lo
     assert abs(found[LARGE]["bytes"] - found[SMALL]["bytes"]) < 0.25 * extra_pass, (found[SMALL], found[LARGE])
 
 
+@pytest.mark.integration
 @needs_tpu
 def test_the_kernel_dmas_are_its_block_schedule_over_the_hbm_caches(loops):
     hlo, config = loops
@@ -345,6 +350,7 @@ def test_a_cache_moved_between_memory_spaces_in_the_body_is_counted_as_cache_tra
 
 
 # ------------------------------------------------------------------ a real log-prob pass, compile-only v5e
+@pytest.mark.integration
 @needs_tpu
 def test_a_log_prob_pass_is_charged_each_layers_weights_not_its_stack_and_its_splash_kernels():
     """The 8-layer SmolLM2-shaped log-prob pass (bf16 compute, fp32 masters): every layer's matmuls
