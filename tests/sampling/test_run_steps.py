@@ -12,6 +12,8 @@ import pytest
 
 from llds_jax.sampling.decode_loop import STOP_CHECK_EVERY, run_steps, stop_check_every
 
+pytestmark = pytest.mark.unit
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass

@@ -285,6 +285,7 @@ def _mesh_retrieval(c, tmp_path, dtype="float32"):
     return c
 
 
+@pytest.mark.integration  # make_plan compiles a program
 def test_the_mesh_index_is_resident_in_the_plan_beside_the_model(tmp_path):
     """Compile-only XLA:CPU decode of the tiny model: the index's padded shard per device is counted
     in the phase's peak and printed as "retrieval index"."""
@@ -299,6 +300,7 @@ def test_the_mesh_index_is_resident_in_the_plan_beside_the_model(tmp_path):
     assert f"{HARDWARE['v5e'][0]:<28}fits" in table  # 4.04 GB of index + the tiny model < 92 % of 16 GB
 
 
+@pytest.mark.integration  # the trainer's fit check, as a run calls it
 def test_a_mesh_index_that_will_not_fit_is_refused_before_compiling(tmp_path):
     """8 GB of fp32 wiki-18 per device against 2 GB: refused naming the method and the dtype field,
     without compiling a program; bf16 halves it."""

@@ -25,6 +25,8 @@ from llds_jax.plan.retrieval import (
 )
 from llds_jax.utils import flops
 
+pytestmark = pytest.mark.unit
+
 V5E = flops.Peak(197e12, 819e9, "v5e")
 
 
