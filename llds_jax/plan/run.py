@@ -230,11 +230,17 @@ def make_plan(config, target: Target | None = None) -> Plan:
                                 packing=packing, with_sampler=config.rl.rollout_correction != "none")
     cache = abstract_cache(decoder_cfg, rollout_rows, int(config.rollout.max_context), mesh, rules)
     sampler_rows = {"prefill": rollout_rows, "decode": rollout_rows}
+    caches = {"prefill": cache, "decode": cache}
     engine = _engine_layout(config, section, decoder_cfg, target, devices, trajectories, dp_rows)
     if engine is not None:  # the continuous engine compiles on its paged cache: its slots, its pool
         cache = _abstract_paged_cache(decoder_cfg, config.rollout, engine, dp_rows, mesh, rules)
         sampler_rows = {"prefill": min(int(config.rollout.prefill_rows), engine.slots_per_device) * dp_rows,
                         "decode": engine.slots_per_device * dp_rows}
+        # an append runs over the rows that have ids, gathered with their tables (SlotSession._extend):
+        # the same pools, a table and an end per appended row
+        caches = {"decode": cache, "prefill": dataclasses.replace(
+            cache, table=_row_array((sampler_rows["prefill"], cache.table.shape[1]), jnp.int32, mesh, rules),
+            end=_row_array((sampler_rows["prefill"],), jnp.int32, mesh, rules))}
     parameters = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     resident = {
         "params": bytes_per_device(state.params),
@@ -270,7 +276,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
                 programs[phase] = compile_program(
                     phase, _cached_forward(graphdef, mesh, rules), state.params,
                     _row_array((sampler_rows[phase], sampler_tokens[phase]), jnp.int32, mesh, rules),
-                    cache, _row_array((sampler_rows[phase], sampler_tokens[phase]), jnp.bool_, mesh, rules),
+                    caches[phase], _row_array((sampler_rows[phase], sampler_tokens[phase]), jnp.bool_, mesh, rules),
                     platform=target.platform)
     dp = dp_rows
     heads = decoder_cfg.num_heads // rules.shards("act_heads", mesh, decoder_cfg.num_heads)
