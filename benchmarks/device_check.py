@@ -270,7 +270,7 @@ def measured_phases(workdir: Path) -> dict:
 def predict(config, workdir: Path, hardware: str, plan_json: str, dry_run: bool, extra: list[str]) -> dict:
     """The step-time model for the job's config on ``hardware`` (``plan.measured.predict_run``), from the
     run's own sampled lengths when it ran (else Search-R1 3B's reference lengths); the planned memory;
-    and the record a later model replays (``tests/plan/test_device_runs.py``): config, overrides,
+    and the record a later model replays (``plan.measured.replay``): config, overrides,
     chip and every trajectory's lengths."""
     from llds_jax.data.lengths import reference_lengths, run_lengths
     from llds_jax.plan.measured import lengths_json, overrides_from_flags, predict_run

@@ -5,8 +5,7 @@ measured (median of the steps after the first, which compiles), the chip, the jo
 and every trajectory's lengths (``prompt``, ``actions``, ``feedback``) as the run sampled them. This
 module predicts that same step — same config, same trajectories, same chip — with the *current*
 model (``plan.step_time.predict_step_time``), so a recorded run keeps checking the model after the
-model changes: ``tests/plan/test_device_runs.py`` replays every stored run in ``benchmarks/device_runs``
-and prints measured / predicted per phase.
+model changes (``replay``; the device check's dry-run test pins replay = the check's own prediction).
 """
 
 from __future__ import annotations

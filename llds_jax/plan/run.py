@@ -284,6 +284,12 @@ def make_plan(config, target: Target | None = None) -> Plan:
     requested = config.model.attention
     kernels = {phase: _attention_kernel(requested, target.platform, full_sequence=phase in ("update", "logprobs"))
                for phase in programs}
+    if engine is not None and "decode" in kernels:  # the engine's one-token step: the paged decode kernel
+        from llds_jax.models.attention import resolve_paged_backend  # noqa: PLC0415
+
+        paged = resolve_paged_backend(requested, target.platform)
+        kernels["decode"] = {"triton": "pallas paged decode (triton)", "splash": "pallas paged decode (tpu)"}.get(
+            paged, kernels["decode"])
     def scores_read(phase, queries, keys):  # the [queries, keys] tile one kernel step holds
         full_sequence = phase in ("update", "logprobs")
         if kernels[phase] == "naive":

@@ -129,7 +129,7 @@ def test_ablation_checks_at_their_thresholds():
 
 
 def write_run(run, metric_rows, gram_checkpoints=()):
-    with MetricsWriter(run, tensorboard=False, console=None) as writer:
+    with MetricsWriter(run, console=None) as writer:
         for row in metric_rows:
             writer.write(row["step"], {k: v for k, v in row.items() if k != "step"})
     for step, checkpoint in gram_checkpoints:

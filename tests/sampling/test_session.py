@@ -140,14 +140,17 @@ def _actions_of_a_conversation(model, sampling) -> list:
 def test_checking_for_finished_rows_every_8_tokens_samples_what_checking_every_token_does(monkeypatch):
     """The accelerators' decode loops check "every row done?" once per chunk of 8 tokens (a host round
     trip on XLA:GPU); XLA:CPU checks every token. Both paths, run here on CPU, give the same actions:
-    rows that finish inside a chunk stay frozen for its rest."""
+    rows that finish inside a chunk stay frozen for its rest. Greedy, so the check is of the loops and
+    the frozen rows, not of two programs' rounding (a code generator may round the chunked program's
+    logits an ulp apart, which a sampled draw can turn into another token; a greedy argmax of a random
+    model's logits, whose top two are far more than an ulp apart, cannot)."""
     from llds_jax.sampling import decode_loop  # noqa: PLC0415
 
     model = tiny_model("qwen2", seed=2)
     from llds_jax.sampling.stop_strings import build_stop_table  # noqa: PLC0415
 
     stop_table = build_stop_table(tuple(bytes([i % 256]) for i in range(model.config.vocab_size)), ("ab",)).transitions
-    sampling = SamplingParams.create(temperature=1.0, top_k=0, top_p=0.9, stop_token_ids=[7], stop_table=stop_table)
+    sampling = SamplingParams.create(temperature=0.0, top_k=0, top_p=1.0, stop_token_ids=[7], stop_table=stop_table)
     every_token = _actions_of_a_conversation(model, sampling)
     monkeypatch.setitem(decode_loop.STOP_CHECK_EVERY, "cpu", 8)
     jax.clear_caches()  # the programs above were traced with the other interval
@@ -155,6 +158,8 @@ def test_checking_for_finished_rows_every_8_tokens_samples_what_checking_every_t
         chunked = _actions_of_a_conversation(model, sampling)
     finally:
         jax.clear_caches()
-    assert chunked == every_token
+    assert [(ids, finish) for ids, _, finish in chunked] == [(ids, finish) for ids, _, finish in every_token]
+    for (_, chunked_logprobs, _), (_, logprobs, _) in zip(chunked, every_token, strict=True):
+        np.testing.assert_allclose(chunked_logprobs, logprobs, rtol=0, atol=1e-5)  # log-softmaxes of ~5.5: ≈ 20 ulp
     lengths = [len(ids) for ids, _, _ in every_token]
     assert len(set(lengths)) > 2 and any(n % 8 for n in lengths)  # rows ended inside chunks, at several points

@@ -30,8 +30,8 @@ def test_dry_run_runs_every_part_and_prints_the_table(tmp_path, shared_dir):
     assert result["train"]["exit"] == 0 and result["measured"]["steps"] == 2
     assert result["predicted"]["step_time"]["step_time_s"]["total"] > 0
     assert "packed rows" in result["predicted"]["step_time"]["assumptions"]["training_batch"]  # as the job trains
-    # the stored record replays through the model to the very prediction the check made (tests/utils/test_device_runs.py
-    # replays the recorded device runs the same way)
+    # the stored record replays through the model to the very prediction the check made (what a recorded
+    # device run's replay rests on)
     from llds_jax.plan.measured import replay
 
     again = replay(tmp_path / "device_check.json", {"model.tokenizer": str(shared_dir / "assets" / "qwen2_tokenizer")})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ml_collections import ConfigDict
 from train_helpers import tiny_loop_config
 
 from llds_jax.rollout.batch_ops import concatenate, take_rows
@@ -103,7 +104,7 @@ def test_short_of_mixed_groups_the_batch_is_filled_with_uniform_groups_earliest_
 
 class _Config:
     def __init__(self, cap: int):
-        self.train = {"dynamic_sampling_max_draws": cap}
+        self.train = ConfigDict({"dynamic_sampling_max_draws": cap})  # read as an attribute, as the config's
 
 
 @pytest.mark.parametrize("cap", [1, 3])
