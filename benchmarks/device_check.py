@@ -40,16 +40,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PHASES = (  # (row, metrics.jsonl key, step-time key)
-    ("rollout (all)", "time/rollout_s", "rollout"),
-    ("  decode", "time/decode_s", "rollout_decode"),
-    ("  prefill + appends", "time/prefill_s", "rollout_prefill"),
-    ("  retrieval", "time/retrieval_s", "rollout_retrieval"),
-    ("logprobs (π_old, π_ref)", "time/logprobs_s", "logprobs"),
-    ("update", "time/update_s", "update"),
-    ("Δ forward", "time/delta_logprobs_s", "delta"),
-    ("whole step", "time/step_s", "total"),
-)
 
 
 # ------------------------------------------------------------------------------- 1. parity
@@ -352,10 +342,9 @@ def table(result: dict) -> str:
     if measured or predicted:
         lines += ["## One RL step: measured (median of the steps after the first) vs predicted", "",
                   "| phase | measured s | predicted s | measured / predicted |", "|---|---|---|---|"]
-        for row, key, step_key in PHASES:
-            m, p = measured.get(key), predicted.get(step_key)
-            ratio = m / p if m is not None and p else None
-            lines.append(f"| {row} | {_fmt(m)} | {_fmt(p)} | {_fmt(ratio)} |")
+        from llds_jax.plan.measured import ratios
+
+        lines += [f"| {row} | {_fmt(m)} | {_fmt(p)} | {_fmt(ratio)} |" for row, m, p, ratio in ratios(measured, predicted)]
         lines += ["", "| utilisation | measured |", "|---|---|"]
         for key in ("throughput/update_mfu", "throughput/logprobs_mfu", "throughput/decode_mbu",
                     "throughput/decode_tokens_per_s", "logprob_gap/abs_mean", "logprob_gap/abs_max"):
