@@ -75,7 +75,6 @@ FIRST_ACTION_CORRECT_RATE = "diag/first_action_correct_rate"
 MONITOR_PHASE = "monitor/phase"
 STEP_SECONDS = "time/step_s"
 
-_ENTROPY_WHEN = "rl.entropy_coef > 0 (the entropy is only computed then)"
 _DELTA_WHEN = "train.delta_diagnostics, on steps divisible by train.delta_every (one extra no-grad forward after the updates)"
 _MONITOR_WHEN = "monitor.enabled"
 
@@ -126,7 +125,7 @@ TABLE: tuple[Metric, ...] = (
     Metric("kl/old_k3", "nats/token", "k3 KL of π_θ to π_old: how far the updates moved", hosts="global",
            mini_batches="mean"),
     Metric(POLICY_ENTROPY, "nats/token", "token entropy of π_old over action tokens", hosts="global",
-           mini_batches="first", when=_ENTROPY_WHEN),
+           mini_batches="first"),
     Metric("ratio/mean", "ratio", "importance ratio π_θ/π_old, action-token mean", hosts="global",
            mini_batches="mean"),
     Metric("ratio/max", "ratio", "largest ratio over the step", hosts="global", mini_batches="max"),

@@ -60,16 +60,10 @@ _REDUCE_MINI_BATCHES = {"mean": np.mean, "max": np.max, "min": np.min, "sum": np
                         "first": lambda a: a[0], "last": lambda a: a[-1], "count": len}
 
 
-def summarize_update(per_mini: dict[str, np.ndarray], with_entropy: bool = True) -> dict[str, float]:
-    """Per-mini-batch arrays → the step's update metrics, as ``diagnostics.keys.UPDATE_METRICS`` says.
-
-    ``with_entropy=False`` (no entropy term: the update fills ``policy/entropy`` with zeros)
-    leaves the entropy out rather than logging a constant 0.
-    """
+def summarize_update(per_mini: dict[str, np.ndarray]) -> dict[str, float]:
+    """Per-mini-batch arrays → the step's update metrics, as ``diagnostics.keys.UPDATE_METRICS`` says."""
     out = {}
     for metric in keys.UPDATE_METRICS:
-        if metric.name == keys.POLICY_ENTROPY and not with_entropy:
-            continue
         values = np.asarray(per_mini[metric.from_update or metric.name])
         out[metric.name] = float(_REDUCE_MINI_BATCHES[metric.mini_batches](values))
     return out
@@ -357,7 +351,7 @@ class Learner:
             action_tokens, tokens = (float(x) for x in distributed.fetch_to_host((outputs.action_tokens,
                                                                                   outputs.tokens)))
         advantages = distributed.local_rows(outputs.advantages, rows)
-        metrics = summarize_update(per_mini, with_entropy=self.config.rl.entropy_coef > 0)
+        metrics = summarize_update(per_mini)
         metrics.update({
             "time/logprobs_s": logprob_s, "time/update_s": update_s,
             "throughput/update_tokens_per_s": tokens / max(update_s, 1e-9),

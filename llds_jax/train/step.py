@@ -152,6 +152,11 @@ def _split_rows(tree, parts: int):
     return jax.tree.map(lambda x: x.reshape((parts, x.shape[0] // parts) + x.shape[1:]), tree)
 
 
+def _entropy_term(entropy, rl_cfg):
+    """The update's entropy: a gradient term when ``rl.entropy_coef`` > 0, a logged metric (no gradient) at 0."""
+    return entropy if entropy is None or rl_cfg.entropy_coef > 0 else jax.lax.stop_gradient(entropy)
+
+
 def forward_logprobs(graphdef, params, input_ids, attention_mask, *, temperature: float, chunk_size: int,
                      with_entropy: bool, positions=None, segment_ids=None):
     """log π(token t+1 | ≤ t) [N, T-1] *target-aligned* (and entropy) — the one forward of π_old, π_ref and the loss.
@@ -281,7 +286,9 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
     chunk = int(config.model.logprob_chunk_size)
     compute_dtype = jnp.dtype(config.model.dtype).name
     tx = make_optimizer(optim_cfg)
-    with_entropy = rl_cfg.entropy_coef > 0
+    # The entropy is a diagnostic the death-spiral monitor reads whatever its coefficient: computed in
+    # every update forward, and held out of the gradient when the coefficient is 0 (`_entropy_term`).
+    with_entropy = True
     # A packed pass reads each trajectory's first ``packed_scored`` action targets (all of a row's
     # targets when the bound is no smaller): the same positions the padded pass scores.
     packed_scored = sizes.scored_positions
@@ -351,6 +358,7 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         positions, masks, precomputed_old, ref_logp = objective_view(mb)
         logp, entropy = forward_logprobs(graphdef, params, mb.input_ids, mb.attention_mask, temperature=temperature,
                                          chunk_size=chunk, with_entropy=with_entropy, positions=positions)
+        entropy = _entropy_term(entropy, rl_cfg)
         own = jax.lax.stop_gradient(logp)
         gap = jnp.max(jnp.where(masks.action_mask > 0, jnp.abs(own - precomputed_old), 0.0))
         old_logp = jnp.where(on_policy, own, precomputed_old)
@@ -391,7 +399,8 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         logp = jnp.where(present, trajectory_view(logp_rows, row, score_start, present), precomputed_old)
         entropy = None
         if entropy_rows is not None:
-            entropy = jnp.where(present, trajectory_view(entropy_rows, row, score_start, present), 0.0)
+            entropy = _entropy_term(jnp.where(present, trajectory_view(entropy_rows, row, score_start, present), 0.0),
+                                    rl_cfg)
         masks = masks._replace(row_weight=masks.row_weight * here)
         own = jax.lax.stop_gradient(logp)
         gap = jnp.max(jnp.where(present, jnp.abs(own - precomputed_old), 0.0))

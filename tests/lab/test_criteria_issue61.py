@@ -124,7 +124,7 @@ def test_ablation_checks_at_their_thresholds():
         False, False, False)
     assert ablation_checks(f1, a1(-15, 1.0), a2(0.4, 0.49))["E3_containment_is_anchoring"]  # valid < 0.5
     assert ablation_checks(f1, rows(), a2(0.4, 0.9))["E2_break_is_lr_driven"] is False      # A1 never breaks
-    unknown = ablation_checks(rows(), rows(), a2(0.4, 0.9))  # A1 logged no entropy (entropy_coef = 0); F1 no break
+    unknown = ablation_checks(rows(), rows(), a2(0.4, 0.9))  # a run that logged no entropy (before it was logged at entropy_coef = 0); F1 no break
     assert unknown["E1_surge_is_the_bonus"] is None and unknown["E2_break_is_lr_driven"] is None
 
 

@@ -65,6 +65,13 @@ def test_masked_is_rejecting_every_token_leaves_no_policy_term(pi_old):
     assert np.all(metrics["loss/pg"] == 0.0) and np.all(metrics["grad/norm_preclip"] == 0.0)
 
 
+def test_the_entropy_is_measured_at_coefficient_zero_and_adds_no_gradient(pi_old):
+    """entropy_coef = 0 (the lab's A1 ablation): the monitor still reads the entropy; the gradient is
+    the policy term's alone (the masked-IS case above: no policy term, a gradient of exactly 0)."""
+    _, _, plain = pi_old
+    assert np.all(plain["policy/entropy"] > 0.1)  # the untrained tiny model is near uniform over its vocabulary
+
+
 def test_a_batch_without_sampler_logprobs_is_refused_by_name(pi_old):
     arrays, _, _ = pi_old
     learner = _learner("tis")
