@@ -142,6 +142,29 @@ def _search(holds, lo: jax.Array, hi: jax.Array, ways: int) -> jax.Array:
     return jax.lax.fori_loop(0, search_passes(ways), step, (lo, hi))[0]
 
 
+def _search_with_mass(masses, lo: jax.Array, hi: jax.Array, ways: int, at_lo: jax.Array, needed: jax.Array
+                      ) -> tuple[jax.Array, jax.Array]:
+    """:func:`_search` for the top-p cut-off that also returns the mass above the cut-off it finds:
+    ``masses(cuts)`` maps candidates ``[..., m]`` to the mass strictly above each, ``at_lo`` is the
+    mass above ``lo``; the search holds where the mass reaches ``needed``. The mass at the new
+    lower edge is one the pass computed (or the old edge's), so carrying it costs no read; it is
+    the kept tokens' mass, the draw's log-prob normaliser, which then needs no pass of its own."""
+    offsets = jnp.arange(1, ways, dtype=jnp.uint32)
+
+    def step(_, carry):
+        lo, hi, at_lo = carry
+        stride = (hi - lo - 1) // ways + 1  # ⌈(hi − lo) / ways⌉: never overflows uint32
+        cuts = jnp.minimum(lo + stride * offsets, hi)
+        mass = masses(cuts)
+        holding = jnp.sum((mass >= needed) & (cuts < hi), axis=-1, keepdims=True)
+        edges = jnp.concatenate([lo, cuts, hi], axis=-1)
+        return (jnp.take_along_axis(edges, holding, axis=-1), jnp.take_along_axis(edges, holding + 1, axis=-1),
+                jnp.take_along_axis(jnp.concatenate([at_lo, mass], axis=-1), holding, axis=-1))
+
+    lo, _, at_lo = jax.lax.fori_loop(0, search_passes(ways), step, (lo, hi, at_lo))
+    return lo, at_lo
+
+
 def _kept_floor(scaled: jax.Array, top: jax.Array, top_k, top_p, mode: SamplingMode, ways: int) -> jax.Array:
     """The least kept key per row ``[..., 1]`` (keep ``key >= floor``) for ``mode``'s filters.
 
@@ -151,9 +174,19 @@ def _kept_floor(scaled: jax.Array, top: jax.Array, top_k, top_p, mode: SamplingM
     ``top_p >= 1``) leaves the floor where it was through a select, so a mode that runs a filter
     is right for any knob values.
     """
+    return _kept_floor_and_mass(scaled, top, top_k, top_p, mode, ways)[0]
+
+
+def _kept_floor_and_mass(scaled: jax.Array, top: jax.Array, top_k, top_p, mode: SamplingMode, ways: int
+                         ) -> tuple[jax.Array, jax.Array | None]:
+    """:func:`_kept_floor`, and with top-p on TPU/GPU (``ways > 2``) the kept tokens' mass
+    ``Σ exp(scaled − top)`` over ``key >= floor`` (``[..., 1]``; else None): the top-p search's
+    last statistic (:func:`_search_with_mass`). XLA:CPU (bisection) keeps its separate normaliser
+    sum, so the CPU job's log-probs stay bit for bit what they were."""
     keys = _ordered_key(scaled)
     highest = _ordered_key(top)
     floor = jnp.ones_like(highest)  # key 1: keeps every logit
+    kept_mass = None
     if mode.top_k:
         def at_least_k_from(cuts):
             return jnp.sum(keys[..., None, :] >= cuts[..., None], axis=-1, dtype=jnp.int32) >= top_k
@@ -164,16 +197,22 @@ def _kept_floor(scaled: jax.Array, top: jax.Array, top_k, top_p, mode: SamplingM
         weights = jnp.exp(scaled - top)
         if mode.top_k:
             weights = jnp.where(keys >= floor, weights, 0.0)
-        needed = top_p * row_sum(weights, keepdims=True)
+        total = row_sum(weights, keepdims=True)
+        needed = top_p * total
 
-        def reaches_p_above(cuts):  # the mass strictly above each cut-off still reaches top_p
+        def masses(cuts):  # the mass strictly above each cut-off
             return row_sum_of(lambda k, c, w: jnp.where(k > c, w, 0.0),
-                              keys[..., None, :], cuts[..., None], weights[..., None, :]) >= needed
+                              keys[..., None, :], cuts[..., None], weights[..., None, :])
 
         # the lowest cut-off whose mass strictly above it falls short of top_p
-        nucleus = _search(reaches_p_above, floor - 1, highest, ways) + 1
+        if ways > 2:
+            last, at_last = _search_with_mass(masses, floor - 1, highest, ways, total, needed)
+            kept_mass = jnp.where(top_p < 1.0, at_last, total)
+            nucleus = last + 1
+        else:
+            nucleus = _search(lambda cuts: masses(cuts) >= needed, floor - 1, highest, ways) + 1
         floor = jnp.where(top_p < 1.0, nucleus, floor)
-    return floor
+    return floor, kept_mass
 
 
 def _truncate(scaled: jax.Array, top_k, top_p, ways: int | None = None,
@@ -242,13 +281,17 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k, top_p,
         return _greedy(logits)
     scaled = _scale(logits, temperature)
     top = jnp.max(scaled, axis=-1, keepdims=True)
-    filtered = scaled
+    filtered, kept_mass = scaled, None
     if mode.top_k or mode.top_p:
-        floor = _kept_floor(scaled, top, jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32), mode,
-                            search_ways())
+        floor, kept_mass = _kept_floor_and_mass(scaled, top, jnp.asarray(top_k, jnp.int32),
+                                                jnp.asarray(top_p, jnp.float32), mode, search_ways())
         filtered = jnp.where(_ordered_key(scaled) >= floor, scaled, _NEG_INF)
     tokens = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
-    logprobs = _log_prob_at(filtered, tokens, top)  # the maximum is always kept: ``filtered``'s is ``top``
+    if kept_mass is None:
+        logprobs = _log_prob_at(filtered, tokens, top)  # the maximum is always kept: ``filtered``'s is ``top``
+    else:  # TPU/GPU top-p: the search carried the kept mass (its last statistic): no normaliser pass
+        chosen = jnp.take_along_axis(scaled, tokens[..., None], axis=-1)
+        logprobs = ((chosen - top) - jnp.log(kept_mass))[..., 0]
     if mode is SamplingMode.ANY:  # greedy chosen at run time by a select: both are computed
         greedy = jnp.asarray(temperature, jnp.float32) <= 0
         greedy_tokens, greedy_logprobs = _greedy(logits)

@@ -326,3 +326,37 @@ def test_xla_gpu_samplers_hold_no_conditional(mode):
     hlo = _compiled_sampler(mode, gpu_target("h100", 1, 1).devices[0])
     assert not CONDITIONAL.search(hlo)
     assert len(re.findall(r'"known_trip_count":\{"n":"7"\}', hlo)) == {"greedy": 0, "top-p": 1, "top-k+top-p": 2}[mode]
+
+
+@pytest.mark.parametrize("mode", ["top-p", "top-k+top-p"])
+def test_the_accelerator_search_carries_the_kept_mass_as_the_log_prob_normaliser(monkeypatch, mode):
+    """TPU/GPU (32 ways) take the draw's normaliser from the top-p search's last statistic, the mass
+    above the cut-off it found, instead of summing the kept tokens again: forced on this host, the
+    log-probs are the filtered softmax's to fp32 rounding (a few ulps of a sum over the row), and
+    the draws follow it (4.5 binomial standard deviations, fixed seed)."""
+    monkeypatch.setattr(filtering, "search_ways", lambda: 32)
+    temperature, top_k, top_p = MODES[mode]
+    logits = np.log(np.array([0.3, 0.22, 0.18, 0.12, 0.1, 0.08]))[None].astype(np.float32)
+    scaled = logits[0].astype(np.float64) / temperature
+    kept = _sort_reference(jnp.asarray(logits / temperature), top_k, top_p)[0][0]
+    want = np.where(kept, np.exp(scaled - scaled.max()), 0.0)
+    want /= want.sum()
+    n = 4000
+    # a function of its own: jax.jit's trace cache must not hand back another test's 2-way trace
+    draw = jax.jit(lambda *args, mode: filtering.sample_tokens(*args, mode=mode), static_argnames="mode")
+    tokens, logprobs = draw(jnp.broadcast_to(jnp.asarray(logits), (n, 6)), jax.random.key(2024), temperature, top_k,
+                            top_p, mode=filtering.SamplingMode(mode))
+    tokens = np.asarray(tokens)
+    freq = np.bincount(tokens, minlength=6) / n
+    bound = 4.5 * np.sqrt(want * (1 - want) / n) + 1e-12
+    assert np.all(np.abs(freq - want) <= bound), f"{mode}: frequencies {freq} vs {want} (bound {bound})"
+    np.testing.assert_allclose(np.asarray(logprobs), np.log(want[tokens]), rtol=0, atol=8 * np.finfo(np.float32).eps)
+    # a wide row: the carried mass against the normaliser summed over the kept set
+    wide = jnp.asarray(np.random.default_rng(5).normal(size=(4, 49152)).astype(np.float32) * 3)
+    tokens, logprobs = draw(wide, jax.random.key(1), temperature, top_k, top_p, mode=filtering.SamplingMode(mode))
+    filtered = np.asarray(jax.jit(lambda *args: filtering.filter_logits(*args))(wide, temperature, top_k, top_p),
+                          np.float64)
+    top = filtered.max(axis=-1, keepdims=True)
+    reference = filtered - top - np.log(np.exp(filtered - top).sum(axis=-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(logprobs), np.take_along_axis(reference, np.asarray(tokens)[:, None], -1)[:, 0],
+                               rtol=0, atol=64 * np.finfo(np.float32).eps)
