@@ -360,3 +360,24 @@ def test_the_accelerator_search_carries_the_kept_mass_as_the_log_prob_normaliser
     reference = filtered - top - np.log(np.exp(filtered - top).sum(axis=-1, keepdims=True))
     np.testing.assert_allclose(np.asarray(logprobs), np.take_along_axis(reference, np.asarray(tokens)[:, None], -1)[:, 0],
                                rtol=0, atol=64 * np.finfo(np.float32).eps)
+
+
+def test_the_draws_signed_keys_keep_the_same_tokens_as_the_search_keys():
+    """The TPU/GPU draw tests ``_signed_key(x) >= _signed(floor)`` instead of ``_ordered_key(x) >= floor``:
+    the same set for every logit (signed zeros, subnormals, ±inf) and every floor a search can end on
+    (key 1, keys next to logits' keys, random keys), both computed by XLA as the sampler computes them."""
+    rng = np.random.default_rng(11)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, 1e-45, -1e-45, 1e-38, -3.4e38, 3.4e38], np.float32)
+    x = np.concatenate([special, (rng.normal(size=4000) * rng.choice([1e-30, 1e-3, 1.0, 1e3], 4000)).astype(np.float32)])
+    keys = np.asarray(filtering._ordered_key(jnp.asarray(x)))
+    floors = np.unique(np.concatenate([keys, keys + 1, keys - 1, [1, 2, 0x007FFFFF, 0x00800000, 0xFFFFFFFF],
+                                       rng.integers(1, 2**32, 2000, dtype=np.uint64)]).astype(np.uint32))
+
+    @jax.jit
+    def both(x, floors):
+        return (filtering._ordered_key(x)[None, :] >= floors[:, None],
+                filtering._signed_key(x)[None, :] >= filtering._signed(floors)[:, None])
+
+    by_key, by_signed = map(np.asarray, both(jnp.asarray(x), jnp.asarray(floors)))
+    bad = np.argwhere(by_key != by_signed)
+    assert bad.size == 0, f"floor {floors[bad[0][0]]:#x} on logit {x[bad[0][1]]!r}"
