@@ -62,11 +62,13 @@ LAUNCH_S = {
     "tpu": (1e-6, "assumed: XLA:TPU runs a program's ops back to back, ~1 µs an op"),
     "cpu": (0.0, "assumed: none")}
 # The sampler's traffic over each sampled row's [vocab] fp32 logits a decode step, in reads of that row:
-# bench_rollout.py --decode-program (0cef5cd) charges h100-qwen3b's top-p step 5.4 GB of [320, 151,936]
-# fp32 arrays beyond the LM head's weights and its logits write: 28 reads of each row (the cut-off's
-# 7 search passes read keys and weights, the max, weights, mass, draw, normaliser and the frozen-row select).
-SAMPLER_ROW_READS = (28, "bench_rollout.py --decode-program at 0cef5cd: h100-qwen3b's top-p step, 5.4 GB of "
-                         "fp32 [320, 151,936] traffic beyond the LM head = 28 reads a row; assumed the same on TPU")
+# bench_rollout.py --decode-program (9a28e06 on the sampler-passes branch: the top-p search that sums inside its
+# passes) charges h100-qwen3b's top-p step 4.4 GB of [320, 151,936] fp32 arrays beyond the LM head's weights
+# and its logits write: 23 reads of each row (the cut-off's 7 search passes read the keys and weights written
+# once, 14; the max, that write, the draw and the frozen-row select), 1.0 GB less than 0cef5cd's 28.
+SAMPLER_ROW_READS = (23, "bench_rollout.py --decode-program at 9a28e06 (top-p sums inside its search): "
+                         "h100-qwen3b's top-p step, 4.4 GB of fp32 [320, 151,936] traffic beyond the LM head = 23 reads "
+                         "a row (0cef5cd: 28); assumed the same on TPU")
 # Published step times of the paper's job elsewhere (seconds per step), for the table.
 ANCHORS = (
     ("Search-R1 Qwen2.5-3B, 8xH100 (maintainers: 200 steps in 2-3 h)", "36-54 s"),

@@ -22,16 +22,26 @@ Measured on XLA:CPU for 8 rows of SmolLM2's 49k vocabulary: 2.6 ms per token for
 set as sorting, whichever way the search runs (the mass above a cut-off is a monotone
 function of the set of keys above it).
 
-Reads of the ``[rows, V]`` logits per token (a pass), TPU/GPU, ``p`` search passes (7)::
+Passes over the ``[rows, V]`` logits per token on TPU/GPU, ``p`` search passes (7)::
 
     greedy          argmax, normaliser                                       2
     temperature     max, draw, normaliser                                    3
     top-k           max, p counts, draw, normaliser                          3 + p = 10
-    top-p           max, weights, total mass, p masses, draw, normaliser     5 + p = 12
-    top-k + top-p   max, p counts, weights, total mass, p masses, draw, norm 5 + 2p = 19
+    top-p           max, keys and weights written, p masses, draw            3 + p = 10
+    top-k + top-p   max, p counts, keys and weights written, p masses, draw  3 + 2p = 17
 
-The top-p cut-off itself (max, weights, total mass, search) is 3 + 7 = 10 passes; on
-XLA:CPU 3 + 32 (the search bisects, see :func:`search_ways`).
+In bytes a search pass is two reads of the row: XLA writes the keys and weights out once and
+every pass reads both. Top-p on TPU/GPU (:func:`_search_with_mass`) sums the row's whole mass in
+its first pass (the lower edge is one more candidate) and carries the mass above its lower edge,
+which at the end is the kept mass, the draw's normaliser; the draw tests the cut-off on keys it
+derives from the logits (:func:`_signed_key`), so it reads the logits alone. Compiled for an H100 at
+320 × 151,936 (HloCostAnalysis, the search loop's trips added): 20.2 reads of a row a token,
+against 25.4 before. XLA:CPU keeps its own sums and its bisection (32 passes), bit for bit.
+A pass that reads the logit alone, deriving key and weight inside the reduce, is not what
+XLA:GPU builds: as a 32-operand variadic reduce, with per-pass copies of the logits, with an
+``exp`` of cheap ops, it still wrote keys and weights out (24–42 row reads) — it does not fuse
+a producer into a reduce that uses it once per candidate — so fewer bytes need the search in a
+kernel (issue 57).
 
 ``temperature <= 0`` means greedy. The log-prob returned for a token is under the
 distribution it was drawn from (temperature-scaled and filtered); for greedy it is the
@@ -99,6 +109,21 @@ def _ordered_key(x: jax.Array) -> jax.Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
+def _signed_key(x: jax.Array) -> jax.Array:
+    """``_ordered_key(x) ^ 2³¹`` as int32: the same order (``_ordered_key(x) >= k`` is
+    ``_signed_key(x) >= _signed(k)``), written with other ops. Why: the TPU/GPU draw tests the
+    cut-off on the logits it reads; with ``_ordered_key`` XLA reused the keys it wrote out for the
+    search and the draw read them too (a row more). Both start from ``where(x == 0, 0, x)``, so a
+    platform that treats subnormals as zero does it alike in both."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _signed(key: jax.Array) -> jax.Array:
+    """An :func:`_ordered_key` as :func:`_signed_key` orders it."""
+    return jax.lax.bitcast_convert_type(key ^ jnp.uint32(1 << 31), jnp.int32)
+
+
 def search_ways() -> int:
     """Candidate cut-offs per pass: 2 on XLA:CPU, 32 on TPU/GPU.
 
@@ -142,6 +167,35 @@ def _search(holds, lo: jax.Array, hi: jax.Array, ways: int) -> jax.Array:
     return jax.lax.fori_loop(0, search_passes(ways), step, (lo, hi))[0]
 
 
+def _search_with_mass(masses, lo: jax.Array, hi: jax.Array, ways: int, top_p) -> tuple[jax.Array, jax.Array,
+                                                                                          jax.Array]:
+    """The top-p :func:`_search` that also sums the row's mass and the kept mass as it goes.
+
+    ``masses(cuts)`` maps candidates ``[..., m]`` to the mass strictly above each. Every pass
+    sums above ``lo`` too (one more candidate in the same reduce, no more reads): in the first pass
+    that is the whole mass the filter starts from, so ``needed = top_p × total`` comes with the
+    first pass instead of a pass of its own; the mass above the final lower edge is the kept
+    tokens' mass, the draw's log-prob normaliser, so the draw needs no normaliser pass either.
+    Returns ``(largest t with mass above t >= needed, mass above t, total)``.
+    """
+    offsets = jnp.arange(1, ways, dtype=jnp.uint32)
+
+    def step(i, carry):
+        lo, hi, _, total = carry
+        stride = (hi - lo - 1) // ways + 1  # ⌈(hi − lo) / ways⌉: never overflows uint32
+        cuts = jnp.minimum(lo + stride * offsets, hi)
+        mass = masses(jnp.concatenate([lo, cuts], axis=-1))
+        total = jnp.where(i == 0, mass[..., :1], total)  # the first pass's lower edge: the whole mass
+        holding = jnp.sum((mass[..., 1:] >= top_p * total) & (cuts < hi), axis=-1, keepdims=True)
+        edges = jnp.concatenate([lo, cuts, hi], axis=-1)
+        return (jnp.take_along_axis(edges, holding, axis=-1), jnp.take_along_axis(edges, holding + 1, axis=-1),
+                jnp.take_along_axis(mass, holding, axis=-1), total)
+
+    zero = jnp.zeros(lo.shape, jnp.float32)
+    lo, _, at_lo, total = jax.lax.fori_loop(0, search_passes(ways), step, (lo, hi, zero, zero))
+    return lo, at_lo, total
+
+
 def _kept_floor(scaled: jax.Array, top: jax.Array, top_k, top_p, mode: SamplingMode, ways: int) -> jax.Array:
     """The least kept key per row ``[..., 1]`` (keep ``key >= floor``) for ``mode``'s filters.
 
@@ -151,9 +205,19 @@ def _kept_floor(scaled: jax.Array, top: jax.Array, top_k, top_p, mode: SamplingM
     ``top_p >= 1``) leaves the floor where it was through a select, so a mode that runs a filter
     is right for any knob values.
     """
+    return _kept_floor_and_mass(scaled, top, top_k, top_p, mode, ways)[0]
+
+
+def _kept_floor_and_mass(scaled: jax.Array, top: jax.Array, top_k, top_p, mode: SamplingMode, ways: int
+                         ) -> tuple[jax.Array, jax.Array | None]:
+    """:func:`_kept_floor`, and with top-p on TPU/GPU (``ways > 2``) the kept tokens' mass
+    ``Σ exp(scaled − top)`` over ``key >= floor`` (``[..., 1]``; else None): the top-p search's
+    last statistic (:func:`_search_with_mass`). XLA:CPU (bisection) keeps its separate normaliser
+    sum, so the CPU job's log-probs stay bit for bit what they were."""
     keys = _ordered_key(scaled)
     highest = _ordered_key(top)
     floor = jnp.ones_like(highest)  # key 1: keeps every logit
+    kept_mass = None
     if mode.top_k:
         def at_least_k_from(cuts):
             return jnp.sum(keys[..., None, :] >= cuts[..., None], axis=-1, dtype=jnp.int32) >= top_k
@@ -164,16 +228,20 @@ def _kept_floor(scaled: jax.Array, top: jax.Array, top_k, top_p, mode: SamplingM
         weights = jnp.exp(scaled - top)
         if mode.top_k:
             weights = jnp.where(keys >= floor, weights, 0.0)
-        needed = top_p * row_sum(weights, keepdims=True)
-
-        def reaches_p_above(cuts):  # the mass strictly above each cut-off still reaches top_p
+        def masses(cuts):  # the mass strictly above each cut-off
             return row_sum_of(lambda k, c, w: jnp.where(k > c, w, 0.0),
-                              keys[..., None, :], cuts[..., None], weights[..., None, :]) >= needed
+                              keys[..., None, :], cuts[..., None], weights[..., None, :])
 
         # the lowest cut-off whose mass strictly above it falls short of top_p
-        nucleus = _search(reaches_p_above, floor - 1, highest, ways) + 1
+        if ways > 2:
+            last, at_last, total = _search_with_mass(masses, floor - 1, highest, ways, top_p)
+            kept_mass = jnp.where(top_p < 1.0, at_last, total)
+            nucleus = last + 1
+        else:
+            needed = top_p * row_sum(weights, keepdims=True)
+            nucleus = _search(lambda cuts: masses(cuts) >= needed, floor - 1, highest, ways) + 1
         floor = jnp.where(top_p < 1.0, nucleus, floor)
-    return floor
+    return floor, kept_mass
 
 
 def _truncate(scaled: jax.Array, top_k, top_p, ways: int | None = None,
@@ -198,9 +266,20 @@ def _scale(logits: jax.Array, temperature) -> jax.Array:
     readers leaves nothing to contract (``optimization_barrier`` did not: XLA:CPU drops it
     before fusing), so every pass reads the rounded quotient, as it did when ``scaled`` was a
     ``lax.cond`` operand written to memory.
+
+    On TPU/GPU the select (and the divide) cost bytes: XLA:GPU does not repeat a ``[V]`` divide or
+    select in each reader, it wrote the ``scaled == 0`` mask (or ``scaled`` itself) out and every
+    pass read it back — 2.25 reads of the row a token at 320 × 151,936. There ``scaled`` is the
+    multiply by the reciprocal (what XLA made of the divide anyway; the same at temperature 1), with
+    no select: the keys count -0.0 as +0.0 themselves (:func:`_ordered_key`, :func:`_signed_key`). What a contraction can still do there is round ``scaled − top`` once instead of
+    twice in the weights' fusion: ulps in the masses (within what the kept set is exact to), and a
+    log-prob a rounding above 0, which :func:`sample_tokens` clamps to 0.
     """
-    temperature = jnp.asarray(temperature, jnp.float32)
-    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+    temperature = jnp.asarray(jnp.where(jnp.asarray(temperature, jnp.float32) > 0, temperature, 1.0), jnp.float32)
+    if target_platform() == "cpu":
+        scaled = logits.astype(jnp.float32) / temperature
+    else:  # a bare multiply (see above): no [V]-sized select or divide for XLA to write out
+        return logits.astype(jnp.float32) * (1.0 / temperature)
     return jnp.where(scaled == 0, 0.0, scaled)
 
 
@@ -242,13 +321,21 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k, top_p,
         return _greedy(logits)
     scaled = _scale(logits, temperature)
     top = jnp.max(scaled, axis=-1, keepdims=True)
-    filtered = scaled
+    filtered, kept_mass = scaled, None
     if mode.top_k or mode.top_p:
-        floor = _kept_floor(scaled, top, jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32), mode,
-                            search_ways())
-        filtered = jnp.where(_ordered_key(scaled) >= floor, scaled, _NEG_INF)
+        ways = search_ways()
+        floor, kept_mass = _kept_floor_and_mass(scaled, top, jnp.asarray(top_k, jnp.int32),
+                                                jnp.asarray(top_p, jnp.float32), mode, ways)
+        if ways > 2:  # TPU/GPU: the same test in other ops, so the draw reads the logits only
+            filtered = jnp.where(_signed_key(scaled) >= _signed(floor), scaled, _NEG_INF)
+        else:
+            filtered = jnp.where(_ordered_key(scaled) >= floor, scaled, _NEG_INF)
     tokens = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
-    logprobs = _log_prob_at(filtered, tokens, top)  # the maximum is always kept: ``filtered``'s is ``top``
+    if kept_mass is None:
+        logprobs = _log_prob_at(filtered, tokens, top)  # the maximum is always kept: ``filtered``'s is ``top``
+    else:  # TPU/GPU top-p: the search carried the kept mass (its last statistic): no normaliser pass
+        chosen = jnp.take_along_axis(scaled, tokens[..., None], axis=-1)
+        logprobs = jnp.minimum(((chosen - top) - jnp.log(kept_mass))[..., 0], 0.0)  # see _scale: a rounding above 0
     if mode is SamplingMode.ANY:  # greedy chosen at run time by a select: both are computed
         greedy = jnp.asarray(temperature, jnp.float32) <= 0
         greedy_tokens, greedy_logprobs = _greedy(logits)

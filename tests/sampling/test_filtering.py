@@ -326,3 +326,58 @@ def test_xla_gpu_samplers_hold_no_conditional(mode):
     hlo = _compiled_sampler(mode, gpu_target("h100", 1, 1).devices[0])
     assert not CONDITIONAL.search(hlo)
     assert len(re.findall(r'"known_trip_count":\{"n":"7"\}', hlo)) == {"greedy": 0, "top-p": 1, "top-k+top-p": 2}[mode]
+
+
+@pytest.mark.parametrize("mode", ["top-p", "top-k+top-p"])
+def test_the_accelerator_search_carries_the_kept_mass_as_the_log_prob_normaliser(monkeypatch, mode):
+    """TPU/GPU (32 ways) take the draw's normaliser from the top-p search's last statistic, the mass
+    above the cut-off it found, instead of summing the kept tokens again: forced on this host, the
+    log-probs are the filtered softmax's to fp32 rounding (a few ulps of a sum over the row), and
+    the draws follow it (4.5 binomial standard deviations, fixed seed)."""
+    monkeypatch.setattr(filtering, "search_ways", lambda: 32)
+    temperature, top_k, top_p = MODES[mode]
+    logits = np.log(np.array([0.3, 0.22, 0.18, 0.12, 0.1, 0.08]))[None].astype(np.float32)
+    scaled = logits[0].astype(np.float64) / temperature
+    kept = _sort_reference(jnp.asarray(logits / temperature), top_k, top_p)[0][0]
+    want = np.where(kept, np.exp(scaled - scaled.max()), 0.0)
+    want /= want.sum()
+    n = 4000
+    # a function of its own: jax.jit's trace cache must not hand back another test's 2-way trace
+    draw = jax.jit(lambda *args, mode: filtering.sample_tokens(*args, mode=mode), static_argnames="mode")
+    tokens, logprobs = draw(jnp.broadcast_to(jnp.asarray(logits), (n, 6)), jax.random.key(2024), temperature, top_k,
+                            top_p, mode=filtering.SamplingMode(mode))
+    tokens = np.asarray(tokens)
+    freq = np.bincount(tokens, minlength=6) / n
+    bound = 4.5 * np.sqrt(want * (1 - want) / n) + 1e-12
+    assert np.all(np.abs(freq - want) <= bound), f"{mode}: frequencies {freq} vs {want} (bound {bound})"
+    np.testing.assert_allclose(np.asarray(logprobs), np.log(want[tokens]), rtol=0, atol=8 * np.finfo(np.float32).eps)
+    # a wide row: the carried mass against the normaliser summed over the kept set
+    wide = jnp.asarray(np.random.default_rng(5).normal(size=(4, 49152)).astype(np.float32) * 3)
+    tokens, logprobs = draw(wide, jax.random.key(1), temperature, top_k, top_p, mode=filtering.SamplingMode(mode))
+    filtered = np.asarray(jax.jit(lambda *args: filtering.filter_logits(*args))(wide, temperature, top_k, top_p),
+                          np.float64)
+    top = filtered.max(axis=-1, keepdims=True)
+    reference = filtered - top - np.log(np.exp(filtered - top).sum(axis=-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(logprobs), np.take_along_axis(reference, np.asarray(tokens)[:, None], -1)[:, 0],
+                               rtol=0, atol=64 * np.finfo(np.float32).eps)
+
+
+def test_the_draws_signed_keys_keep_the_same_tokens_as_the_search_keys():
+    """The TPU/GPU draw tests ``_signed_key(x) >= _signed(floor)`` instead of ``_ordered_key(x) >= floor``:
+    the same set for every logit (signed zeros, subnormals, ±inf) and every floor a search can end on
+    (key 1, keys next to logits' keys, random keys), both computed by XLA as the sampler computes them."""
+    rng = np.random.default_rng(11)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, 1e-45, -1e-45, 1e-38, -3.4e38, 3.4e38], np.float32)
+    x = np.concatenate([special, (rng.normal(size=4000) * rng.choice([1e-30, 1e-3, 1.0, 1e3], 4000)).astype(np.float32)])
+    keys = np.asarray(filtering._ordered_key(jnp.asarray(x)))
+    floors = np.unique(np.concatenate([keys, keys + 1, keys - 1, [1, 2, 0x007FFFFF, 0x00800000, 0xFFFFFFFF],
+                                       rng.integers(1, 2**32, 2000, dtype=np.uint64)]).astype(np.uint32))
+
+    @jax.jit
+    def both(x, floors):
+        return (filtering._ordered_key(x)[None, :] >= floors[:, None],
+                filtering._signed_key(x)[None, :] >= filtering._signed(floors)[:, None])
+
+    by_key, by_signed = map(np.asarray, both(jnp.asarray(x), jnp.asarray(floors)))
+    bad = np.argwhere(by_key != by_signed)
+    assert bad.size == 0, f"floor {floors[bad[0][0]]:#x} on logit {x[bad[0][1]]!r}"

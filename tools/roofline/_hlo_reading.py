@@ -32,8 +32,10 @@ def while_bodies(hlo: str) -> set[str]:
     return set(_WHILE_BODY.findall(hlo))
 
 
-# XLA:TPU's own bookkeeping custom calls (index packing, bitcasts): no kernel behind them.
-BOOKKEEPING_CALLS = frozenset({"ConcatBitcast", "GatherScatterIndicesBitpacked", "AssumeGatherIndicesInBound"})
+# XLA:TPU's own bookkeeping custom calls (index packing, bitcasts, a loop carry's uninitialised buffer —
+# ``AllocateBuffer``, no operands, nothing read or written): no kernel behind them.
+BOOKKEEPING_CALLS = frozenset({"ConcatBitcast", "GatherScatterIndicesBitpacked", "AssumeGatherIndicesInBound",
+                               "AllocateBuffer"})
 
 
 def custom_calls(hlo: str) -> dict[str, int]:

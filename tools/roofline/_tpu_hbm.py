@@ -391,15 +391,24 @@ def decode_loop_body(reader: Reader) -> str:
 
 
 _PLUMBING = {"parameter", "get-tuple-element", "tuple", "constant", "copy", "bitcast"}
+_BOOKKEEPING_BYTES = 64 * 1024
 
 
 def token_body(reader: Reader, body: str) -> str:
     """``body``'s token: ``body`` itself, or — when ``body`` only runs one static loop (``run_steps``'
-    chunk of tokens between two checks), nothing else but tuple plumbing — that loop's body."""
+    chunk of tokens between two checks), nothing else but tuple plumbing and small bookkeeping —
+    that loop's body. Bookkeeping: ops whose results are all under ``_BOOKKEEPING_BYTES`` (XLA:GPU's
+    scalar fusion adding the chunk to ``run_steps``' step count; XLA:TPU's loop-invariant iota and
+    reshape of the stop table's indices sunk into the chunk): at most kilobytes once a chunk, against
+    gigabytes a token, left out of the token's count."""
     ops = reader.computations[body].values()
     inner = [op for op in ops if op.opcode == "while"]
+
+    def bookkeeping(op) -> bool:
+        return op.opcode in _PLUMBING or sum(leaf.bytes for leaf in op.leaves) <= _BOOKKEEPING_BYTES
+
     if (len(inner) == 1 and reader.trip_count(body, inner[0]) is not None
-            and all(op.opcode in _PLUMBING or op is inner[0] for op in ops)):
+            and all(bookkeeping(op) or op is inner[0] for op in ops)):
         return inner[0].called("body")[0]
     return body
 
