@@ -170,7 +170,9 @@ def run_to_end(cmd: list[str], log: Path, cache: Path, timeout: float = 1500) ->
 
 @pytest.fixture(scope="module")
 def two_runs(cut, tmp_path_factory):
-    """The default job, shortened, once over faiss Flat (``dense``) and once over the mesh index."""
+    """The default job, shortened, once over faiss Flat (``dense``) and once over the mesh index. Cost: the
+    dense run 200 s on the 2-core VM at load ≈ 2 with the other's compiled programs cached (warm-up 94 s,
+    RL step 85 s); the first run of the pair compiles (≈ 2-3 min more)."""
     root = tmp_path_factory.mktemp("runs")
     runs = {}
     for method in ("dense", "mesh"):
