@@ -217,6 +217,12 @@ def _check_retrieval(config) -> None:
     from llds_jax.retrieval.config import validate as retrieval_validate
 
     retrieval_validate(config.retrieval)
+    r = config.retrieval
+    named = [a for a in str(r.mesh_axis).split(",") if a]
+    if r.method == "mesh" and not r.url and (unknown := [a for a in named if a not in MESH_AXES]):
+        # the trainer's mesh is the index's (app.run → open_mesh): a name outside it fails here, before any weight
+        raise InputError(f"retrieval.mesh_axis={r.mesh_axis!r} names {unknown}, not axes of the trainer's mesh "
+                         f"{MESH_AXES} ('' = every device)")
 
 
 def _check_rollout(config) -> None:

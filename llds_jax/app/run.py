@@ -33,12 +33,14 @@ log = logging.getLogger(__name__)
 
 def load_policy_and_retriever(config, mesh):
     """(model on ``mesh``, tokenizer, retriever) as train and sft build them; the retriever comes from
-    the same factory and ``retrieval`` section as ``--mode=eval``'s, so both see the same documents."""
+    the same factory and ``retrieval`` section as ``--mode=eval``'s, so both see the same documents.
+    ``retrieval.method="mesh"`` shards its index over this same ``mesh`` (``retrieval.mesh_axis``: over
+    those axes only), beside the model's weights."""
     from llds_jax.models.loading import load_model_and_tokenizer
     from llds_jax.retrieval.factory import build_retriever
 
     model, tokenizer = load_model_and_tokenizer(config.model, mesh)
-    return model, tokenizer, build_retriever(config.retrieval, tokenizer)
+    return model, tokenizer, build_retriever(config.retrieval, tokenizer, mesh=mesh)
 
 
 def _setup(config):

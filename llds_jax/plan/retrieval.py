@@ -16,8 +16,9 @@ Every search is charged as ``fixed + per_query × queries`` seconds a call (`Sea
   vector charged here, so this is an upper bound.
 * **BM25** (bm25s): `BM25_QUERY_S` + `BM25_PASSAGE_S` × N a query and thread, measured here
   (the bundled corpus at 1,500 / 6,169 / 24,676 rows), over the host's vCPUs.
-* **mesh**: each host searches its own queries over its local chips (``open_mesh`` shards over
-  the process's local devices): per chip, the matmul over its padded shard at peak × matmul
+* **mesh**: each host searches its own queries over its chips (``open_mesh`` shards over the
+  trainer's mesh, or its ``retrieval.mesh_axis`` axes, on one host; each host's devices of it on
+  several: `index_shards`): per chip, the matmul over its padded shard at peak × matmul
   efficiency (fp32 vectors: ``Precision.HIGHEST`` — 6 bf16 passes on TPU, the fp32 rate on GPU)
   or its shard read at HBM bandwidth × HBM efficiency, whichever is longer, plus the score
   tiles written and read back for ``top_k``, plus two all-gathers of every chip's k candidates
@@ -33,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import re
 import time
@@ -250,15 +252,30 @@ def search_cost(config, backend: str, shape: IndexShape, *, hardware: str, platf
             f"of k={k} x 8 B a query a chip at {link / 1e9:.0f} GB/s ({link_why}); {latency_why}"))
 
 
+def index_shards(config, devices: int, hosts: int) -> int:
+    """Devices one copy of the mesh index is split over, as ``open_mesh`` places it on the trainer's mesh:
+    on one host every device, or the product of the ``retrieval.mesh_axis`` axes' sizes in ``mesh.shape``
+    (replicated over the rest); on several hosts each host's devices (a whole copy each)."""
+    if hosts > 1:
+        return max(1, devices // hosts)
+    from llds_jax.parallel.mesh import MESH_AXES, resolve_mesh_shape  # noqa: PLC0415
+
+    named = [a for a in str(config.retrieval.mesh_axis).split(",") if a]
+    if not named:
+        return max(1, devices)
+    sizes = dict(zip(MESH_AXES, resolve_mesh_shape(tuple(config.mesh.shape), devices)))
+    return max(1, math.prod(sizes.get(a, 1) for a in named))
+
+
 def index_memory(config, devices: int, hosts: int) -> tuple[dict[str, int], str]:
     """What the retriever holds on each device for the whole run, and a note for the plan.
 
-    ``retrieval.method="mesh"``: the index's padded shard over the host's local devices (``open_mesh``
-    shards over the process's devices: each host a whole copy) and the search's workspace for a call
-    of the host's trajectories; any other method: nothing on the devices (the note says where it is).
+    ``retrieval.method="mesh"``: the index's padded shard over `index_shards` devices and the search's
+    workspace for a call of the host's trajectories; any other method: nothing on the devices (the
+    note says where it is).
     """
     r, shape = config.retrieval, index_shape(config)
-    local = max(1, devices // max(1, hosts))
+    local = index_shards(config, devices, hosts)
     if r.method != "mesh" or r.url:
         where = f"served by {r.url}" if r.url else "host memory"
         return {}, (f"retrieval: {r.method} ({where}), nothing on the devices; index {shape.passages:,} x "
@@ -267,7 +284,7 @@ def index_memory(config, devices: int, hosts: int) -> tuple[dict[str, int], str]
     index, workspace = mesh_index_bytes(config, shape, local, queries)
     return {"retrieval_index": index, "retrieval_search": workspace}, (
         f"retrieval index (retrieval.method='mesh', retrieval.mesh_dtype={r.mesh_dtype!r}): {shape.passages:,} x "
-        f"{shape.dim} ({shape.source}) over {local} device(s) a host, {index / 1e9:.2f} GB a device padded, + "
+        f"{shape.dim} ({shape.source}) split over {local} device(s), {index / 1e9:.2f} GB a device padded, + "
         f"{workspace / 1e6:.0f} MB search workspace ({queries} queries x retrieval.mesh_chunk); counted in every phase")
 
 

@@ -354,9 +354,9 @@ def _retrieval(config, drawn, *, platform, hardware, peak, devices, hosts, matmu
     """The configured retriever's cost a call (``plan.retrieval.search_cost``), the searches the host's
     calls carry (a ``retrieval.url`` server answers every host's), and a paper turn's seconds — one query
     per trajectory of the step — by faiss Flat on one host vs the mesh index (bf16, fp32) on each host's chips."""
-    from llds_jax.plan.retrieval import backend_of, index_shape, search_cost  # noqa: PLC0415
+    from llds_jax.plan.retrieval import backend_of, index_shape, index_shards, search_cost  # noqa: PLC0415
 
-    shape, local = index_shape(config), max(1, devices // hosts)
+    shape, local = index_shape(config), index_shards(config, devices, hosts)
     kw = dict(hardware=hardware, platform=platform, peak=peak, shards=local, matmul=matmul, hbm=hbm)
     cost = search_cost(config, backend_of(config.retrieval), shape, **kw)
     searches = sum(t.is_search(k) for t in drawn for k in range(len(t.feedback)))

@@ -33,35 +33,37 @@ def open_bm25(r: ConfigDict, build_if_missing: bool = True) -> BM25Retriever:
     return retriever
 
 
-def build_retriever(r: ConfigDict, tokenizer=None) -> Retriever:
+def build_retriever(r: ConfigDict, tokenizer=None, mesh=None) -> Retriever:
     """In-process BM25 (built and cached on first use), dense or mesh, or HTTP when ``r.url`` is set;
     seen through the ``retrieval.max_doc_tokens`` cut when it is set (in ``tokenizer``'s tokens).
 
     The cut is applied here, from the section, so every mode that builds a policy's retriever
-    (train, sft, eval) sees the same documents for the same config.
+    (train, sft, eval) sees the same documents for the same config. ``mesh``: the trainer's device
+    mesh, which ``method="mesh"`` shards its index over (``open_mesh``); other methods ignore it.
     """
     limit = int(r.max_doc_tokens)
     if limit and tokenizer is None:
         raise RetrievalConfigError(f"retrieval.max_doc_tokens={limit} cuts passages in the policy's tokens: "
                                    "build_retriever needs the policy's tokenizer (or set it to 0)")
-    return maybe_short_docs(_open(r), tokenizer, limit)
+    return maybe_short_docs(_open(r, mesh), tokenizer, limit)
 
 
-def _open(r: ConfigDict) -> Retriever:
+def _open(r: ConfigDict, mesh=None) -> Retriever:
     if r.url:
         return HttpRetriever(r.url, timeout=r.timeout, retries=r.retries, backoff=r.backoff,
                              max_queries_per_request=r.max_queries)
     if check_method(r) == "bm25":
         return open_bm25(r)
-    return open_vector_retriever(r)
+    return open_vector_retriever(r, mesh)
 
 
-def open_vector_retriever(r: ConfigDict) -> Retriever:
-    """``dense`` (faiss on the host) or ``mesh`` (the same vectors in device memory); imports JAX and faiss."""
+def open_vector_retriever(r: ConfigDict, mesh=None) -> Retriever:
+    """``dense`` (faiss on the host) or ``mesh`` (the same vectors in device memory, over ``mesh`` when
+    given, else this process's devices); imports JAX and faiss."""
     if check_method(r) == "mesh":
         from llds_jax.retrieval.mesh import open_mesh
 
-        return open_mesh(r)
+        return open_mesh(r, mesh)
     from llds_jax.retrieval.dense import open_dense
 
     return open_dense(r)

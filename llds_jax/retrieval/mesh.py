@@ -29,10 +29,13 @@ Padding: the passage count is padded up to ``devices x chunks x chunk`` with zer
 scores are forced to -inf, so no passage is ever dropped and a pad row can never be returned
 (k is capped at the corpus size). Ids → text happens on the host (`Corpus.rows`).
 
-Devices: by default this process's local devices (all of them on one host). Under
-multi-process JAX each host then holds a whole copy over its own chips and answers its own
-rollout's queries, with no cross-host collective in the rollout's search call; a named axis
-of a given mesh shards over that axis only (replicated over the others).
+Devices: the trainer hands its own device mesh (``app.run`` → ``build_retriever(..., mesh=)`` →
+`open_mesh`), so the index lies over the same devices as the model, sharded over every axis of
+that mesh, or over the axes named by ``retrieval.mesh_axis`` only (replicated over the others).
+Without a mesh (``--mode=serve``, ``--mode=eval``) it is this process's devices. Under
+multi-process JAX (`placement_mesh`) each host holds a whole copy over its own devices of the
+trainer's mesh and answers its own rollout's queries: the hosts' rollouts reach their searches at
+different times, so the search call may hold no cross-host collective.
 """
 
 from __future__ import annotations
@@ -324,8 +327,25 @@ class MeshRetriever:
         return results
 
 
+def placement_mesh(mesh: jax.sharding.Mesh | None, axes: Sequence[str] | None):
+    """``(mesh, axes)`` the index is placed with: the trainer's ``mesh`` as given when this process addresses
+    all of its devices; on several processes a one-axis mesh of this process's devices of it (each host a
+    whole copy; ``axes`` then cannot apply and are dropped, with a log line); no mesh: this process's devices."""
+    if mesh is None:
+        return None, axes
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if len(local) == mesh.devices.size:
+        return mesh, axes
+    if axes:
+        logger.info("mesh index: retrieval.mesh_axis=%s applies on one process; on %d processes each holds a whole "
+                    "copy over its %d devices of the trainer's mesh", ",".join(axes), jax.process_count(), len(local))
+    return jax.make_mesh((len(local),), (PASSAGE_AXIS,), devices=local,
+                         axis_types=(jax.sharding.AxisType.Auto,)), None
+
+
 def open_mesh(r, mesh: jax.sharding.Mesh | None = None) -> MeshRetriever:
-    """``retrieval.method="mesh"``: vectors from ``mesh_index_file`` (a faiss Flat file) or the dense index dir."""
+    """``retrieval.method="mesh"``: vectors from ``mesh_index_file`` (a faiss Flat file) or the dense index dir,
+    placed over ``mesh`` (the trainer's; `placement_mesh`), queries encoded by the configured encoder."""
     from llds_jax.retrieval.config import resolve_index_path
     from llds_jax.retrieval.dense import embedder_from_config
 
@@ -341,10 +361,11 @@ def open_mesh(r, mesh: jax.sharding.Mesh | None = None) -> MeshRetriever:
         check_against(tuple(vectors.shape), source, corpus, vectors.shape[1], "")
     embedder, encoder_path = embedder_from_config(r)
     check_against(tuple(vectors.shape), source, corpus, embedder.dim, encoder_path)
-    axes = [a for a in str(r.mesh_axis).split(",") if a] or None
+    mesh, axes = placement_mesh(mesh, [a for a in str(r.mesh_axis).split(",") if a] or None)
     index = MeshIndex(vectors, dtype=r.mesh_dtype, chunk=r.mesh_chunk, mesh=mesh,
                       axes=axes, source=source)
     del keep_alive  # the vectors are on the devices now
-    logger.info("mesh index: %d x %d %s over %d device shard(s), %.2f GB a device", index.num_passages, index.dim,
-                index.dtype_name, index.num_shards, index.bytes_per_device / 1e9)
+    logger.info("mesh index: %d x %d %s over %d device shard(s) of mesh %s (axes %s), %.2f GB a device",
+                index.num_passages, index.dim, index.dtype_name, index.num_shards, dict(index.mesh.shape),
+                ",".join(index.axes), index.bytes_per_device / 1e9)
     return MeshRetriever(embedder, index, corpus)

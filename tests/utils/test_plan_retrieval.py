@@ -23,6 +23,7 @@ from llds_jax.plan.retrieval import (
     mesh_index_bytes,
     search_cost,
 )
+from llds_jax.retrieval.mesh import shard_layout
 from llds_jax.utils import flops
 
 pytestmark = pytest.mark.unit
@@ -115,4 +116,18 @@ def test_only_the_mesh_method_holds_device_memory(tmp_path):
     held, note = index_memory(c, 64, 16)  # v5e:8x8: each host a copy over its 4 chips
     rows = -(-21_015_324 // 4)
     assert held["retrieval_index"] == pytest.approx(rows * 768 * 4, rel=1e-3)
-    assert "retrieval.mesh_dtype='float32'" in note and "4 device(s) a host" in note
+    assert "retrieval.mesh_dtype='float32'" in note and "split over 4 device(s)" in note
+
+
+def test_on_one_host_the_index_splits_over_the_trainers_mesh_or_its_named_axes(tmp_path):
+    """`open_mesh` places the index on the trainer's mesh: all 8 devices, or only the named axes'
+    (replicated over the rest), so the plan charges a shard of 1/8 or 1/4 of the passages."""
+    c = _config(method="mesh", index_path=str(tmp_path))  # no index there: wiki-18's stated shape
+    c.mesh.shape = (2, 4, 1)
+    whole = index_memory(c, 8, 1)[0]["retrieval_index"]
+    c.retrieval.mesh_axis = "fsdp"
+    over_fsdp = index_memory(c, 8, 1)[0]["retrieval_index"]
+    assert whole == shard_layout(21_015_324, 8, c.retrieval.mesh_chunk)[2] * 768 * 4
+    assert over_fsdp == shard_layout(21_015_324, 4, c.retrieval.mesh_chunk)[2] * 768 * 4
+    c.retrieval.mesh_axis = "data,fsdp"
+    assert index_memory(c, 8, 1)[0]["retrieval_index"] == whole

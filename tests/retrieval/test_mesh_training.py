@@ -1,0 +1,211 @@
+"""``retrieval.method="mesh"`` inside the trainer (issue 59): the default job trains over the mesh index,
+its rollouts read the same feedback as over faiss Flat, the index lies on the trainer's own mesh, and the
+rollout searches it in-process with one batched call per turn.
+
+Why these tests: the search being exact (``test_mesh.py``) says nothing about a training run. The run
+must build the index over the devices it trains on (not a mesh of its own), the rollout must call it
+in-process, and the feedback the policy reads — and so every token sampled after it, every reward and
+every update — must not change when the host's faiss ``IndexFlatIP`` is swapped for the devices. Both
+retrievers here search one set of MiniLM vectors of a 301-row cut of the bundled corpus (an odd count:
+the mesh pads it over the devices); queries are encoded in-run by the configured encoder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from llds_jax.errors import InputError
+from llds_jax.retrieval import Corpus, DenseRetriever, build_retriever
+from llds_jax.retrieval.config import BUNDLED_CORPUS
+from llds_jax.retrieval.dense import build_dense_index
+from llds_jax.retrieval.mesh import MeshRetriever
+from tests.codegen_sensitive import child_xla_flags
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS = 301
+# The smallest run whose rollouts search: SmolLM2 writes no <search> zero-shot, so the default job's
+# format warm-up runs first (its synthetic trajectories' documents come from the same retriever).
+WARMUP_STEPS = 8
+RL_STEPS = 1
+TRAJECTORIES = 8  # the default job's 2 prompts x 4 samples: every one is written to samples.jsonl
+# One device, as a user's CPU run has: simulated devices' collectives abort after 40 s without a peer, which a
+# loaded 2-core machine reaches. The index on several of the trainer's devices: the in-process tests above.
+RUN_DEVICES = 1
+# Keys that legitimately differ between two runs of the same step: clocks, throughput and the process's memory.
+UNTIMED = ("time/", "throughput/", "wall_time", "memory/")
+
+
+def load_default_job():
+    spec = importlib.util.spec_from_file_location("cpu_smoke", REPO / "configs" / "cpu_smoke.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+@pytest.fixture(scope="module")
+def cut(tmp_path_factory, make_embedder):
+    """The bundled corpus's first 301 rows, MiniLM-embedded into one index directory holding both the
+    ``embeddings/`` the mesh index reads and the ``faiss/Flat.faiss`` the dense retriever reads."""
+    folder = tmp_path_factory.mktemp("mesh_training")
+    corpus_path = folder / "corpus.jsonl"
+    with open(BUNDLED_CORPUS, "rb") as src, open(corpus_path, "wb") as dst:
+        dst.writelines(itertools.islice(src, ROWS))
+    index_dir = folder / "index"
+    build_dense_index(Corpus(corpus_path), make_embedder(batch_size=32), index_dir, "Flat", 128, "minilm",
+                      show_progress=False)
+    return {"corpus": corpus_path, "index": index_dir}
+
+
+def retrieval_fields(cut, method: str) -> dict:
+    return {"retrieval.method": method, "retrieval.corpus_path": str(cut["corpus"]),
+            "retrieval.index_path": str(cut["index"])}
+
+
+def test_the_trainer_places_the_mesh_index_on_its_own_mesh(cut, shared_dir):
+    """``app.run`` hands its mesh to the factory: the index's shards are the trainer's devices, over every
+    axis, or over ``retrieval.mesh_axis`` only (replicated over the rest); an axis the trainer's mesh
+    lacks is refused by the config check, before any weight is loaded."""
+    from llds_jax.app.run import load_policy_and_retriever
+    from llds_jax.config import validate_sections
+    from llds_jax.parallel.mesh import make_mesh
+
+    config = load_default_job()
+    config.model.source, config.model.tokenizer = "tiny:qwen2", str(shared_dir / "assets" / "qwen2_tokenizer")
+    for field, value in retrieval_fields(cut, "mesh").items():
+        config.retrieval[field.split(".")[1]] = value
+    for shape, axis, shards, spec in (((-1, 1, 1), "", 8, P(("data", "fsdp", "tensor"), None)),
+                                      ((2, 4, 1), "fsdp", 4, P(("fsdp",), None))):
+        config.mesh.shape, config.retrieval.mesh_axis = shape, axis
+        validate_sections(config)  # the batch sizes are the 1-device job's: the sections alone
+        mesh = make_mesh(tuple(config.mesh.shape))
+        _, _, retriever = load_policy_and_retriever(config, mesh)
+        index = retriever.retriever.index  # through the retrieval.max_doc_tokens view
+        assert index.mesh is mesh and index.vectors.sharding.mesh == mesh
+        assert index.vectors.sharding.device_set == set(mesh.devices.flat) == set(jax.devices())
+        assert index.num_shards == shards and index.vectors.sharding.spec == spec
+        assert index.padded_passages == ROWS + 3, "301 rows padded to 304 over 8 or 4 shards, none dropped"
+    config.retrieval.mesh_axis = "passages"
+    with pytest.raises(InputError, match=r"retrieval.mesh_axis='passages' names \['passages'\], not axes of the "
+                                         r"trainer's mesh"):
+        validate_sections(config)
+
+
+def test_the_waves_rollout_calls_the_mesh_index_once_per_turn_with_every_query(cut, qwen_tokenizer):
+    """In-process and batched: each turn's queries reach the index as one device program, and the
+    feedback the rows read is the faiss-Flat retriever's."""
+    from llds_jax.rollout import default_config, run_rollouts, terminator_ids
+    from llds_jax.rollout.action_stop import action_stop_table
+    from llds_jax.rollout.scripted_policy import ScriptedPolicy
+    from llds_jax.sampling import vocab_bytes
+
+    r = load_default_job().retrieval
+    r.update({field.split(".")[1]: value for field, value in retrieval_fields(cut, "mesh").items()})
+    r.max_doc_tokens = 0  # whole passages: the cut view needs a policy tokenizer and is not under test here
+    mesh_retriever = build_retriever(r, mesh=jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)))
+    assert isinstance(mesh_retriever, MeshRetriever) and mesh_retriever.index.num_shards == 8
+    calls = []
+    search = mesh_retriever.index.search
+    mesh_retriever.index.search = lambda queries, k: calls.append((len(queries), k)) or search(queries, k)
+    dense = DenseRetriever.load(cut["index"], "Flat", mesh_retriever.embedder, Corpus(cut["corpus"]))
+
+    rows = [["<search> river in europe </search>", "<search> nobel prize </search>", "<answer> x </answer>"],
+            ["<search> tamil film director </search>", "<answer> y </answer>"],
+            ["<search> album </search>", "<search> football club </search>", "<answer> z </answer>"]]
+    cfg = default_config()
+    cfg.n_samples, cfg.max_turns = 1, 2
+    batches = {}
+    for name, retriever in (("mesh", mesh_retriever), ("dense", dense)):
+        streams = [[qwen_tokenizer.encode(turn, add_special_tokens=False) for turn in row] for row in rows]
+        policy = ScriptedPolicy(streams, action_stop_table(vocab_bytes(qwen_tokenizer)),
+                                stop_token_ids=terminator_ids(qwen_tokenizer),
+                                filler_id=qwen_tokenizer.encode("!")[0])
+        batches[name] = run_rollouts(policy, qwen_tokenizer, ["q"] * len(rows), retriever, cfg,
+                                     group_ids=list(range(len(rows))))
+    assert calls == [(3, cfg.topk), (2, cfg.topk)], "one index call per turn, carrying all of the turn's searches"
+    assert batches["mesh"].response_texts == batches["dense"].response_texts
+    assert (batches["mesh"].input_ids == batches["dense"].input_ids).all()
+    assert all(text.count("<information>") == len(row) - 1 for text, row in zip(batches["mesh"].response_texts, rows))
+
+
+def train_command(workdir: Path, cut, method: str) -> list[str]:
+    overrides = {
+        "workdir": str(workdir), **retrieval_fields(cut, method), "train.warmup_sft_steps": WARMUP_STEPS,
+        "train.total_steps": RL_STEPS, "train.samples_per_step": TRAJECTORIES, "eval.data": "",
+        "train.export_hf": False, "train.loggers": "()",
+    }
+    return [sys.executable, "-m", "llds_jax.main", "--config=configs/cpu_smoke.py",
+            *(f"--config.{k}={v}" for k, v in overrides.items())]
+
+
+def run_to_end(cmd: list[str], log: Path, cache: Path, timeout: float = 1500) -> None:
+    """One ``python -m llds_jax.main`` as a user starts it; a shared compilation cache lets the second run load
+    the first's programs (the same executables: results stay bit-identical) instead of recompiling."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(RUN_DEVICES),
+               JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if code:
+        pytest.fail(f"{' '.join(cmd[2:5])} exited {code}:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def two_runs(cut, tmp_path_factory):
+    """The default job, shortened, once over faiss Flat (``dense``) and once over the mesh index. Cost: the
+    dense run 200 s on the 2-core VM at load ≈ 2 with the other's compiled programs cached (warm-up 94 s,
+    RL step 85 s); the first run of the pair compiles (≈ 2-3 min more)."""
+    root = tmp_path_factory.mktemp("runs")
+    runs = {}
+    for method in ("dense", "mesh"):
+        workdir = root / method
+        run_to_end(train_command(workdir, cut, method), root / f"{method}.log", root / "jax_cache")
+        lines = (workdir / "metrics.jsonl").read_text().splitlines()
+        runs[method] = {"samples": [json.loads(line) for line in (workdir / "samples.jsonl").read_text().splitlines()],
+                        "metrics": [json.loads(line) for line in lines], "log": (root / f"{method}.log").read_text()}
+    return runs
+
+
+def untimed(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(UNTIMED)}
+
+
+def test_a_default_job_run_over_the_mesh_index_reads_the_faiss_flat_runs_feedback(two_runs):
+    """Every trajectory of the sampled questions, with its ``<information>`` blocks, is the same text in the
+    same order; the rollouts did search (the comparison is not vacuous)."""
+    dense, mesh = two_runs["dense"]["samples"], two_runs["mesh"]["samples"]
+    assert len(mesh) == RL_STEPS * TRAJECTORIES
+    assert [(s["step"], s["question"]) for s in mesh] == [(s["step"], s["question"]) for s in dense]
+    feedback = [[block.split("</information>")[0] for block in s["response"].split("<information>")[1:]] for s in mesh]
+    assert sum(map(len, feedback)) > 0, "no rollout searched: the warm-up did not teach the format"
+    for ours, theirs in zip(mesh, dense):
+        assert ours == theirs, f"{ours['question']!r}: the mesh run's trajectory differs from the faiss-Flat run's"
+
+
+def test_the_two_runs_are_the_same_run_step_for_step(two_runs):
+    """Same documents in the warm-up's trajectories and the rollouts' feedback (same ids, see
+    ``train.batch``): every logged loss, reward, diagnostic and search count agrees exactly."""
+    dense, mesh = two_runs["dense"]["metrics"], two_runs["mesh"]["metrics"]
+    assert [(m["phase"], m["step"]) for m in mesh] == [(m["phase"], m["step"]) for m in dense]
+    assert sum(m["phase"] == "rl" for m in mesh) == RL_STEPS and sum(m["phase"] == "sft" for m in mesh) == WARMUP_STEPS
+    for ours, theirs in zip(mesh, dense):
+        assert untimed(ours) == untimed(theirs), (ours["phase"], ours["step"])
+    assert "mesh retriever ready" in two_runs["mesh"]["log"] and "dense retriever ready" in two_runs["dense"]["log"]
