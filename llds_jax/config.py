@@ -13,7 +13,7 @@ Batch vocabulary (all counted in *trajectories* except ``prompts_per_step``):
 split that makes π_θ ≠ π_old so LLDS can act), each accumulated over ``micro_batch_size``
 chunks; ``logprob_batch_size`` is the chunk for the no-grad π_old / π_ref forwards. Mini-batch 1
 of a step runs at θ = θ_old and takes its own gradient-stopped forward as π_old, so its LLDS is
-exactly 0 (``train/step.py``); only later mini-batches, which read the precomputed π_old after
+exactly 0 (``train/micro_loss.py``); only later mini-batches, which read the precomputed π_old after
 θ moved, can have LLDS > 0. With one mini-batch per step (``mini_batch_size`` = all
 trajectories) LLDS therefore never acts.
 

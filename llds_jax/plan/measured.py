@@ -79,7 +79,7 @@ def predict_run(config, lengths: list[TrajectoryLengths], hardware: str, label: 
     from llds_jax.plan.step_time import predict_step_time  # noqa: PLC0415
     from llds_jax.train.batch import padded_length  # noqa: PLC0415
     from llds_jax.train.packing import packing_sizes  # noqa: PLC0415
-    from llds_jax.train.step import StepSizes  # noqa: PLC0415
+    from llds_jax.train.step_settings import StepSizes  # noqa: PLC0415
     from llds_jax.utils import flops  # noqa: PLC0415
 
     model_cfg = decoder_config(config.model)

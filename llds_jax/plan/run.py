@@ -202,7 +202,8 @@ def make_plan(config, target: Target | None = None) -> Plan:
     from llds_jax.parallel.mesh import make_mesh  # noqa: PLC0415
     from llds_jax.parallel.rules import DEFAULT  # noqa: PLC0415
     from llds_jax.train.batch import TrainBatch, padded_length  # noqa: PLC0415
-    from llds_jax.train.step import build_update_fns, packing_for_run  # noqa: PLC0415
+    from llds_jax.train.step import build_update_fns  # noqa: PLC0415
+    from llds_jax.train.step_settings import packing_for_run  # noqa: PLC0415
 
     section = config.plan
     if target is None:
@@ -331,7 +332,7 @@ def _step_time(config, section, decoder_cfg, target, devices, rollout_rows: int,
     """The step-time prediction for this plan's target (``plan.step_time``); ``packing``: the packed
     shapes the training passes run (None: padded rows, ``train.packing`` off)."""
     from llds_jax.rollout.waves import rollout_rows_per_wave  # noqa: PLC0415
-    from llds_jax.train.step import StepSizes  # noqa: PLC0415
+    from llds_jax.train.step_settings import StepSizes  # noqa: PLC0415
 
     hosts = hosts_of(devices)
     platform = "gpu" if target.platform in ("gpu", "cuda") else target.platform

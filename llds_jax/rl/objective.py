@@ -22,6 +22,9 @@ the mean of the micro-batch losses. Under jit with batch-sharded global arrays t
 already global (a "micro-batch" is then the global one across shards); inside `shard_map`,
 call `batch_constants(..., axis_name=...)` and pass terms through `all_reduce`. Metrics are
 always pooled sums / pooled denominators.
+
+`cfg` is a validated `config.rl`: `rl.validate` runs where the config is built (`config.validate`,
+the trainer's `StepSettings.from_config`), never here — these functions run inside traces.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import jax.numpy as jnp
 
 from llds_jax.rl.action_runs import action_run_ids, action_run_starts
 from llds_jax.rl.aggregation import aggregate
-from llds_jax.rl.config import validate
 from llds_jax.rl.kl import KL_ESTIMATORS
 from llds_jax.rl.llds import answer_coefficient, llds_terms, preserved_rows
 from llds_jax.rl.metrics import TermSink, add_diagnostics
@@ -130,7 +132,6 @@ def batch_constants(
     averages over the whole rollout batch, as the official code does). Masked-IS rejections
     (``rl.rollout_correction``, from ``masks.rollout_log_ratio``) leave the denominators.
     """
-    validate(cfg)
     return _constants(advantages, _corrected(masks, cfg)[0], cfg, axis_name=axis_name,
                       llds_coef=llds_coef, mean_searches=mean_searches)
 
@@ -160,7 +161,6 @@ def objective_terms(batch: PolicyBatch, cfg, constants: BatchConstants | None = 
     mean number of searches for adaptive MA here; the denominators stored in the result are
     always this batch's own, so that pooling terms over micro-batches adds them up correctly.
     """
-    validate(cfg)
     masks, correction = _corrected(batch.masks, cfg)
     mask = masks.action_mask.astype(jnp.float32)
     row_weight = _row_weight(masks)

@@ -54,7 +54,8 @@ from llds_jax.train.packing import trajectory_lengths as packed_lengths
 from llds_jax.train.signatures import SignatureLog
 from llds_jax.train.state import TrainState
 from llds_jax.train.state_layout import train_state_layout
-from llds_jax.train.step import StepSizes, build_update_fns, packing_for_run
+from llds_jax.train.step import build_update_fns
+from llds_jax.train.step_settings import StepSizes, packing_for_run
 
 _REDUCE_MINI_BATCHES = {"mean": np.mean, "max": np.max, "min": np.min, "sum": np.sum,
                         "first": lambda a: a[0], "last": lambda a: a[-1], "count": len}

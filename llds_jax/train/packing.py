@@ -29,7 +29,7 @@ variable-length flash attention and a per-GPU token budget; we keep static shape
   (``[slots, rows, scored]``): entry ``score_start + k`` of its row is its k-th action target,
   exactly the k-th column of its own ``scored_positions`` view — the bridge that lets the RL
   maths keep reading per-trajectory ``[N, K]`` arrays (every per-row reduction stays a
-  per-trajectory one; see ``train.step``).
+  per-trajectory one; see ``train.packed_step``).
 """
 
 from __future__ import annotations

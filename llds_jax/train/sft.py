@@ -53,10 +53,10 @@ from llds_jax.train.batch import (
     next_token_targets,
     scored_positions_per_row,
 )
+from llds_jax.train.forward import forward_logprobs
 from llds_jax.train.signatures import SignatureLog
 from llds_jax.train.state import TrainState, apply_update, make_optimizer
 from llds_jax.train.state_layout import train_state_layout
-from llds_jax.train.step import forward_logprobs
 
 FIRST_THOUGHT = "<think> I need to find information about this question. </think>\n"
 SECOND_THOUGHT = "<think> The documents contain the answer. </think>\n"

@@ -22,7 +22,7 @@ from flax import nnx
 
 from llds_jax.parallel.rules import current_rules
 from llds_jax.train.state import TrainState, init_train_state, train_state_shardings
-from llds_jax.train.step import needs_reinforce_pp_reference
+from llds_jax.train.step_settings import needs_reinforce_pp_reference
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ def computed_rows(learner, device_batch, trajectory_lengths) -> tuple[int, int, 
     import numpy as np
 
     from llds_jax.parallel import distributed
-    from llds_jax.train.step import StepSizes
+    from llds_jax.train.step_settings import StepSizes
 
     packing = getattr(learner, "packing", None)
     if packing is None or getattr(device_batch, "packed", None) is None:
