@@ -31,6 +31,7 @@ MODES = {
     "plan": "llds_jax.plan.run:plan_main",
     "sweep": "llds_jax.app.sweep:sweep_main",
     "probe": "llds_jax.lab.probe:probe_main",  # per-sample LLD probe on a run's checkpoints (issue 43)
+    "replay": "llds_jax.rollout.feedback_replay:replay_main",  # a run's searches asked of another retriever
 }
 
 EXIT_USER_ERROR = 2

@@ -242,3 +242,43 @@ def test_train_that_will_not_fit_exits_2_before_loading_weights(tiny_config):
     assert_exit(result, 2)
     assert "update:" in result.stderr and "train.micro_batch_size" in result.stderr, result.stderr[-2000:]
     assert "retriever ready" not in result.stdout, "the weights were loaded before the fit check"
+
+
+def _config_of(path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tiny_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def test_replay_exits_zero_on_equal_feedback_one_on_a_changed_block_and_two_without_samples(tiny_config, tmp_path,
+                                                                                           qwen_tokenizer):
+    """``--mode=replay`` asks the configured retriever the recorded searches again (the comparison itself:
+    ``tests/rollout/test_feedback_replay.py``); the recorded block here is built in-process from the same
+    config, so 0 needs the process to build the same retriever, cut and tokenizer."""
+    from llds_jax.retrieval.factory import build_retriever
+    from llds_jax.rollout import protocol
+    from llds_jax.sampling.token_bytes import decode_text, vocab_bytes
+
+    config = _config_of(tiny_config)
+    retriever = build_retriever(config.retrieval, qwen_tokenizer)
+    (feedback,) = protocol.batch_search_feedback(retriever, ["album"], config.rollout.topk)
+    block = decode_text(protocol.encode_feedback(qwen_tokenizer, feedback, config.rollout.max_obs_tokens),
+                        vocab_bytes(qwen_tokenizer))
+    for name, recorded in (("equal", block), ("changed", block.replace("Doc 1(Title:", "Doc 1(Title: x", 1))):
+        (tmp_path / name).mkdir()
+        response = f"<search> album </search>{recorded}<answer> a </answer>"
+        (tmp_path / name / "samples.jsonl").write_text(json.dumps({"response": response}) + "\n")
+    method = config.retrieval.method
+    equal = run_main("--mode=replay", f"--config={tiny_config}", f"--config.workdir={tmp_path / 'equal'}")
+    assert_exit(equal, 0)
+    assert f"replay over retrieval.method={method}: 1 of 1 feedback blocks equal" in equal.stdout, equal.stdout[-2000:]
+    changed = run_main("--mode=replay", f"--config={tiny_config}", f"--config.workdir={tmp_path / 'changed'}")
+    assert_exit(changed, 1)
+    assert "differs: sample 0 turn 0 query 'album'" in changed.stdout, changed.stdout[-2000:]
+    assert json.loads((tmp_path / "changed" / f"replay_{method}.json").read_text())["equal"] == 0
+    missing = run_main("--mode=replay", f"--config={tiny_config}", f"--config.workdir={tmp_path / 'never_ran'}")
+    assert_exit(missing, 2)
+    assert "never_ran/samples.jsonl does not exist" in missing.stderr, missing.stderr[-2000:]
