@@ -5,9 +5,12 @@ rollout searches it in-process with one batched call per turn.
 Why these tests: the search being exact (``test_mesh.py``) says nothing about a training run. The run
 must build the index over the devices it trains on (not a mesh of its own), the rollout must call it
 in-process, and the feedback the policy reads — and so every token sampled after it, every reward and
-every update — must not change when the host's faiss ``IndexFlatIP`` is swapped for the devices. Both
-retrievers here search one set of MiniLM vectors of a 301-row cut of the bundled corpus (an odd count:
-the mesh pads it over the devices); queries are encoded in-run by the configured encoder.
+every update — must not change when the host's faiss ``IndexFlatIP`` is swapped for the devices. One
+shortened default job runs over the mesh index; its recorded searches are then asked of faiss Flat
+(``--mode=replay``'s comparison): equal feedback for every query the run sampled is the same run, for
+the price of one run instead of two. Both retrievers search one set of MiniLM vectors of a 301-row cut
+of the bundled corpus (an odd count: the mesh pads it over the devices); queries are encoded by the
+configured encoder.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import importlib.util
 import itertools
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,11 +28,14 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from llds_jax.errors import InputError
+from llds_jax.models.loading import load_tokenizer, resolve_model_path
 from llds_jax.retrieval import Corpus, DenseRetriever, build_retriever
 from llds_jax.retrieval.config import BUNDLED_CORPUS
 from llds_jax.retrieval.dense import build_dense_index
 from llds_jax.retrieval.mesh import MeshRetriever
+from llds_jax.rollout.feedback_replay import replay_feedback
 from tests.codegen_sensitive import child_xla_flags
+from tests.processes import finish
 
 pytestmark = pytest.mark.integration
 
@@ -44,8 +49,6 @@ TRAJECTORIES = 8  # the default job's 2 prompts x 4 samples: every one is writte
 # One device, as a user's CPU run has: simulated devices' collectives abort after 40 s without a peer, which a
 # loaded 2-core machine reaches. The index on several of the trainer's devices: the in-process tests above.
 RUN_DEVICES = 1
-# Keys that legitimately differ between two runs of the same step: clocks, throughput and the process's memory.
-UNTIMED = ("time/", "throughput/", "wall_time", "memory/")
 
 
 def load_default_job():
@@ -150,62 +153,51 @@ def train_command(workdir: Path, cut, method: str) -> list[str]:
             *(f"--config.{k}={v}" for k, v in overrides.items())]
 
 
-def run_to_end(cmd: list[str], log: Path, cache: Path, timeout: float = 1500) -> None:
-    """One ``python -m llds_jax.main`` as a user starts it; a shared compilation cache lets the second run load
-    the first's programs (the same executables: results stay bit-identical) instead of recompiling."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(RUN_DEVICES),
-               JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    if code:
-        pytest.fail(f"{' '.join(cmd[2:5])} exited {code}:\n{log.read_text()[-4000:]}")
+def run_to_end(cmd: list[str], log: Path, timeout: float = 1500) -> None:
+    """One ``python -m llds_jax.main`` as a user starts it, on one device."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(RUN_DEVICES))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    finish(proc, log, timeout)
 
 
 @pytest.fixture(scope="module")
-def two_runs(cut, tmp_path_factory):
-    """The default job, shortened, once over faiss Flat (``dense``) and once over the mesh index. Cost: the
-    dense run 200 s on the 2-core VM at load ≈ 2 with the other's compiled programs cached (warm-up 94 s,
-    RL step 85 s); the first run of the pair compiles (≈ 2-3 min more)."""
+def mesh_run(cut, tmp_path_factory):
+    """The default job, shortened, over the mesh index. Cost: ≈ 5 min on the 2-core VM (warm-up 94 s, RL step
+    85 s, the rest compiling); one run, where comparing two whole runs cost twice that."""
     root = tmp_path_factory.mktemp("runs")
-    runs = {}
-    for method in ("dense", "mesh"):
-        workdir = root / method
-        run_to_end(train_command(workdir, cut, method), root / f"{method}.log", root / "jax_cache")
-        lines = (workdir / "metrics.jsonl").read_text().splitlines()
-        runs[method] = {"samples": [json.loads(line) for line in (workdir / "samples.jsonl").read_text().splitlines()],
-                        "metrics": [json.loads(line) for line in lines], "log": (root / f"{method}.log").read_text()}
-    return runs
+    workdir, log = root / "mesh", root / "mesh.log"
+    run_to_end(train_command(workdir, cut, "mesh"), log)
+    return {"workdir": workdir, "log": log.read_text(),
+            "samples": [json.loads(line) for line in (workdir / "samples.jsonl").read_text().splitlines()],
+            "metrics": [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]}
 
 
-def untimed(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith(UNTIMED)}
+def replay(run: dict, retriever_fields: dict):
+    """The run's recorded searches asked of the retriever ``retriever_fields`` configure, as ``--mode=replay``
+    asks them (the job's ``max_doc_tokens`` cut in SmolLM2's tokens, its ``topk`` and ``max_obs_tokens``)."""
+    config = load_default_job()
+    for field, value in retriever_fields.items():
+        config.retrieval[field.split(".")[1]] = value
+    tokenizer = load_tokenizer(config.model, resolve_model_path(str(config.model.source)))
+    return replay_feedback([s["response"] for s in run["samples"]], build_retriever(config.retrieval, tokenizer),
+                           tokenizer, int(config.rollout.topk), int(config.rollout.max_obs_tokens))
 
 
-def test_a_default_job_run_over_the_mesh_index_reads_the_faiss_flat_runs_feedback(two_runs):
-    """Every trajectory of the sampled questions, with its ``<information>`` blocks, is the same text in the
-    same order; the rollouts did search (the comparison is not vacuous)."""
-    dense, mesh = two_runs["dense"]["samples"], two_runs["mesh"]["samples"]
-    assert len(mesh) == RL_STEPS * TRAJECTORIES
-    assert [(s["step"], s["question"]) for s in mesh] == [(s["step"], s["question"]) for s in dense]
-    feedback = [[block.split("</information>")[0] for block in s["response"].split("<information>")[1:]] for s in mesh]
-    assert sum(map(len, feedback)) > 0, "no rollout searched: the warm-up did not teach the format"
-    for ours, theirs in zip(mesh, dense):
-        assert ours == theirs, f"{ours['question']!r}: the mesh run's trajectory differs from the faiss-Flat run's"
+def test_a_default_job_run_over_the_mesh_index_reads_the_faiss_flat_feedback_for_its_queries(mesh_run, cut):
+    """Every ``<information>`` block the run's rollouts read is, character for character, what faiss
+    ``IndexFlatIP`` over the same vectors returns for the block's query: the same feedback tokens, so the
+    same run (sampled tokens, rewards and updates follow from the feedback). The rollouts did search (the
+    comparison is not vacuous), and a different retriever (BM25 on the same passages) is told apart."""
+    assert len(mesh_run["samples"]) == RL_STEPS * TRAJECTORIES
+    report = replay(mesh_run, retrieval_fields(cut, "dense"))
+    assert report.searches > 0, "no rollout searched: the warm-up did not teach the format"
+    assert report.mismatches == [], report.summary()["mismatches"][:3]
+    bm25 = replay(mesh_run, {**retrieval_fields(cut, "bm25"), "retrieval.index_path": str(cut["index"].parent / "bm25")})
+    assert bm25.searches == report.searches and bm25.mismatches, "BM25's documents differ from the dense index's"
 
 
-def test_the_two_runs_are_the_same_run_step_for_step(two_runs):
-    """Same documents in the warm-up's trajectories and the rollouts' feedback (same ids, see
-    ``train.batch``): every logged loss, reward, diagnostic and search count agrees exactly."""
-    dense, mesh = two_runs["dense"]["metrics"], two_runs["mesh"]["metrics"]
-    assert [(m["phase"], m["step"]) for m in mesh] == [(m["phase"], m["step"]) for m in dense]
-    assert sum(m["phase"] == "rl" for m in mesh) == RL_STEPS and sum(m["phase"] == "sft" for m in mesh) == WARMUP_STEPS
-    for ours, theirs in zip(mesh, dense):
-        assert untimed(ours) == untimed(theirs), (ours["phase"], ours["step"])
-    assert "mesh retriever ready" in two_runs["mesh"]["log"] and "dense retriever ready" in two_runs["dense"]["log"]
+def test_the_mesh_run_trains_its_warm_up_and_rl_steps_over_the_mesh_retriever(mesh_run):
+    phases = [m["phase"] for m in mesh_run["metrics"]]
+    assert phases.count("sft") == WARMUP_STEPS and phases.count("rl") == RL_STEPS
+    assert "mesh retriever ready" in mesh_run["log"]

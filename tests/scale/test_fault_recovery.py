@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.codegen_sensitive import child_xla_flags
+from tests.processes import finish
 
 pytestmark = pytest.mark.integration
 
@@ -61,17 +62,6 @@ def start(cmd: list[str], log: Path, cache: Path | None = None) -> subprocess.Po
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
-
-
-def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
-    try:
-        code = proc.wait(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    if code:
-        pytest.fail(f"{' '.join(proc.args[:4])} exited {code}:\n{log.read_text()[-4000:]}")
 
 
 def wait_for(predicate, proc: subprocess.Popen, log: Path, timeout: float = 600, poll: float = 0.05) -> None:
