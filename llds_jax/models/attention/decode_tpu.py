@@ -109,31 +109,14 @@ def _attend_live_blocks(q, k_new_ref, v_new_ref, new_visible, live, slot, block_
     """FlashAttention's online softmax of q [G, Dh] over the new key, then the ``live`` key blocks that
     ``block_copies(i, buf)`` DMAs into ``k_buf`` / ``v_buf`` (double-buffered: block i + 1 loads while
     block i is folded); a key is visible if ``block_valid(i)`` flags it (None: every key) and its slot is
-    before ``slot``. Returns fp32 [G, Dh]. The one fold both kernels (dense rows, paged pool) share."""
+    before ``slot``. Returns fp32 [G, Dh]. The dense-row kernel's loop; the paged kernel walks several
+    rows with the same :func:`_new_key_state` and :func:`_fold_block`."""
     @pl.when(live > 0)
     def _prefetch_first():
         for copy in block_copies(0, 0):
             copy.start()
 
-    def scores_of(keys):  # fp32 [G, n]
-        return jax.lax.dot_general(q, keys.astype(q.dtype), (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32) * scale
-
-    def weighted(probs, values):  # fp32 [G, Dh]
-        values = values.astype(q.dtype)
-        return jax.lax.dot_general(probs.astype(values.dtype), values, (((1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-
-    # The new key starts the running statistics (a masked one is wiped by the first visible key).
-    # (a one-key product on the vector unit: Mosaic does not lower an N = 1 matmul)
-    k_new = k_new_ref[...].astype(q.dtype).astype(jnp.float32)
-    new_score = jnp.sum(q.astype(jnp.float32) * k_new, axis=-1, keepdims=True) * scale  # [G, 1]
-    m = jnp.where(new_visible, new_score, MASKED_SCORE)
-    total = jnp.ones_like(m)
-    acc = jnp.broadcast_to(v_new_ref[...].astype(q.dtype).astype(jnp.float32), q.shape)
-
     def fold(i, carry):
-        m, total, acc = carry
         buf = i % 2
 
         @pl.when(i + 1 < live)
@@ -143,20 +126,42 @@ def _attend_live_blocks(q, k_new_ref, v_new_ref, new_visible, live, slot, block_
 
         for copy in block_copies(i, buf):
             copy.wait()
-        scores = scores_of(k_buf[buf])  # [G, block]
-        ids = i * block + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-        visible = ids < slot
+        visible = i * block + jax.lax.broadcasted_iota(jnp.int32, (q.shape[0], block), 1) < slot
         if block_valid is not None:
             visible = visible & block_valid(i)
-        scores = jnp.where(visible, scores, MASKED_SCORE)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
-        probs = jnp.exp(scores - m_new)
-        rescale = jnp.exp(m - m_new)
-        total = rescale * total + jnp.sum(probs, axis=-1, keepdims=True)
-        return m_new, total, rescale * acc + weighted(probs, v_buf[buf])
+        return _fold_block(q, carry, k_buf[buf], v_buf[buf], visible, scale)
 
-    m, total, acc = jax.lax.fori_loop(0, live, fold, (m, total, acc))
+    m, total, acc = jax.lax.fori_loop(0, live, fold, _new_key_state(q, k_new_ref[...], v_new_ref[...], new_visible,
+                                                                      scale))
     return acc / total
+
+
+def _new_key_state(q, k_new, v_new, new_visible, scale: float):
+    """The online softmax's running (max, total, accumulator) after the new key alone: q [G, Dh],
+    k_new / v_new [1, Dh]. A masked new key is wiped by the first visible key (its max is
+    ``MASKED_SCORE``). A one-key product on the vector unit: Mosaic does not lower an N = 1 matmul."""
+    k_new = k_new.astype(q.dtype).astype(jnp.float32)
+    new_score = jnp.sum(q.astype(jnp.float32) * k_new, axis=-1, keepdims=True) * scale  # [G, 1]
+    m = jnp.where(new_visible, new_score, MASKED_SCORE)
+    return m, jnp.ones_like(m), jnp.broadcast_to(v_new.astype(q.dtype).astype(jnp.float32), q.shape)
+
+
+def _fold_block(q, carry, keys, values, visible, scale: float):
+    """One key block [block, Dh] folded into the running (max, total, accumulator) of q [G, Dh]:
+    fp32 scores ``q·k * scale``, invisible keys at ``MASKED_SCORE``, probabilities cast to the value
+    dtype for the second matmul. Both kernels run exactly these ops, so their results agree bit for bit."""
+    m, total, acc = carry
+    scores = jax.lax.dot_general(q, keys.astype(q.dtype), (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32) * scale  # [G, block]
+    scores = jnp.where(visible, scores, MASKED_SCORE)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
+    probs = jnp.exp(scores - m_new)
+    rescale = jnp.exp(m - m_new)
+    total = rescale * total + jnp.sum(probs, axis=-1, keepdims=True)
+    values = values.astype(q.dtype)
+    weighted = jax.lax.dot_general(probs.astype(values.dtype), values, (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+    return m_new, total, rescale * acc + weighted
 
 
 def _write_row(tile_at, offset, k_out, v_out, k_rows, v_rows, k_new_ref, v_new_ref, sems):
