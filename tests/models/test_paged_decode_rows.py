@@ -1,7 +1,8 @@
 """The paged TPU decode kernel's rows-per-program schedule (models/attention/decode_tpu.py,
 ``_paged_rows_kernel``), run in Pallas' interpreter on this CPU against the XLA paged path
 (``attend_paged`` with ``xla_blockwise``): row counts around the program size (1, R - 1, R, R + 3:
-a partial program, one full, one full plus a padded one), live lengths 0 to a full table, rows
+a partial program, one full, one full plus a padded one, whose first block is prefetched by the
+one before), two copy streams (as on a two-TensorCore chip), live lengths 0 to a full table, rows
 whose token is not real, several KV heads and query groups; and, compile-only, that XLA:TPU's
 real compiler lowers it at the paper's v5e decode shape in ``ceil(rows / R)`` programs a layer.
 
@@ -32,12 +33,13 @@ ROWS = [(9, True), (0, True), (63, True), (40, False), (64, True), (16, True), (
 
 
 def _rows_case(rows: int, heads: int, kv_heads: int, dtype, *, seed: int = 0):
-    """q, k_new, v_new, pools [1, NB, KVH, BLOCK, Dh], table, slot, real for the first ``rows`` of ROWS.
+    """q, k_new, v_new, pools [1, NB, KVH, BLOCK, Dh], table, slot, real for ``rows`` rows cycling over ROWS.
 
     Each row holds the blocks up to the one its new token goes to (the rest of its table is
     unallocated, ``NB``), drawn at random from a pool with spare blocks; blocks no row holds are NaN."""
-    slot = jnp.array([s for s, _ in ROWS[:rows]], jnp.int32)
-    real = jnp.array([r for _, r in ROWS[:rows]])
+    spec = [ROWS[b % len(ROWS)] for b in range(rows)]
+    slot = jnp.array([s for s, _ in spec], jnp.int32)
+    real = jnp.array([r for _, r in spec])
     blocks = rows * COLUMNS + 3
     keys = jax.random.split(jax.random.key(seed), 5)
     q = jax.random.normal(keys[0], (rows, 1, heads, HEAD_DIM))
@@ -45,7 +47,7 @@ def _rows_case(rows: int, heads: int, kv_heads: int, dtype, *, seed: int = 0):
     v_new = jax.random.normal(keys[2], (rows, 1, kv_heads, HEAD_DIM))
     order = np.random.default_rng(seed).permutation(blocks)
     table = np.full((rows, COLUMNS), blocks, np.int32)
-    for b, (s, _) in enumerate(ROWS[:rows]):
+    for b, (s, _) in enumerate(spec):
         holds = min(s // BLOCK + 1, COLUMNS)
         table[b, :holds] = order[b * COLUMNS:b * COLUMNS + holds]
     held = np.isin(np.arange(blocks), table)[None, :, None, None, None]
@@ -54,9 +56,9 @@ def _rows_case(rows: int, heads: int, kv_heads: int, dtype, *, seed: int = 0):
     return q, k_new, v_new, k_pool, v_pool, jnp.asarray(table), slot, real
 
 
-def _kernel(case):
+def _kernel(case, **kwargs):
     q, k_new, v_new, k_pool, v_pool, table, slot, real = case
-    return paged_decode_and_write(q, k_new, v_new, k_pool, v_pool, table, slot, real, interpret=True)
+    return paged_decode_and_write(q, k_new, v_new, k_pool, v_pool, table, slot, real, interpret=True, **kwargs)
 
 
 def _reference(case):
@@ -73,13 +75,14 @@ def _assert_new_value_only(out, case):
 
 
 @pytest.mark.codegen_sensitive
-@pytest.mark.parametrize("rows,heads,kv_heads,dtype", [
-    (1, 6, 2, jnp.float32), (ROWS_PER_PROGRAM - 1, 6, 2, jnp.float32), (ROWS_PER_PROGRAM, 4, 4, jnp.float32),
-    (ROWS_PER_PROGRAM + 3, 6, 2, jnp.float32), (ROWS_PER_PROGRAM + 3, 4, 1, jnp.bfloat16)])
-def test_the_rows_kernel_attends_and_writes_what_the_xla_paged_path_does(rows, heads, kv_heads, dtype):
+@pytest.mark.parametrize("rows,heads,kv_heads,dtype,streams", [
+    (1, 6, 2, jnp.float32, 1), (ROWS_PER_PROGRAM - 1, 6, 2, jnp.float32, 1), (ROWS_PER_PROGRAM, 4, 4, jnp.float32, 1),
+    (ROWS_PER_PROGRAM + 3, 6, 2, jnp.float32, 1), (ROWS_PER_PROGRAM + 3, 4, 1, jnp.bfloat16, 1),
+    (3 * ROWS_PER_PROGRAM + 3, 6, 2, jnp.float32, 2)])
+def test_the_rows_kernel_attends_and_writes_what_the_xla_paged_path_does(rows, heads, kv_heads, dtype, streams):
     case = _rows_case(rows, heads, kv_heads, dtype)
     real = case[-1]
-    out, k_pool, v_pool = _kernel(case)
+    out, k_pool, v_pool = _kernel(case, streams=streams)
     ref, k_ref, v_ref = _reference(case)
     for ours, theirs in ((k_pool, k_ref), (v_pool, v_ref)):  # NaN where no row holds the block, on both sides
         np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)), np.asarray(theirs.astype(jnp.float32)))
@@ -110,26 +113,20 @@ def test_each_row_reads_only_its_own_live_blocks_and_a_finished_row_none():
     assert np.isnan(np.asarray(_reference(poisoned)[0][real])).any()
 
 
-@pytest.mark.parametrize("rows,per_program,programs", [(1, 8, 1), (8, 8, 1), (11, 8, 2), (40, 8, 5), (40, 16, 3)])
-def test_one_program_serves_rows_per_program_rows_and_every_kv_head(rows, per_program, programs):
-    """The grid is ``ceil(rows / R)`` programs, whatever the KV heads (traced, not run)."""
-    case = _rows_case(min(rows, len(ROWS)), 6, 2, jnp.float32)
-    q, k_new, v_new, k_pool, v_pool, table, slot, real = (jnp.resize(x, (rows, *x.shape[1:])) if i in (0, 1, 2, 5, 6, 7)
-                                                          else x for i, x in enumerate(case))
-    jaxpr = jax.make_jaxpr(lambda *a: paged_decode_and_write(*a, rows_per_program=per_program, interpret=True))(
-        q, k_new, v_new, k_pool, v_pool, table, slot, real)
+@pytest.mark.parametrize("rows,per_program,streams,grid", [
+    (1, 8, 1, (1, 1)), (8, 8, 1, (1, 1)), (11, 8, 1, (1, 2)), (40, 8, 1, (1, 5)), (40, 16, 1, (1, 3)),
+    (40, 8, 2, (2, 3))])
+def test_one_program_serves_rows_per_program_rows_and_every_kv_head(rows, per_program, streams, grid):
+    """The grid is (streams, ``ceil(rows / (R * streams))``) programs, whatever the KV heads (traced, not run)."""
+    jaxpr = jax.make_jaxpr(lambda *a: _kernel(a, rows_per_program=per_program, streams=streams))(
+        *_rows_case(rows, 6, 2, jnp.float32))
     grids = [eqn.params["grid_mapping"].grid for eqn in jaxpr.eqns if eqn.primitive.name == "pallas_call"]
-    assert grids == [(programs,)]
+    assert grids == [grid]
 
 
 def test_fewer_than_eight_rows_per_program_is_refused():
     with pytest.raises(ValueError, match="rows_per_program"):
-        _kernel_call_with(rows_per_program=4)
-
-
-def _kernel_call_with(**kwargs):
-    q, k_new, v_new, k_pool, v_pool, table, slot, real = _rows_case(2, 2, 2, jnp.float32)
-    return paged_decode_and_write(q, k_new, v_new, k_pool, v_pool, table, slot, real, interpret=True, **kwargs)
+        _kernel(_rows_case(2, 2, 2, jnp.float32), rows_per_program=4)
 
 
 @pytest.mark.integration
@@ -138,7 +135,7 @@ def test_xla_tpu_compiles_the_rows_kernel_at_the_paper_decode_shape(model, rows,
     """Compile-only for one v5e chip (libtpu's compiler, as ``--mode=plan``): v5e-qwen3b's engine shape
     (``benchmarks/_decode_step.paper_targets``: 40 rows, 247 blocks of 128, 32 columns) and the
     device-check shape's 0.5B model (14 heads over 2: a query group of 7, Dh 64); one Mosaic
-    custom call of ``ceil(rows / 8)`` programs."""
+    custom call of ``ceil(rows / 8)`` programs in one copy stream (a v5e has one TensorCore)."""
     import os
 
     from llds_jax.models.loading import known_config
@@ -163,5 +160,5 @@ def test_xla_tpu_compiles_the_rows_kernel_at_the_paper_decode_shape(model, rows,
         jaxpr = jax.make_jaxpr(paged_decode_and_write)(*args)
         compiled = jax.jit(paged_decode_and_write, donate_argnums=(3, 4)).lower(*args).compile()
     grids = [eqn.params["grid_mapping"].grid for eqn in jaxpr.eqns if eqn.primitive.name == "pallas_call"]
-    assert grids == [(-(-rows // ROWS_PER_PROGRAM),)]
+    assert grids == [(1, -(-rows // ROWS_PER_PROGRAM))]
     assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 1

@@ -16,9 +16,9 @@ while the blocks are read, so that slot is masked and its DMA runs after the rea
 
 Grids. Dense rows (``decode_and_write``, the waves' dense cache): (rows, KV heads), one program
 per (row, KV head) with all its G query heads. Paged pool (``paged_decode_and_write``, the slot
-engine's cache): one program per ``ROWS_PER_PROGRAM`` rows and every KV head, its block copies
-one double-buffered stream across row boundaries (``_paged_rows_kernel``: 5 programs a layer at
-the paper's v5e shape, was 80).
+engine's cache): one program per ``ROWS_PER_PROGRAM`` rows and every KV head, the block copies
+of a TensorCore's programs one double-buffered stream across row and program boundaries
+(``_paged_rows_kernel``: 5 programs a layer at the paper's v5e shape, was 80).
 
 Numerics are the blockwise kernel's: fp32 scores ``q·k / sqrt(Dh)``, invisible keys at
 ``MASKED_SCORE``, probabilities cast to the value dtype for the second matmul. Only the
@@ -244,7 +244,8 @@ def _sharded(run, scalars, grouped, k_new, v_new, valid, k_cache, v_cache):
 
 def paged_decode_and_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            table: jax.Array, slot: jax.Array, real: jax.Array, *,
-                           rows_per_program: int = ROWS_PER_PROGRAM, interpret: bool = False
+                           rows_per_program: int = ROWS_PER_PROGRAM, streams: int | None = None,
+                           interpret: bool = False
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The decode kernel over a paged cache (``attention/paged.py``): q [B, 1, H, Dh]; k_new, v_new
     [B, 1, KVH, Dh]; pools [D, NB, KVH, block, Dh] (donated); ``table`` [B, C]; ``slot`` [B] the
@@ -256,7 +257,9 @@ def paged_decode_and_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_p
     :func:`decode_and_write` (the new key first, then the blocks in order).
 
     One program serves ``rows_per_program`` rows (the rows are padded to a multiple with rows
-    that read nothing): see :func:`_paged_rows_kernel` for why."""
+    that read nothing), and the programs form ``streams`` sequences of block copies, each loading
+    its next block while folding one (default: one per TensorCore of the target chip, 1 in the
+    interpreter): see :func:`_paged_rows_kernel` for why."""
     batch, length, heads, head_dim = q.shape
     devices, blocks, kv_heads, block, _ = k_pool.shape
     if length != 1:
@@ -277,7 +280,9 @@ def paged_decode_and_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_p
                table.astype(jnp.int32))
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
     k_new, v_new = (x.astype(k_pool.dtype).transpose(0, 2, 1, 3) for x in (k_new, v_new))  # [B, KVH, 1, Dh]
-    run = functools.partial(_paged_call, rows_per_program=rows_per_program, interpret=interpret)
+    if streams is None:
+        streams = 1 if interpret else pltpu.get_tpu_info().num_cores  # the chip the program is compiled for
+    run = functools.partial(_paged_call, rows_per_program=rows_per_program, streams=streams, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if devices == 1 or mesh.empty:
         if devices != 1:
@@ -301,19 +306,22 @@ def paged_decode_and_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_p
 def _paged_rows_kernel(live_ref, slot_ref, visible_ref, target_ref, first_ref, following_ref, table_ref,
                        q_ref, k_new_ref, v_new_ref, k_hbm, v_hbm, o_ref, k_out, v_out,
                        k_buf, v_buf, k_tiles, v_tiles, sems, *, rows: int, block: int, columns: int, scale: float):
-    """One program: ``rows`` consecutive rows, every KV head. Why: at the paper's v5e shape (40 rows,
-    2 KV heads, 36 layers) a (row, KV head) program per grid cell is 2,880 programs a step, each
-    waiting on its own first block copy and its own tile round trip. Here the program's work is one
-    stream of (row, block) copies, each block [KVH, block, Dh] in one DMA, double-buffered across
-    row boundaries: the copy of the next row's first block is issued while this row's last block is
-    folded (``following_ref``: the next row of the program that reads a block), so only the
-    program's first copy is waited on cold. The buffer of a row's i-th block is the parity of its
-    place in that stream (``first_ref``: the blocks the program's earlier rows read).
+    """Program (s, k): the ``rows`` consecutive rows of program ``s * K + k``, every KV head. Why: at
+    the paper's v5e shape (40 rows, 2 KV heads, 36 layers) a (row, KV head) program per grid cell is
+    2,880 programs a step, each waiting on its own first block copy and its own tile round trip.
+
+    Here stream ``s``'s K programs run in order on one TensorCore ("arbitrary"; the streams are
+    "parallel", one per core) and their (row, block) copies are one double-buffered sequence, each
+    block [KVH, block, Dh] in one DMA: the copy of the next reading row's first block is issued
+    while this row's last block is folded (``following_ref``), also when that row is the next
+    program's (the scratch buffers and semaphores outlive a program), so a stream waits on a cold
+    copy once, at its first block. The buffer of a row's i-th block is the parity of its place in
+    the stream (``first_ref``: the blocks the stream's earlier rows read).
 
     The new rows' memory tiles (read, patched, written back: a DMA offset is tile-aligned) are read
     at the start, behind the first block, and written after every block read of the program; a row's
     slot is masked while it is read, and no other row reads its blocks, so the order is safe."""
-    base = pl.program_id(0) * rows
+    base = (pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)) * rows
     kv_heads, tile = k_tiles.shape[1], k_tiles.shape[2]
 
     def block_copies(row, i, buf):
@@ -333,9 +341,9 @@ def _paged_rows_kernel(live_ref, slot_ref, visible_ref, target_ref, first_ref, f
         return [pltpu.make_async_copy(tiles.at[j], pool.at[target_ref[row], :, pl.ds(start, tile)],
                                       sems.at[_WRITE, which, 1]) for pool, tiles, which in pairs]
 
-    leader = jnp.where(live_ref[base] > 0, base, following_ref[base])
+    leader = jnp.where(live_ref[base] > 0, base, following_ref[base])  # the stream's first reading row
 
-    pl.when(leader >= 0)(lambda: _start_all(block_copies(leader, 0, 0)))
+    pl.when((pl.program_id(1) == 0) & (leader >= 0))(lambda: _start_all(block_copies(leader, 0, 0)))
 
     def each_writing_row(action):
         def body(j, carry):
@@ -391,33 +399,37 @@ def _wait_all(copies) -> None:
         copy.wait()
 
 
-def _paged_call(scalars, grouped, k_new, v_new, k_pool, v_pool, *, rows_per_program: int, interpret: bool):
+def _paged_call(scalars, grouped, k_new, v_new, k_pool, v_pool, *, rows_per_program: int, streams: int,
+                interpret: bool):
     """One device: scalars (live, slot, visible, target, table [b, C]) per row, grouped [b, kvh, G, Dh],
     k/v_new [b, kvh, 1, Dh], pools [NB, kvh, block, Dh]. Pads the rows to a multiple of
-    ``rows_per_program`` (padding reads and writes nothing) and derives each row's place in its
-    program's copy stream (``first``) and the next row there that reads a block (``following``)."""
+    ``rows_per_program`` programs in each of ``streams`` (padding reads and writes nothing) and
+    derives each row's place in its stream's copies (``first``) and the next row there that reads
+    a block (``following``)."""
     batch, kv_heads, group, head_dim = grouped.shape
     block = k_pool.shape[2]
     rows = rows_per_program
-    padded = -(-batch // rows) * rows
+    per_stream = -(-batch // (rows * streams))  # programs
+    padded = streams * per_stream * rows
     live, slot, visible, target, table = (jnp.pad(x, [(0, padded - batch)] + [(0, 0)] * (x.ndim - 1),
                                                    constant_values=-1 if i == 3 else 0)
                                           for i, x in enumerate(scalars))
     grouped, k_new, v_new = (jnp.pad(x, [(0, padded - batch), (0, 0), (0, 0), (0, 0)]) for x in (grouped, k_new, v_new))
-    per_program = live.reshape(-1, rows)
-    first = (jnp.cumsum(per_program, axis=1) - per_program).reshape(-1)
-    reading = jnp.where(per_program > 0, jnp.arange(padded, dtype=jnp.int32).reshape(-1, rows), padded)
+    per_row = live.reshape(streams, -1)
+    first = (jnp.cumsum(per_row, axis=1) - per_row).reshape(-1)
+    reading = jnp.where(per_row > 0, jnp.arange(padded, dtype=jnp.int32).reshape(streams, -1), padded)
     at_or_after = jax.lax.cummin(reading, axis=1, reverse=True)
-    after = jnp.concatenate([at_or_after[:, 1:], jnp.full((padded // rows, 1), padded, jnp.int32)], axis=1)
+    after = jnp.concatenate([at_or_after[:, 1:], jnp.full((streams, 1), padded, jnp.int32)], axis=1)
     following = jnp.where(after < padded, after, -1).reshape(-1)
     columns = table.shape[1]
     scalars = (live, slot, visible, target, first.astype(jnp.int32), following, table.reshape(-1))
     tile = row_tile(k_pool.dtype)
-    by_rows = lambda width: pl.BlockSpec((rows, kv_heads, width, head_dim), lambda p, *_: (p, 0, 0, 0))  # noqa: E731
+    by_rows = lambda width: pl.BlockSpec((rows, kv_heads, width, head_dim),  # noqa: E731
+                                         lambda s, k, *_: (s * per_stream + k, 0, 0, 0))
     in_hbm = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
-        grid=(padded // rows,),
+        grid=(streams, per_stream),
         in_specs=[by_rows(group), by_rows(1), by_rows(1), in_hbm, in_hbm],
         out_specs=[by_rows(group), in_hbm, in_hbm],
         scratch_shapes=[pltpu.VMEM((2, kv_heads, block, head_dim), k_pool.dtype),
@@ -436,7 +448,7 @@ def _paged_call(scalars, grouped, k_new, v_new, k_pool, v_pool, *, rows_per_prog
                    jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
                    jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)),
         input_output_aliases={first_pool: 1, first_pool + 1: 2},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="paged_decode_attention",
     )(*scalars, grouped, k_new, v_new, k_pool, v_pool)
@@ -452,7 +464,8 @@ def decode_read_bytes(lengths, kv_heads: int, head_dim: int, block: int, itemsiz
     and as many value blocks DMA'd in, the new slot's memory tile of ``row_tile`` rows read for k
     and for v (it is patched and written back), and the BlockSpec inputs: its ``heads / kv_heads``
     query heads and the new key and value — for the rows padded to a multiple of
-    ``ROWS_PER_PROGRAM`` (a program's inputs are read whole). The writes (the two tiles back, the
+    ``ROWS_PER_PROGRAM`` (a program's inputs are read whole; one copy stream, as on a v5e's one
+    TensorCore). The writes (the two tiles back, the
     output heads) are not reads and are left out. Same signature as
     ``decode_gpu.decode_read_bytes``, so a report prices either kernel the same way."""
     row = head_dim * itemsize
