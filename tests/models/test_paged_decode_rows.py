@@ -113,6 +113,76 @@ def test_each_row_reads_only_its_own_live_blocks_and_a_finished_row_none():
     assert np.isnan(np.asarray(_reference(poisoned)[0][real])).any()
 
 
+@pytest.mark.codegen_sensitive
+def test_under_a_mesh_each_device_runs_the_kernel_over_its_own_rows_and_pool():
+    """Rows and pools split over a 2-device data axis (the engine's layout): each device's rows
+    (padded to a program there) read and write only its own pool; the result is each half's alone."""
+    from llds_jax.parallel.mesh import make_mesh
+
+    halves = [_rows_case(5, 6, 2, jnp.float32, seed=seed) for seed in (1, 2)]
+    joined = [jnp.concatenate(parts, axis=0) for parts in zip(*halves, strict=True)]
+    joined[3], joined[4] = (jnp.concatenate([h[i] for h in halves], axis=0) for i in (3, 4))  # [2, NB, ...]
+    mesh = make_mesh((2, 1, 1), jax.devices()[:2])
+    rows = jax.NamedSharding(mesh, jax.P("data"))
+    with jax.set_mesh(mesh):
+        out, k_pool, v_pool = jax.jit(lambda *a: _kernel(a))(*(jax.device_put(x, rows) for x in joined))
+    for d, half in enumerate(halves):
+        ours, k_ours, v_ours = _kernel(half)
+        np.testing.assert_array_equal(np.asarray(out[5 * d:5 * (d + 1)]), np.asarray(ours))
+        np.testing.assert_array_equal(np.asarray(k_pool[d]), np.asarray(k_ours[0]))
+        np.testing.assert_array_equal(np.asarray(v_pool[d]), np.asarray(v_ours[0]))
+
+
+@pytest.mark.codegen_sensitive
+def test_the_decoder_through_the_rows_kernel_decodes_what_it_decodes_through_the_xla_loop(monkeypatch):
+    """A tiny decoder's paged decode with the TPU kernel forced (interpreted here): prefill (the XLA
+    path either way), then one-token steps, a row idle for some, one crossing a block edge; the
+    logits match the XLA loop's and the pools are written identically."""
+    from flax import nnx
+
+    from llds_jax.models import PagedKVCache, decoder, init_paged_pools
+    from llds_jax.models.attention import decode_tpu
+    from llds_jax.models.testing import tiny_model
+
+    model = tiny_model("qwen2")
+    graphdef, state = nnx.split(model)
+    k, v = init_paged_pools(model.config, 1, 8, BLOCK)
+    table = jnp.array([[0, 3, 8, 8], [1, 2, 8, 8], [4, 8, 8, 8], [5, 6, 7, 8]], jnp.int32)
+    prompt = jnp.asarray(np.random.default_rng(0).integers(1, 256, (4, 15)), jnp.int32)
+    prompt_mask = jnp.arange(15)[None] < jnp.array([[15], [3], [9], [1]])
+
+    def run():
+        m = nnx.merge(graphdef, state)
+        cache = PagedKVCache(k, v, table, jnp.zeros((4,), jnp.int32))
+        logits, cache = m.forward_cached(prompt, cache, prompt_mask)
+        steps = []
+        for step in range(3):  # row 0 crosses its block edge (slot 15 -> 17)
+            token = jnp.argmax(logits, axis=-1)[:, None]
+            live = jnp.array([[True], [step != 1], [True], [step == 0]])
+            new_logits, cache = m.forward_cached(token, cache, live)
+            logits = jnp.where(live, new_logits, logits)  # an idle row's logits are unused: keep its last
+            steps.append(logits)
+        return jnp.stack(steps), cache
+
+    xla_logits, xla_cache = jax.jit(run)()
+    monkeypatch.setattr(decoder, "resolve_paged_backend", lambda *_: "splash")
+    calls = []
+    kernel = decode_tpu.paged_decode_and_write
+
+    def interpreted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return kernel(*args, **kwargs, interpret=True)
+
+    monkeypatch.setattr(decode_tpu, "paged_decode_and_write", interpreted)
+    kernel_logits, kernel_cache = jax.jit(lambda: run())()
+    assert len(calls) == 3 * model.config.num_layers, f"the kernel ran {len(calls)} times"
+    scale = float(jnp.max(jnp.abs(xla_logits)))
+    diff = float(jnp.max(jnp.abs(kernel_logits - xla_logits)))
+    assert diff <= TOL * max(scale, 1.0), f"logits differ by {diff} (scale {scale})"
+    for ours, theirs in zip(jax.tree.leaves(kernel_cache), jax.tree.leaves(xla_cache), strict=True):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=TOL * max(scale, 1.0), rtol=0)
+
+
 @pytest.mark.parametrize("rows,per_program,streams,grid", [
     (1, 8, 1, (1, 1)), (8, 8, 1, (1, 1)), (11, 8, 1, (1, 2)), (40, 8, 1, (1, 5)), (40, 16, 1, (1, 3)),
     (40, 8, 2, (2, 3))])
