@@ -99,7 +99,8 @@ def test_mid_decode_lengths_by_hand_for_the_first_reference_trajectory():
 def test_tpu_decode_read_bytes_by_hand():
     from llds_jax.models.attention.decode_tpu import decode_read_bytes
 
-    # rows at slots 0, 128, 129: 0 + 1 + 2 blocks; bf16 rows of 64 x 2 B; 2 KV heads, 8 heads (G 4)
+    # rows at slots 0, 128, 129: 0 + 1 + 2 blocks; bf16 rows of 64 x 2 B; 2 KV heads, 8 heads (G 4);
+    # the three rows' k and v tiles of 16 rows; 4 query heads, new k and v for the rows padded to 8
     row = 64 * 2
-    per_row_head = 2 * 16 * row + 4 * row + 2 * row  # k and v tiles of 16 rows, 4 query heads, new k and v
-    assert decode_read_bytes([0, 128, 129], 2, 64, 128, 2, 8) == 2 * (2 * 3 * 128 * row + 3 * per_row_head)
+    assert decode_read_bytes([0, 128, 129], 2, 64, 128, 2, 8) == 2 * (2 * 3 * 128 * row + 3 * 2 * 16 * row
+                                                                      + 8 * (4 * row + 2 * row))
