@@ -275,12 +275,22 @@ def _scale(logits: jax.Array, temperature) -> jax.Array:
     twice in the weights' fusion: ulps in the masses (within what the kept set is exact to), and a
     log-prob a rounding above 0, which :func:`sample_tokens` clamps to 0.
     """
-    temperature = jnp.asarray(jnp.where(jnp.asarray(temperature, jnp.float32) > 0, temperature, 1.0), jnp.float32)
     if target_platform() == "cpu":
-        scaled = logits.astype(jnp.float32) / temperature
+        scaled = logits.astype(jnp.float32) / _positive(temperature)
     else:  # a bare multiply (see above): no [V]-sized select or divide for XLA to write out
-        return logits.astype(jnp.float32) * (1.0 / temperature)
+        return logits.astype(jnp.float32) * _inverse_temperature(temperature)
     return jnp.where(scaled == 0, 0.0, scaled)
+
+
+def _positive(temperature) -> jax.Array:
+    """The temperature that scales: 1 where ``temperature <= 0`` (greedy, drawn apart)."""
+    return jnp.asarray(jnp.where(jnp.asarray(temperature, jnp.float32) > 0, temperature, 1.0), jnp.float32)
+
+
+def _inverse_temperature(temperature) -> jax.Array:
+    """The TPU/GPU scale factor: one value that both XLA's ``scaled`` and the TPU sampler kernel
+    multiply by, so the kernel's keys are those of the logits the draw filters."""
+    return 1.0 / _positive(temperature)
 
 
 def filter_logits(logits: jax.Array, temperature, top_k, top_p, mode: SamplingMode | None = None) -> jax.Array:
@@ -320,9 +330,15 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k, top_p,
     if mode is SamplingMode.GREEDY:
         return _greedy(logits)
     scaled = _scale(logits, temperature)
-    top = jnp.max(scaled, axis=-1, keepdims=True)
     filtered, kept_mass = scaled, None
-    if mode.top_k or mode.top_p:
+    if (mode.top_k or mode.top_p) and target_platform() == "tpu":  # one HBM read for the search (filtering_tpu)
+        from llds_jax.sampling import filtering_tpu  # noqa: PLC0415  (Pallas TPU: imported where it runs)
+
+        top, floor, kept_mass = filtering_tpu.kept_floor_and_mass(logits, _inverse_temperature(temperature), top_k,
+                                                                  top_p, top_k_on=mode.top_k, top_p_on=mode.top_p)
+        filtered = jnp.where(_signed_key(scaled) >= _signed(floor), scaled, _NEG_INF)
+    elif mode.top_k or mode.top_p:
+        top = jnp.max(scaled, axis=-1, keepdims=True)
         ways = search_ways()
         floor, kept_mass = _kept_floor_and_mass(scaled, top, jnp.asarray(top_k, jnp.int32),
                                                 jnp.asarray(top_p, jnp.float32), mode, ways)
@@ -330,10 +346,12 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k, top_p,
             filtered = jnp.where(_signed_key(scaled) >= _signed(floor), scaled, _NEG_INF)
         else:
             filtered = jnp.where(_ordered_key(scaled) >= floor, scaled, _NEG_INF)
+    else:
+        top = jnp.max(scaled, axis=-1, keepdims=True)
     tokens = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
     if kept_mass is None:
         logprobs = _log_prob_at(filtered, tokens, top)  # the maximum is always kept: ``filtered``'s is ``top``
-    else:  # TPU/GPU top-p: the search carried the kept mass (its last statistic): no normaliser pass
+    else:  # TPU/GPU top-p, TPU top-k: the search carried the kept mass (its last statistic): no normaliser pass
         chosen = jnp.take_along_axis(scaled, tokens[..., None], axis=-1)
         logprobs = jnp.minimum(((chosen - top) - jnp.log(kept_mass))[..., 0], 0.0)  # see _scale: a rounding above 0
     if mode is SamplingMode.ANY:  # greedy chosen at run time by a select: both are computed
