@@ -16,21 +16,26 @@ its knob with a select) serves callers whose knobs are traced.
 Neither filter sorts the vocabulary: each finds its cut-off logit by a search over the 2³²
 float32 values (a monotone integer key per logit), fused passes over the row that count
 tokens (top-k) or sum probability mass (top-p) above candidate cut-offs: bisection on
-XLA:CPU (32 passes), 31 candidates per pass on TPU/GPU (7 passes; see :func:`search_ways`).
+XLA:CPU (32 passes), 31 candidates per pass on TPU/GPU (7 passes; see :func:`search_ways`); the TPU
+draw runs the search in a kernel instead, bisecting over the rows held in VMEM (``filtering_tpu``).
 Measured on XLA:CPU for 8 rows of SmolLM2's 49k vocabulary: 2.6 ms per token for top-p
 0.95, against 75 ms for the ``jnp.sort`` it replaces. The result is exact: the same kept
 set as sorting, whichever way the search runs (the mass above a cut-off is a monotone
 function of the set of keys above it).
 
-Passes over the ``[rows, V]`` logits per token on TPU/GPU, ``p`` search passes (7)::
+Passes over the ``[rows, V]`` logits per token (from HBM); GPU: ``p`` = 7 search passes; TPU: the
+search is a Pallas kernel (``sampling/filtering_tpu.py``) that reads each row once and returns the
+row maximum, the floor and the kept mass::
 
-    greedy          argmax, normaliser                                       2
-    temperature     max, draw, normaliser                                    3
-    top-k           max, p counts, draw, normaliser                          3 + p = 10
-    top-p           max, keys and weights written, p masses, draw            3 + p = 10
-    top-k + top-p   max, p counts, keys and weights written, p masses, draw  3 + 2p = 17
+                    GPU (XLA)                                                   TPU
+    greedy          argmax, normaliser                                    2     2
+    temperature     max, draw, normaliser                                 3     3
+    top-k           max, p counts, draw, normaliser                 3 + p = 10  kernel, draw  2
+    top-p           max, keys and weights written, p masses, draw   3 + p = 10  kernel, draw  2
+    top-k + top-p   max, p counts, keys and weights written,       3 + 2p = 17  kernel, draw  2
+                    p masses, draw
 
-In bytes a search pass is two reads of the row: XLA writes the keys and weights out once and
+On GPU, in bytes a search pass is two reads of the row: XLA writes the keys and weights out once and
 every pass reads both. Top-p on TPU/GPU (:func:`_search_with_mass`) sums the row's whole mass in
 its first pass (the lower edge is one more candidate) and carries the mass above its lower edge,
 which at the end is the kept mass, the draw's normaliser; the draw tests the cut-off on keys it
@@ -41,7 +46,8 @@ A pass that reads the logit alone, deriving key and weight inside the reduce, is
 XLA:GPU builds: as a 32-operand variadic reduce, with per-pass copies of the logits, with an
 ``exp`` of cheap ops, it still wrote keys and weights out (24–42 row reads) — it does not fuse
 a producer into a reduce that uses it once per candidate — so fewer bytes need the search in a
-kernel (issue 57).
+kernel (issue 57): on TPU it is one (:func:`sample_tokens`; tokens as the XLA search's for the same
+key, the kept set exact for top-k and for top-p up to the masses' rounding, see filtering_tpu).
 
 ``temperature <= 0`` means greedy. The log-prob returned for a token is under the
 distribution it was drawn from (temperature-scaled and filtered); for greedy it is the
