@@ -78,9 +78,23 @@ def kept_floor_and_mass(logits: jax.Array, inv_temperature, top_k, top_p, *, top
 
 @functools.cache
 def _batched(top_k_on: bool, top_p_on: bool, interpret: bool):
-    """The call, with a vmap rule that folds the mapped axis into the rows: one kernel over all
-    rows instead of Pallas' default (a grid axis over the mapped rows, one row per program)."""
-    run = functools.partial(_rows, top_k_on=top_k_on, top_p_on=top_p_on, interpret=interpret)
+    return batched_rows(functools.partial(_one_shard, top_k_on=top_k_on, top_p_on=top_p_on, interpret=interpret))
+
+
+def batched_rows(one_shard):
+    """``one_shard(logits [N, V], inv_t [N], top_k [N], top_p [N]) → (top, floor, kept) [N]`` as a
+    call on ``[..., N, V]`` logits and scalar knobs, with a vmap rule that folds the mapped axis into
+    the rows (one kernel over all rows instead of Pallas' default: a grid axis over the mapped rows,
+    one row per program), inside ``shard_map`` over the rows' batch axes under a mesh (a custom
+    call is not partitioned by XLA: it would gather every row to every device). Shared with the
+    GPU kernel (``filtering_gpu``)."""
+    def run(logits, inv_t, top_k, top_p):
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            return one_shard(logits, inv_t, top_k, top_p)
+        rows = jax.P(current_rules().spec(("batch",), logits.shape[:1], mesh)[0])
+        return jax.shard_map(one_shard, mesh=mesh, in_specs=(jax.P(rows[0], None), rows, rows, rows),
+                             out_specs=(rows,) * 3, check_vma=False)(logits, inv_t, top_k, top_p)
 
     @jax.custom_batching.custom_vmap
     def call(logits, inv_t, top_k, top_p):
@@ -100,20 +114,6 @@ def _batched(top_k_on: bool, top_p_on: bool, interpret: bool):
         return tuple(x.reshape(*logits.shape[:-1], 1) for x in outs), (True, True, True)
 
     return call
-
-
-def _rows(logits: jax.Array, inv_t: jax.Array, top_k: jax.Array, top_p: jax.Array, *, top_k_on: bool,
-          top_p_on: bool, interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``logits [N, V]``, knobs ``[N]`` → ``top``, ``floor`` (uint32), ``kept``, each ``[N]``; under
-    a mesh, inside ``shard_map`` over the rows' batch axes (a custom call is not partitioned by
-    XLA: it would gather every row to every device)."""
-    run = functools.partial(_one_shard, top_k_on=top_k_on, top_p_on=top_p_on, interpret=interpret)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return run(logits, inv_t, top_k, top_p)
-    rows = jax.P(current_rules().spec(("batch",), logits.shape[:1], mesh)[0])
-    return jax.shard_map(run, mesh=mesh, in_specs=(jax.P(rows[0], None), rows, rows, rows), out_specs=(rows,) * 3,
-                         check_vma=False)(logits, inv_t, top_k, top_p)
 
 
 def _one_shard(logits, inv_t, top_k, top_p, *, top_k_on: bool, top_p_on: bool, interpret: bool):
