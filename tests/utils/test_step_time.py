@@ -99,8 +99,8 @@ def test_each_phase_is_its_count_over_the_stated_rate():
 
 
 def test_the_sampler_reads_are_the_platforms_count():
-    """TPU's cut-off search reads the rows once (a Pallas kernel), GPU's XLA search 23 times: the
-    planned decode bytes differ by exactly the difference, and the assumption names the platform's count."""
+    """TPU's cut-off kernel reads the rows once (held in VMEM), GPU's once a search pass: the planned
+    decode bytes differ by exactly the two counts' difference, and the assumption names the platform's count."""
     config = base_config()
     config.rollout.max_turns, config.train.prompts_per_step, config.rollout.n_samples = 1, 2, 2
     cfg, peak = tiny_config("qwen2", dtype="bfloat16"), flops.Peak(1e12, 1e11, "test")
