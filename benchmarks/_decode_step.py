@@ -37,7 +37,10 @@ it is charged ``ceil((max length + 1) / block) - 1`` trips, what it runs for the
 conditional is charged as XLA charges it (its costliest branch). Custom calls XLA cannot see
 are added at their declared cost: cuBLAS GEMMs their operands and result
 (``_xla_charges.gemm_call_bytes``' rule), a Pallas paged-decode kernel its module's
-``decode_read_bytes`` at the stated lengths; any other is listed in ``uncosted_calls``.
+``decode_read_bytes`` at the stated lengths, any other Pallas TPU kernel the bytes of the
+``pl.CostEstimate`` it declares (the sampler's cut-off search, ``sampling/filtering_tpu.py``:
+one read of the rows), the GPU sampler kernel (``sampling/filtering_gpu.py``) the reads of the
+logits its name states; any other is listed in ``uncosted_calls``.
 
 ``ideal_bytes``: the weights in the compute dtype once (a tied table once; an untied input table
 only its looked-up rows), each row's live k and v over every layer read once, the new token's k
@@ -305,6 +308,14 @@ def _declared_kernel_cost(platform: str, name: str, attrs: str):
     return None
 
 
+# the bytes a Pallas TPU kernel declares (pl.CostEstimate), as they appear in its backend_config
+_COST_ESTIMATE = re.compile(r'cost_estimate\\?"\s*:\s*\{[^}]*?bytes_accessed\\?"\s*:\s*\\?"?(\d+)')
+
+# the GPU sampler kernel (sampling/filtering_gpu.py) names the reads of its logits operand it makes
+# (Pallas Triton drops the CostEstimate); its knobs and results: six [rows] fp32 columns
+_GPU_SAMPLER = re.compile(r'name = \\?"sampler_cut_off_gpu_(\d+)_reads')
+
+
 def _call_bytes(reader: Reader, computation: str, name: str, platform: str, decoder_cfg, lengths) -> tuple[float, str]:
     """(bytes, what) of one custom call XLA's analysis does not see; (0, '') when it has no declared cost."""
     op = reader.computations[computation][name]
@@ -312,6 +323,11 @@ def _call_bytes(reader: Reader, computation: str, name: str, platform: str, deco
     if target.startswith("__cublas"):  # a GEMM moves its operands and result (_xla_charges.gemm_call_bytes)
         operands = sum(leaf.bytes for o in op.operands for leaf in reader.leaves_of(computation, o))
         return float(operands + op.leaves[0].bytes), "cublas"
+    if target == "tpu_custom_call" and (estimate := _COST_ESTIMATE.search(op.attrs)) and "decode" not in op.name:
+        return float(estimate[1]), "pallas cost_estimate"  # a kernel whose bytes do not depend on the lengths
+    if target == "__gpu$xla.gpu.triton" and (named := _GPU_SAMPLER.search(op.attrs)):
+        logits = max((leaf for o in op.operands for leaf in reader.leaves_of(computation, o)), key=lambda x: x.bytes)
+        return float(int(named[1]) * logits.bytes + 6 * logits.dims[0] * 4), "pallas sampler reads"
     if (declared := _declared_kernel_cost(platform, op.name, op.attrs)) is not None:
         c = decoder_cfg
         return float(declared(lengths, c.num_kv_heads, c.head_dim, _pool_block(op, reader, computation),

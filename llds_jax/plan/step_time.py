@@ -61,14 +61,25 @@ LAUNCH_S = {
                   "(benchmarks/device_decode_step.py measures it on the next lent GPU)"),
     "tpu": (1e-6, "assumed: XLA:TPU runs a program's ops back to back, ~1 µs an op"),
     "cpu": (0.0, "assumed: none")}
-# The sampler's traffic over each sampled row's [vocab] fp32 logits a decode step, in reads of that row:
-# bench_rollout.py --decode-program (9a28e06 on the sampler-passes branch: the top-p search that sums inside its
-# passes) charges h100-qwen3b's top-p step 4.4 GB of [320, 151,936] fp32 arrays beyond the LM head's weights
-# and its logits write: 23 reads of each row (the cut-off's 7 search passes read the keys and weights written
-# once, 14; the max, that write, the draw and the frozen-row select), 1.0 GB less than 0cef5cd's 28.
-SAMPLER_ROW_READS = (23, "bench_rollout.py --decode-program at 9a28e06 (top-p sums inside its search): "
-                         "h100-qwen3b's top-p step, 4.4 GB of fp32 [320, 151,936] traffic beyond the LM head = 23 reads "
-                         "a row (0cef5cd: 28); assumed the same on TPU")
+# The sampler's traffic over each sampled row's [vocab] fp32 logits a decode step, in reads of that row, per platform.
+# The cut-off search is a Pallas kernel on both accelerators (sampling/filtering_tpu.py, filtering_gpu.py).
+# GPU: bench_rollout.py --decode-program charges h100-qwen3b's top-p step 1.96 GB less with the Triton kernel
+# (b3cbb63) than with the XLA search (a1dc3a3, whose 23 reads were measured at 9a28e06: the 7 search passes each
+# reading the keys and weights written once, the max, that write, the draw, the frozen-row select): 10.1 reads of
+# a [320, 151,936] fp32 row fewer, 13 (the kernel's 9, the rest of the step's logits traffic 4).
+# TPU: counted in HBM bytes, not XLA's cost analysis, which charges XLA:TPU's prefetches into VMEM as if they
+# were HBM reads (docs/performance.md).
+SAMPLER_ROW_READS = {
+    "gpu": (13, "bench_rollout.py --decode-program at b3cbb63 (the Triton cut-off kernel, 9 reads): h100-qwen3b's "
+                "top-p step 17.37 GB against 19.34 GB with the XLA search at a1dc3a3 (23 reads, measured at "
+                "9a28e06) = 10.1 reads of fp32 [320, 151,936] fewer"),
+    "tpu": (4, "the v5e-qwen3b step of bench_rollout.py --decode-program at f0a532e (40 rows; the Pallas cut-off "
+               "kernel), its ops touching fp32 [40, 151,936] beyond the LM head charged their HBM operands and results "
+               "(tools/roofline/_tpu_hbm.Reader.charges): the kernel's read 1, the logits' eviction to HBM and the "
+               "draw's prefetches into VMEM 3 = 4 reads a row (XLA's cost analysis: 19); a1dc3a3's XLA search "
+               "(XLA:TPU kept its keys and weights in VMEM at 40 rows): 5 (XLA's cost analysis: 64)"),
+    "cpu": (23, "not measured on XLA:CPU (its own bisection): the XLA search's count on an H100 (9a28e06) assumed"),
+}
 # Published step times of the paper's job elsewhere (seconds per step), for the table.
 ANCHORS = (
     ("Search-R1 Qwen2.5-3B, 8xH100 (maintainers: 200 steps in 2-3 h)", "36-54 s"),
@@ -240,6 +251,7 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
         overhead, overhead_why = float(section.decode_step_overhead_s), "plan.decode_step_overhead_s"
 
     launches_per_layer, launches_per_step = ENGINE_LAUNCHES.get(platform, ENGINE_LAUNCHES["cpu"])
+    sampler_reads, sampler_why = SAMPLER_ROW_READS.get(platform, SAMPLER_ROW_READS["cpu"])
     launch_s, launch_why = LAUNCH_S.get(platform, LAUNCH_S["cpu"])
     engine_overhead = (launches_per_layer * model_cfg.num_layers + launches_per_step) * launch_s
 
@@ -249,7 +261,7 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
         measured overhead for the waves, the engine's kernel launches); prefill at the matmul rate;
         retrieval on the critical path for the waves (the engine waits only where its steps say so)."""
         read = flops.decode_bytes(model_cfg, sch.decode_steps, sch.key_reads / samplers, compute_bytes, compute_bytes)
-        read += SAMPLER_ROW_READS[0] * model_cfg.vocab_size * 4 * sch.decode_steps * sch.slots / samplers
+        read += sampler_reads * model_cfg.vocab_size * 4 * sch.decode_steps * sch.slots / samplers
         work = flops.decode_flops(model_cfg, sch.decode_tokens, sch.key_reads) / samplers
         fixed = overhead if sch.name == "waves" or override else engine_overhead
         decode = max(read / (peak.bytes_per_s * hbm), work / (peak.flops * matmul)) + fixed * sch.decode_steps
@@ -327,7 +339,7 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
             "kernel launches "
             f"(bench_rollout.py --decode-program, 0cef5cd) x {launch_s * 1e6:g} µs ({launch_why}) = "
             f"{engine_overhead * 1e3:.2f} ms")),
-        "sampler": f"{SAMPLER_ROW_READS[0]} reads of each sampled row's fp32 logits a decode step: {SAMPLER_ROW_READS[1]}",
+        "sampler": f"{sampler_reads} reads of each sampled row's fp32 logits a decode step on {platform}: {sampler_why}",
         "retrieval": f"{search['cost'].backend}: {search['cost'].why}; index {search['index'].passages:,} x "
                      f"{search['index'].dim} ({search['index'].source})",
         "checkpoint": f"{float(section.checkpoint_bytes_per_s) / 1e9:g} GB/s per host "

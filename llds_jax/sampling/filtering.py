@@ -16,32 +16,34 @@ its knob with a select) serves callers whose knobs are traced.
 Neither filter sorts the vocabulary: each finds its cut-off logit by a search over the 2³²
 float32 values (a monotone integer key per logit), fused passes over the row that count
 tokens (top-k) or sum probability mass (top-p) above candidate cut-offs: bisection on
-XLA:CPU (32 passes), 31 candidates per pass on TPU/GPU (7 passes; see :func:`search_ways`).
-Measured on XLA:CPU for 8 rows of SmolLM2's 49k vocabulary: 2.6 ms per token for top-p
-0.95, against 75 ms for the ``jnp.sort`` it replaces. The result is exact: the same kept
-set as sorting, whichever way the search runs (the mass above a cut-off is a monotone
-function of the set of keys above it).
+XLA:CPU (32 passes), 31 candidates per pass in XLA on TPU/GPU (7 passes; see :func:`search_ways`).
+The TPU/GPU draw (:func:`sample_tokens`) runs the search in a Pallas kernel instead
+(:func:`_cut_off_kernel`): XLA wrote the keys and weights out once and every pass read both (20–23
+reads of a ``[320, 151,936]`` row a token on an H100); it does not fuse a producer into a reduce
+that uses it once per candidate (as a 32-operand variadic reduce, with per-pass copies, with an
+``exp`` of cheap ops: 24–42 reads). Measured on XLA:CPU for 8 rows of SmolLM2's 49k vocabulary:
+2.6 ms per token for top-p 0.95, against 75 ms for the ``jnp.sort`` it replaces. The result is
+exact: the same kept set as sorting, whichever way the search runs (the mass above a cut-off is a
+monotone function of the set of keys above it); a kernel sums the masses in its own order, so its
+top-p set can differ from XLA's only where the boundary is within that rounding (the tests state it).
 
-Passes over the ``[rows, V]`` logits per token on TPU/GPU, ``p`` search passes (7)::
+Reads of the ``[rows, V]`` logits per token; TPU: a block of 8 rows copied into VMEM once, the
+searches bisect there (``filtering_tpu``); GPU: a Triton program per row, ``p`` = 8 passes of 16
+ways, each reading the row once (a 608 KB row does not fit shared memory; ``filtering_gpu``)::
 
-    greedy          argmax, normaliser                                       2
-    temperature     max, draw, normaliser                                    3
-    top-k           max, p counts, draw, normaliser                          3 + p = 10
-    top-p           max, keys and weights written, p masses, draw            3 + p = 10
-    top-k + top-p   max, p counts, keys and weights written, p masses, draw  3 + 2p = 17
+                    GPU                                                 TPU
+    greedy          argmax, normaliser                           2      2
+    temperature     max, draw, normaliser                        3      3
+    top-k           max, p counts, kept mass, draw     3 + p   = 11     kernel, draw   2
+    top-p           max, p masses (carrying the kept   2 + p   = 10     kernel, draw   2
+                    mass), draw
+    top-k + top-p   max, p counts, p masses, draw      2 + 2p  = 18     kernel, draw   2
 
-In bytes a search pass is two reads of the row: XLA writes the keys and weights out once and
-every pass reads both. Top-p on TPU/GPU (:func:`_search_with_mass`) sums the row's whole mass in
-its first pass (the lower edge is one more candidate) and carries the mass above its lower edge,
-which at the end is the kept mass, the draw's normaliser; the draw tests the cut-off on keys it
-derives from the logits (:func:`_signed_key`), so it reads the logits alone. Compiled for an H100 at
-320 × 151,936 (HloCostAnalysis, the search loop's trips added): 20.2 reads of a row a token,
-against 25.4 before. XLA:CPU keeps its own sums and its bisection (32 passes), bit for bit.
-A pass that reads the logit alone, deriving key and weight inside the reduce, is not what
-XLA:GPU builds: as a 32-operand variadic reduce, with per-pass copies of the logits, with an
-``exp`` of cheap ops, it still wrote keys and weights out (24–42 row reads) — it does not fuse
-a producer into a reduce that uses it once per candidate — so fewer bytes need the search in a
-kernel (issue 57).
+Both kernels return the row maximum, the kept floor (an :func:`_ordered_key`) and the kept mass,
+the draw's log-prob normaliser; the draw stays XLA's and tests the floor on keys it derives from
+the logits (:func:`_signed_key`), so it reads the logits alone and draws the tokens the XLA search
+would for the same key and the same floor. XLA:CPU keeps its own sums and its bisection (32
+passes), bit for bit.
 
 ``temperature <= 0`` means greedy. The log-prob returned for a token is under the
 distribution it was drawn from (temperature-scaled and filtered); for greedy it is the
@@ -275,12 +277,22 @@ def _scale(logits: jax.Array, temperature) -> jax.Array:
     twice in the weights' fusion: ulps in the masses (within what the kept set is exact to), and a
     log-prob a rounding above 0, which :func:`sample_tokens` clamps to 0.
     """
-    temperature = jnp.asarray(jnp.where(jnp.asarray(temperature, jnp.float32) > 0, temperature, 1.0), jnp.float32)
     if target_platform() == "cpu":
-        scaled = logits.astype(jnp.float32) / temperature
+        scaled = logits.astype(jnp.float32) / _positive(temperature)
     else:  # a bare multiply (see above): no [V]-sized select or divide for XLA to write out
-        return logits.astype(jnp.float32) * (1.0 / temperature)
+        return logits.astype(jnp.float32) * _inverse_temperature(temperature)
     return jnp.where(scaled == 0, 0.0, scaled)
+
+
+def _positive(temperature) -> jax.Array:
+    """The temperature that scales: 1 where ``temperature <= 0`` (greedy, drawn apart)."""
+    return jnp.asarray(jnp.where(jnp.asarray(temperature, jnp.float32) > 0, temperature, 1.0), jnp.float32)
+
+
+def _inverse_temperature(temperature) -> jax.Array:
+    """The TPU/GPU scale factor: one value that both XLA's ``scaled`` and the TPU sampler kernel
+    multiply by, so the kernel's keys are those of the logits the draw filters."""
+    return 1.0 / _positive(temperature)
 
 
 def filter_logits(logits: jax.Array, temperature, top_k, top_p, mode: SamplingMode | None = None) -> jax.Array:
@@ -308,6 +320,21 @@ def _greedy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     return tokens, _log_prob_at(logits, tokens, jnp.take_along_axis(logits, tokens[..., None], axis=-1))
 
 
+def _cut_off_kernel():
+    """The module whose Pallas kernel runs the cut-off search for the platform compiled for, or None
+    (XLA:CPU: the XLA search, bit for bit as before). Imported where it runs."""
+    platform = target_platform()
+    if platform == "tpu":
+        from llds_jax.sampling import filtering_tpu  # noqa: PLC0415
+
+        return filtering_tpu
+    if platform == "gpu":
+        from llds_jax.sampling import filtering_gpu  # noqa: PLC0415
+
+        return filtering_gpu
+    return None
+
+
 def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k, top_p,
                   mode: SamplingMode | None = None) -> tuple[jax.Array, jax.Array]:
     """One token per row and its log-prob under the distribution it came from. ``[B]``, ``[B]``.
@@ -320,9 +347,14 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k, top_p,
     if mode is SamplingMode.GREEDY:
         return _greedy(logits)
     scaled = _scale(logits, temperature)
-    top = jnp.max(scaled, axis=-1, keepdims=True)
     filtered, kept_mass = scaled, None
-    if mode.top_k or mode.top_p:
+    kernel = _cut_off_kernel() if mode.top_k or mode.top_p else None
+    if kernel is not None:  # TPU/GPU: the search in a Pallas kernel (filtering_tpu, filtering_gpu)
+        top, floor, kept_mass = kernel.kept_floor_and_mass(logits, _inverse_temperature(temperature), top_k, top_p,
+                                                           top_k_on=mode.top_k, top_p_on=mode.top_p)
+        filtered = jnp.where(_signed_key(scaled) >= _signed(floor), scaled, _NEG_INF)
+    elif mode.top_k or mode.top_p:
+        top = jnp.max(scaled, axis=-1, keepdims=True)
         ways = search_ways()
         floor, kept_mass = _kept_floor_and_mass(scaled, top, jnp.asarray(top_k, jnp.int32),
                                                 jnp.asarray(top_p, jnp.float32), mode, ways)
@@ -330,10 +362,12 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k, top_p,
             filtered = jnp.where(_signed_key(scaled) >= _signed(floor), scaled, _NEG_INF)
         else:
             filtered = jnp.where(_ordered_key(scaled) >= floor, scaled, _NEG_INF)
+    else:
+        top = jnp.max(scaled, axis=-1, keepdims=True)
     tokens = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
     if kept_mass is None:
         logprobs = _log_prob_at(filtered, tokens, top)  # the maximum is always kept: ``filtered``'s is ``top``
-    else:  # TPU/GPU top-p: the search carried the kept mass (its last statistic): no normaliser pass
+    else:  # TPU/GPU: the kernel returned the kept mass: no normaliser pass
         chosen = jnp.take_along_axis(scaled, tokens[..., None], axis=-1)
         logprobs = jnp.minimum(((chosen - top) - jnp.log(kept_mass))[..., 0], 0.0)  # see _scale: a rounding above 0
     if mode is SamplingMode.ANY:  # greedy chosen at run time by a select: both are computed

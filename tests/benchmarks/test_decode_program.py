@@ -53,10 +53,21 @@ def test_the_report_has_every_field_for_each_target_compiler(report):
 
 @needs_both
 def test_the_tpu_step_prices_the_pallas_kernel_and_the_gpu_step_its_pool_reads_as_run(report):
-    """v5e: the paged-decode kernel, a custom call XLA cannot see, is charged its declared reads;
-    H100 (today: XLA gathers and scatters on the pool): XLA's whole-pool charges are taken back."""
+    """v5e: the paged-decode kernel, a custom call XLA cannot see, is charged its declared reads, and
+    the sampler's cut-off kernel (sampling/filtering_tpu.py) its pl.CostEstimate: one read of the
+    fp32 [rows, vocab] logits, three [rows, 128] knob tiles in and three result tiles out;
+    H100 (today: XLA gathers and scatters on the pool): XLA's whole-pool charges are taken back, and
+    the sampler's Triton kernel is charged the reads its name states."""
     tpu, gpu = report["targets"]["v5e-tiny"], report["targets"]["h100-tiny"]
     assert tpu["bytes_detail"]["custom_calls"]["pallas decode_read_bytes"] > 0
+    rows, vocab = tpu["rows"], 256  # the tiny qwen2's vocabulary (see the ideal's test)
+    assert tpu["bytes_detail"]["custom_calls"]["pallas cost_estimate"] == rows * vocab * 4 + 6 * rows * 128 * 4
+    # H100: the Triton cut-off kernel (sampling/filtering_gpu.py), the reads its name states: top-p's
+    # maximum and 8 search passes over the logits, and six [rows] fp32 columns (knobs in, results out)
+    from llds_jax.sampling.filtering_gpu import reads
+
+    assert gpu["bytes_detail"]["custom_calls"]["pallas sampler reads"] == (
+        reads(False, True) * gpu["rows"] * vocab * 4 + 6 * gpu["rows"] * 4)
     detail = gpu["bytes_detail"]
     assert detail["xla_body_once"] + detail["loop_trips_added"] + detail["charged_not_run"] + sum(
         detail["custom_calls"].values()) == gpu["bytes"]

@@ -84,7 +84,7 @@ def test_each_phase_is_its_count_over_the_stated_rate():
     step = predict_step_time(config, cfg, platform="gpu", peak=peak, devices=2, hosts=1, rows_per_wave=4,
                              train_rows=4, train_length=64, scored_per_row=16, state_bytes=8e9, lengths=lengths)
     s = step.schedule
-    sampler = SAMPLER_ROW_READS[0] * cfg.vocab_size * 4 * s.decode_steps * s.slots  # every row the step samples
+    sampler = SAMPLER_ROW_READS["gpu"][0] * cfg.vocab_size * 4 * s.decode_steps * s.slots  # every row the step samples
     decode = max((flops.decode_bytes(cfg, s.decode_steps, s.key_reads / 2) + sampler / 2) / (1e11 * 0.25),
                  flops.decode_flops(cfg, s.decode_tokens, s.key_reads) / 2 / (1e12 * 0.5))
     forward = flops.forward_flops(cfg, 4, 64, 16)
@@ -96,6 +96,24 @@ def test_each_phase_is_its_count_over_the_stated_rate():
     parts = [v for k, v in step.seconds.items() if k not in ("rollout", "total")]
     assert step.seconds["total"] == pytest.approx(sum(parts))
     assert {"peak", "matmul_efficiency", "hbm_efficiency", "retrieval", "lengths"} <= set(step.assumptions)
+
+
+def test_the_sampler_reads_are_the_platforms_count():
+    """TPU's cut-off kernel reads the rows once (held in VMEM), GPU's once a search pass: the planned
+    decode bytes differ by exactly the two counts' difference, and the assumption names the platform's count."""
+    config = base_config()
+    config.rollout.max_turns, config.train.prompts_per_step, config.rollout.n_samples = 1, 2, 2
+    cfg, peak = tiny_config("qwen2", dtype="bfloat16"), flops.Peak(1e12, 1e11, "test")
+    lengths = [_t(10, [5, 2], [4]), _t(10, [3, 6], [4])]
+    steps = {platform: predict_step_time(config, cfg, platform=platform, peak=peak, devices=2, hosts=1, rows_per_wave=4,
+                                         train_rows=4, train_length=64, scored_per_row=16, state_bytes=8e9,
+                                         lengths=lengths) for platform in ("gpu", "tpu")}
+    s = steps["gpu"].schedule
+    fewer = (SAMPLER_ROW_READS["gpu"][0] - SAMPLER_ROW_READS["tpu"][0]) * cfg.vocab_size * 4 * s.decode_steps * s.slots
+    assert SAMPLER_ROW_READS["tpu"][0] < SAMPLER_ROW_READS["gpu"][0]
+    assert steps["gpu"].details["decode_bytes"] - steps["tpu"].details["decode_bytes"] == pytest.approx(fewer / 2)
+    for platform, step in steps.items():
+        assert step.assumptions["sampler"].startswith(f"{SAMPLER_ROW_READS[platform][0]} reads")
 
 
 def test_gpu_decode_steps_carry_the_overhead_the_h100_measured():
@@ -133,7 +151,7 @@ def test_the_engines_paged_step_costs_its_kernel_launches_not_the_dense_loops_ov
     why = step.assumptions["decode_step_overhead"]
     per_layer, per_step = ENGINE_LAUNCHES["gpu"]
     launches = per_layer * cfg.num_layers + per_step
-    read = flops.decode_bytes(cfg, s.decode_steps, s.key_reads) + SAMPLER_ROW_READS[0] * cfg.vocab_size * 4 * \
+    read = flops.decode_bytes(cfg, s.decode_steps, s.key_reads) + SAMPLER_ROW_READS["gpu"][0] * cfg.vocab_size * 4 * \
         s.decode_steps * s.slots
     bound = max(read / (1e11 * 0.25), flops.decode_flops(cfg, s.decode_tokens, s.key_reads) / (1e12 * 0.5))
     assert seconds["rollout_decode"] == pytest.approx(bound + launches * LAUNCH_S["gpu"][0] * s.decode_steps)
