@@ -11,7 +11,7 @@ For each trajectory of ``<workdir>/samples.jsonl`` (the text the trainer decoded
 trajectory's token ids), each ``<information>`` block is matched to the search action before it
 (parsed as the rollout parses it, :func:`protocol.parse_action`); a turn's queries go to the
 configured retriever in one call, and each answer is turned into feedback exactly as the
-rollout does it (``search_feedback(format_docs(hits))``, tokenized with the policy's tokenizer,
+rollout does it (``protocol.batch_search_feedback``, tokenized with the policy's tokenizer,
 cut to ``rollout.max_obs_tokens``, decoded from the token bytes) and compared, character for
 character, with what the run recorded (:func:`replay_feedback`).
 
@@ -69,7 +69,6 @@ def replay_feedback(responses: list[str], retriever, tokenizer, topk: int, max_o
     inside the block (the context's room ran out) must be a prefix of it. After a mismatch the walk
     goes on after the block's closing tag, if it has one.
     """
-    from llds_jax.retrieval.hit import format_docs
     from llds_jax.sampling.token_bytes import decode_text, vocab_bytes
 
     table = vocab_bytes(tokenizer)
@@ -80,12 +79,10 @@ def replay_feedback(responses: list[str], retriever, tokenizer, topk: int, max_o
         opens = {i: responses[i].find(_OPEN, at[i]) for i in waiting}
         queries = {i: _query_before(responses[i][at[i]:opens[i]]) for i in waiting}
         asked = [i for i in waiting if queries[i] is not None]
-        hits = dict(zip(asked, retriever.search([queries[i] for i in asked], topk))) if asked else {}
+        fed = dict(zip(asked, protocol.batch_search_feedback(retriever, [queries[i] for i in asked], topk)))
         for i in waiting:
             rest = responses[i][opens[i]:]
-            ours = "" if i not in hits else decode_text(
-                protocol.encode_feedback(tokenizer, protocol.search_feedback(format_docs(hits[i])), max_obs_tokens),
-                table)
+            ours = decode_text(protocol.encode_feedback(tokenizer, fed[i], max_obs_tokens), table) if i in fed else ""
             searches += 1
             if ours and rest.startswith(ours):
                 at[i] = opens[i] + len(ours)
