@@ -92,6 +92,7 @@ class SlotSession:
         self.budget = np.zeros((self.slots,), np.int32)       # the current action's cap (0: not decoding)
         self.decoding = np.zeros((self.slots,), bool)
         self.partial = np.zeros((self.slots,), np.int32)      # tokens the current action has in the cache so far
+        self.fed = np.zeros((self.slots,), bool)              # the slot's logits follow its last id (see decode)
         self.rows_end = np.zeros((self.slots,), np.int64)     # committed tokens in each slot's cache
         self.table = np.full((self.slots, self.columns), self.kv_blocks, np.int32)  # kv_blocks: unallocated
         self._table_on_device = None
@@ -134,6 +135,7 @@ class SlotSession:
             raise ValueError(f"trajectory id {trajectory} out of range")
         self.trajectory[slot], self.drawn[slot] = trajectory, drawn
         self.decoding[slot], self.budget[slot], self.rows_end[slot], self.partial[slot] = False, 0, 0, 0
+        self.fed[slot] = False
         self.table[slot] = self.kv_blocks
         self._keys_stale = True
 
@@ -213,12 +215,21 @@ class SlotSession:
             self.logits = _put_rows(self.logits, self._rows(local.reshape(self.devices, per_device)), logits)
         for row, chunk in chunks.items():
             self.rows_end[row] += len(chunk)
+            self.fed[row] = True
 
     # -- actions -----------------------------------------------------------------------------
     def start_action(self, slot: int, budget: int) -> None:
-        """``slot`` decodes its next action, at most ``budget`` (≤ the buffer width) tokens."""
+        """``slot`` decodes its next action, at most ``budget`` (≤ the buffer width) tokens.
+
+        Only right after an append to the slot (a prompt, a history, feedback): a decode call
+        leaves every slot that is not mid-action with logits that follow nothing (see
+        :meth:`decode`), and the protocol always feeds a trajectory before its next action.
+        """
         if budget < 1:
             raise ValueError(f"slot {slot}: an action needs a budget >= 1, got {budget}")
+        if not self.fed[slot]:
+            raise RuntimeError(f"slot {slot}: no ids were appended since its last action or decode call, so its "
+                               "next-token logits are stale; append (feedback, a prompt) before starting an action")
         self.decoding[slot], self.budget[slot], self.partial[slot] = True, min(int(budget), self.width), 0
         self._started.add(slot)
 
@@ -232,7 +243,12 @@ class SlotSession:
         return bool(self.decoding.any())
 
     def decode(self, steps: int) -> dict[int, SampledAction]:
-        """Up to ``steps`` tokens for every decoding slot; returns the actions that ended, by slot."""
+        """Up to ``steps`` tokens for every decoding slot; returns the actions that ended, by slot.
+
+        Afterwards only a slot still mid-action has next-token logits that mean anything: the
+        step writes every row's logits unconditionally (``decode_segment``), so a slot must be
+        appended to before its next :meth:`start_action` (checked there).
+        """
         started = np.zeros((self.slots,), bool)
         started[sorted(self._started)] = True
         self._started.clear()
@@ -252,6 +268,7 @@ class SlotSession:
                                    self._rows(~self.decoding),
                                    self._rows(self.budget), self.sampling, steps=int(steps), pad_id=self.pad_id)
         self.k, self.v, self.logits, self.keys = state.cache.k, state.cache.v, state.logits, state.keys  # donated
+        self.fed[:] = False
         self._table_on_device = (self._table_on_device[0], state.cache.table)  # the input table was donated too
         self.state = dict(tokens=state.tokens, logprobs=state.logprobs, lengths=state.lengths, done=state.done,
                           finish=state.finish, stop_state=state.stop_state)
@@ -333,10 +350,17 @@ def decode_segment(graphdef: nnx.GraphDef, params: nnx.State, layer_weights, sta
 
     ``started [B]``: slots whose action begins now (ids, length and stop-string state reset);
     ``idle [B]``: slots that take no part (frozen, as ``decode_loop.decode`` freezes done
-    rows). Each slot writes its tokens at its own column (its action's length), so an action
-    runs over several calls. The per-token work is ``decode_loop.decode_program``'s: the same
-    sampler with row ``b``'s key at count ``drawn[b] + length[b]``, the same stop rules, the
-    same cached forward.
+    rows: no token, no cache write, no length). Each slot writes its tokens at its own column
+    (its action's length), so an action runs over several calls. The per-token work is
+    ``decode_loop.decode_program``'s: the same sampler with row ``b``'s key at count
+    ``drawn[b] + length[b]``, the same stop rules, the same cached forward.
+
+    One difference: the next-token logits are written for every row, not kept for the frozen
+    ones. Keeping them is a select over the fp32 ``[B, V]`` logits each token (three passes of
+    it: 0.58 GB a token at 320 rows of Qwen's 151,936-word vocabulary, a quarter of the
+    0.5B step's ideal bytes; ``bench_rollout.py --decode-program``), and the engine never reads
+    them: a slot's next action always starts right after an append, which sets its logits
+    (``SlotSession.start_action`` checks it).
     """
     model = nnx.merge(graphdef, params)
     width = state.tokens.shape[1]
@@ -373,7 +397,7 @@ def decode_segment(graphdef: nnx.GraphDef, params: nnx.State, layer_weights, sta
             tokens=jnp.where(write, token[:, None], s.tokens),
             logprobs=jnp.where(write, logprob[:, None], s.logprobs),
             lengths=lengths, done=s.done | now_done, finish=jnp.where(now_done, finish, s.finish),
-            stop_state=stop_state, logits=jnp.where(active[:, None], next_logits, s.logits), cache=cache,
+            stop_state=stop_state, logits=next_logits, cache=cache,
             step=s.step + 1, keys=s.keys, drawn=s.drawn)
 
     return decode_loop.run_steps(one_token, state, steps)  # at most ``steps`` tokens, done checked every few

@@ -79,3 +79,23 @@ def test_four_devices_decode_and_append_without_collectives():
                                             steps=4).compile().as_text()
     assert COLLECTIVE.search(decode)  # the pattern matches this compiler's collectives
     assert non_scalar_collectives(append) == [] and non_scalar_collectives(decode) == []
+
+
+def test_an_action_starts_only_on_logits_an_append_set():
+    """The decode step writes every row's next-token logits (no per-token select keeping a frozen
+    row's), so after a decode call only an append makes a slot's logits mean something again:
+    starting an action before one is refused, and the engine's order (append, start, decode) runs."""
+    session = _session(1, 2, kv_blocks=4)
+    session.reset(0, 0, 0)
+    session.set_blocks(0, [0, 1])
+    with pytest.raises(RuntimeError, match="slot 0: no ids were appended"):
+        session.start_action(0, 4)  # reset: nothing fed yet
+    session.append({0: [1, 2, 3]})
+    session.start_action(0, 4)
+    ended = session.decode(8)
+    assert list(ended) == [0] and len(ended[0].ids) == 4  # budget 4, no stop ids: capped
+    with pytest.raises(RuntimeError, match="slot 0: no ids were appended"):
+        session.start_action(0, 4)  # the logits after the decode call follow no id of the slot
+    session.append({0: [4, 5]})
+    session.start_action(0, 2)
+    assert len(session.decode(8)[0].ids) == 2
