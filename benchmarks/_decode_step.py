@@ -42,6 +42,22 @@ are added at their declared cost: cuBLAS GEMMs their operands and result
 one read of the rows), the GPU sampler kernel (``sampling/filtering_gpu.py``) the reads of the
 logits its name states; any other is listed in ``uncosted_calls``.
 
+What XLA's analysis charges but the step does not move is taken back, each rule measured on the
+target's compiler with a program of the step's own shapes (``charged_not_run``): a scatter of one
+token per row into a donated pool (charged the whole pool in and out), a gather of one block per
+row from a pool (the whole pool), the lookup of the rows' tokens in the embedding table (the
+whole table, ``_xla_charges.gather_excess``, as ``tools/roofline`` takes it back), and the pick of
+each row's sampled logit for its log-prob (the whole ``[rows, vocab]`` logits on XLA:GPU,
+``_xla_charges.row_pick_excess``; XLA:TPU charges its bare gather what it reads).
+
+On XLA:TPU ``bytes`` is HBM traffic instead (``_tpu_hbm``'s model of the same token body, the
+kernels at their declared cost; ``xla_cost_analysis_bytes`` keeps the figure above): XLA:TPU's
+analysis does not tell memory spaces apart, so each prefetch of a weight slice or a KV pool layer
+into VMEM by memory-space assignment is charged at both ends (``copy-start``/``copy-done``,
+``slice-start``) and again where a fusion reads the VMEM copy — at v5e qwen3b 22.8 GB against the
+8.9 GB its HBM-resident operands and results account for. The ideal is an HBM figure, so the ratio
+compares like with like; ``hbm_model.by_opcode`` says where the bytes go.
+
 ``ideal_bytes``: the weights in the compute dtype once (a tied table once; an untied input table
 only its looked-up rows), each row's live k and v over every layer read once, the new token's k
 and v written, and the fp32 logits row written by the step and read by the next one's sampler
@@ -67,7 +83,7 @@ if str(ROOT / "tools" / "roofline") not in sys.path:
 
 from _hlo_reading import BOOKKEEPING_CALLS, as_entry, computation_blocks  # noqa: E402
 from _tpu_hbm import Reader, token_body  # noqa: E402
-from _xla_charges import optimised_hlo  # noqa: E402
+from _xla_charges import gather_excess, optimised_hlo, row_pick_excess  # noqa: E402
 
 # Ops that launch no work of their own.
 _NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
@@ -383,10 +399,14 @@ def pool_excess(device, pool, rows: int, columns: int) -> tuple[float, float]:
 
 
 def read_step(hlo: str, platform: str, decoder_cfg, lengths: list[int], block: int,
-                        pool_charge=None) -> dict:
+              pool_charge=None, table_charge=None, pick_charge=None) -> dict:
     """The report's numbers for one compiled ``decode_segment`` (``hlo``: its optimised module
     without metadata) at live ``lengths`` per row (see the module docstring). ``pool_charge``:
-    pool dims -> the excess XLA charges one pool scatter and one pool gather (:func:`pool_excess`)."""
+    pool dims -> the excess XLA charges one pool scatter and one pool gather (:func:`pool_excess`);
+    ``table_charge``: the excess it charges one lookup of the rows' tokens in the embedding table
+    (``_xla_charges.gather_excess``: the whole table, though the gather reads one row a token);
+    ``pick_charge``: the excess it charges picking each row's sampled logit from the ``[rows, vocab]``
+    logits (``_xla_charges.row_pick_excess``: the whole array, though the gather reads one a row)."""
     reader = Reader(hlo)
     loops = [op for op in reader.computations[reader.entry].values() if op.opcode == "while"]
     # decode_loop.run_steps: the segment loop (its predicate is data-dependent: every row done?), and a
@@ -423,17 +443,53 @@ def read_step(hlo: str, platform: str, decoder_cfg, lengths: list[int], block: i
     gathers = {dims: _pool_ops(reader, found, "gather", math.prod(dims)) for dims in pools}
     in_place = sum(scatters[d] * pool_charge(d)[0] + gathers[d] * pool_charge(d)[1] for d in pools
                    if pool_charge and scatters[d] + gathers[d])
+    # the lookup and pick rules as measured on XLA:GPU (on XLA:TPU the HBM model below charges what a gather reads)
+    lookups = _pool_ops(reader, found, "gather", decoder_cfg.vocab_size * decoder_cfg.hidden_size)
+    in_place += lookups * table_charge() if table_charge and lookups and platform == "gpu" else 0.0
+    picks = _pool_ops(reader, found, "gather", len(lengths) * decoder_cfg.vocab_size)
+    in_place += picks * pick_charge() if pick_charge and picks and platform == "gpu" else 0.0
+    analysed = xla + loop_extra + declared - in_place
+    hbm = _hbm_charges(hlo, body, {name for _, name, _ in found.calls}) if platform == "tpu" else None
     return dict(dynamic_loops=sum(loop["dynamic"] for loop in found.loops), conditionals=found.conditionals,
-                kernels=len(found.kernels), bytes=int(xla + loop_extra + declared - in_place),
+                kernels=len(found.kernels), bytes=int(analysed if hbm is None else hbm["xla_ops"] + declared),
+                xla_cost_analysis_bytes=int(analysed), hbm_model=hbm,
                 launches=int(launches), bytes_detail=dict(xla_body_once=int(xla), loop_trips_added=int(loop_extra),
                                                           custom_calls={k: int(v) for k, v in kinds.items()},
                                                           pool_scatters=sum(scatters.values()),
                                                           pool_gathers=sum(gathers.values()),
+                                                          table_lookups=lookups, logit_picks=picks,
                                                           charged_not_run=-int(in_place)),
                 uncosted_calls=sorted(uncosted),
                 loops=[dict(body=loop["body"], trips=loop["trips"], dynamic=loop["dynamic"]) for loop in found.loops],
                 segment_loop=dict(known_trip_count=reader.trip_count(reader.entry, segment[0]) is not None,
                                   body=body, tokens_per_check=tokens_per_check), dynamic_trips_charged=dynamic_trips)
+
+
+class _KernelsApart(Reader):
+    """``_tpu_hbm.Reader`` leaving out the custom calls the report charges at their declared cost."""
+
+    def __init__(self, hlo: str, declared: set[str]):
+        super().__init__(hlo)
+        self.declared = declared
+
+    def _charge(self, comp, op, skip_while, times):
+        if op.opcode == "custom-call" and op.name in self.declared:
+            return []
+        return super()._charge(comp, op, skip_while, times)
+
+
+def _hbm_charges(hlo: str, body: str, declared: set[str]) -> dict:
+    """XLA:TPU: the HBM bytes of the token body's XLA ops (``_tpu_hbm``'s model: operands and results
+    by the memory space their layout names; a prefetch into VMEM its HBM side once), the kernels at
+    their declared cost apart; by opcode, largest first."""
+    reader = _KernelsApart(hlo, declared)
+    charges = reader.charges(body)
+    by_opcode: dict[str, float] = {}
+    for charge in charges:
+        key = f"{charge.opcode}: {charge.what}"
+        by_opcode[key] = by_opcode.get(key, 0.0) + charge.bytes
+    return dict(xla_ops=int(sum(c.bytes for c in charges)), notes=sorted(set(reader.notes)),
+                by_opcode={k: int(v) for k, v in sorted(by_opcode.items(), key=lambda kv: -kv[1]) if v})
 
 
 def ideal_bytes(params, decoder_cfg, lengths: list[int]) -> int:
@@ -463,7 +519,12 @@ def decode_program_report(targets: dict[str, StepTarget]) -> dict:
         compiled, refused = compile_segment(target, decoder_cfg, device)
         charge = functools.cache(lambda dims, device=device, t=target, dtype=decoder_cfg.dtype: pool_excess(
             device, jax.ShapeDtypeStruct(dims, jnp.dtype(dtype)), t.rows, t.columns))
-        step = read_step(optimised_hlo(compiled), target.platform, decoder_cfg, lengths, target.block, charge)
+        lookup = functools.cache(lambda device=device, t=target, c=decoder_cfg: gather_excess(
+            device, c.vocab_size, c.hidden_size, jnp.dtype(c.dtype), t.rows))
+        pick = functools.cache(lambda device=device, t=target, c=decoder_cfg: row_pick_excess(
+            device, t.rows, c.vocab_size))
+        step = read_step(optimised_hlo(compiled), target.platform, decoder_cfg, lengths, target.block, charge,
+                         lookup, pick)
         params = nnx.state(nnx.eval_shape(lambda c=decoder_cfg: Decoder(c, rngs=nnx.Rngs(0))))
         step["ideal_bytes"] = ideal_bytes(params, decoder_cfg, lengths)
         step.update(bytes_over_ideal=round(step["bytes"] / step["ideal_bytes"], 3), model=target.model,

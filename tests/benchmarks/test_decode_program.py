@@ -72,6 +72,12 @@ def test_the_tpu_step_prices_the_pallas_kernel_and_the_gpu_step_its_pool_reads_a
     assert detail["xla_body_once"] + detail["loop_trips_added"] + detail["charged_not_run"] + sum(
         detail["custom_calls"].values()) == gpu["bytes"]
     assert detail["charged_not_run"] <= 0
+    assert gpu["bytes"] == gpu["xla_cost_analysis_bytes"] and gpu["hbm_model"] is None
+    # v5e: HBM traffic (_tpu_hbm's model of the same body) plus the kernels' declared bytes; XLA's
+    # analysis, which charges VMEM prefetches at both ends, is kept beside it and is never below it
+    hbm = tpu["hbm_model"]
+    assert tpu["bytes"] == hbm["xla_ops"] + sum(tpu["bytes_detail"]["custom_calls"].values())
+    assert 0 < hbm["xla_ops"] == sum(hbm["by_opcode"].values()) and tpu["bytes"] <= tpu["xla_cost_analysis_bytes"]
 
 
 @needs_both

@@ -131,6 +131,16 @@ def gather_excess(device, vocab: int, hidden: int, dtype, batch: int) -> float:
     return max(charged - 2 * batch * hidden * jnp.dtype(dtype).itemsize, 0.0)
 
 
+def row_pick_excess(device, rows: int, vocab: int, dtype=jnp.float32) -> float:
+    """Bytes charged for picking one element of each row of a ``[rows, vocab]`` array (the sampled
+    token's logit: ``take_along_axis``) beyond the elements read, the indices and the result."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    x = jax.ShapeDtypeStruct((rows, vocab), dtype, sharding=sharding)
+    index = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding)
+    charged = _bytes_accessed(lambda x, i: jnp.take_along_axis(x, i[:, None], axis=-1), x, index)
+    return max(charged - rows * (2 * jnp.dtype(dtype).itemsize + 4), 0.0)
+
+
 def scatter_excess(device, cache_shape: tuple[int, int, int, int], dtype) -> float:
     """Bytes charged for writing one token per row into a donated ``[B, KVH, S, Dh]`` cache
     beyond the token's values read and written."""

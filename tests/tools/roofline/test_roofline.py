@@ -140,7 +140,7 @@ def test_known_trip_loops_get_their_other_trips_added_times_the_loops_around_the
 
 @pytest.mark.default_codegen_only
 def test_xla_charges_a_lookup_the_whole_table_and_an_in_place_cache_write_the_whole_cache():
-    """The two cost-model rules ``_xla_charges`` subtracts, measured on XLA:CPU. If XLA stops
+    """The cost-model rules ``_xla_charges`` subtracts, measured on XLA:CPU. If XLA stops
     charging either, the roofline's "without what XLA charges" line changes: this fails first."""
     charges = _xla_charges
     cpu = jax.devices("cpu")[0]
@@ -152,6 +152,8 @@ def test_xla_charges_a_lookup_the_whole_table_and_an_in_place_cache_write_the_wh
     # charged: cache in + cache out, plus the token (read, at most twice) and the indices (at most
     # four int64 per row); scatter_excess takes the token's one read and one write off that
     assert abs(charges.scatter_excess(cpu, cache_dims, jnp.float32) - 2 * cache) <= 2 * token + 32 * batch
+    # the sampled token's logit picked from each row: charged the whole [batch, vocab] array
+    assert abs(charges.row_pick_excess(cpu, batch, vocab) - batch * vocab * 4) <= batch * (2 * 4 + 4)
 
 
 # A cuBLAS call as XLA:GPU (jax-cuda12 0.10.2) prints it in Qwen2.5-3B's decode step, trimmed.
