@@ -63,16 +63,14 @@ LAUNCH_S = {
     "cpu": (0.0, "assumed: none")}
 # The sampler's traffic over each sampled row's [vocab] fp32 logits a decode step, in reads of that row, per platform.
 # The cut-off search is a Pallas kernel on both accelerators (sampling/filtering_tpu.py, filtering_gpu.py).
-# GPU: bench_rollout.py --decode-program charges h100-qwen3b's top-p step 1.96 GB less with the Triton kernel
-# (b3cbb63) than with the XLA search (a1dc3a3, whose 23 reads were measured at 9a28e06: the 7 search passes each
-# reading the keys and weights written once, the max, that write, the draw, the frozen-row select): 10.1 reads of
-# a [320, 151,936] fp32 row fewer, 13 (the kernel's 9, the rest of the step's logits traffic 4).
+# GPU: bench_rollout.py --decode-program's h100-qwen3b step at 2b37ded, its ops on the fp32 [320, 151,936] logits
+# beyond the LM head's write: the Triton cut-off kernel's 9 reads (filtering_gpu.reads) and the draw's 1 = 10. (The
+# engine's frozen-row select, 3 more, went at 813c247; picking the sampled logit reads one a row.)
 # TPU: counted in HBM bytes, not XLA's cost analysis, which charges XLA:TPU's prefetches into VMEM as if they
 # were HBM reads (docs/performance.md).
 SAMPLER_ROW_READS = {
-    "gpu": (13, "bench_rollout.py --decode-program at b3cbb63 (the Triton cut-off kernel, 9 reads): h100-qwen3b's "
-                "top-p step 17.37 GB against 19.34 GB with the XLA search at a1dc3a3 (23 reads, measured at "
-                "9a28e06) = 10.1 reads of fp32 [320, 151,936] fewer"),
+    "gpu": (10, "bench_rollout.py --decode-program at 2b37ded, h100-qwen3b: the Triton cut-off kernel's 9 reads of the "
+                "fp32 [320, 151,936] logits and the draw's 1 (per-kernel costs of the step's optimised HLO)"),
     "tpu": (4, "the v5e-qwen3b step of bench_rollout.py --decode-program at f0a532e (40 rows; the Pallas cut-off "
                "kernel), its ops touching fp32 [40, 151,936] beyond the LM head charged their HBM operands and results "
                "(tools/roofline/_tpu_hbm.Reader.charges): the kernel's read 1, the logits' eviction to HBM and the "
