@@ -121,15 +121,15 @@ def test_under_a_mesh_each_device_attends_its_own_rows_over_its_own_pool():
     _check(out, _reference(q, k_pool, v_pool, table, lengths), lengths, jnp.float32)
 
 
-def test_read_bytes_count_live_blocks_only():
+def test_read_bytes_count_live_slots_only():
     heads, kv_heads, head_dim, itemsize = 14, 2, 64, 2
     tile = 16 * head_dim * itemsize  # G = 7 padded to 16 query rows
-    per_block = 4 + 2 * BLOCK * head_dim * itemsize
+    slot = 2 * head_dim * itemsize  # a key and a value
     idle = decode_gpu.decode_read_bytes([0], kv_heads, head_dim, BLOCK, itemsize, heads)
     assert idle == kv_heads * (4 + 2 * tile)  # its length, q and the output: no block
-    lengths = [0, 1, BLOCK, BLOCK + 1]  # 0 + 1 + 1 + 2 live blocks
+    lengths = [0, 1, BLOCK, BLOCK + 1]  # 0 + 1 + 1 + 2 live blocks (table entries), 0 + 1 + 128 + 129 slots
     got = decode_gpu.decode_read_bytes(lengths, kv_heads, head_dim, BLOCK, itemsize, heads)
-    assert got == 4 * idle + kv_heads * 4 * per_block
+    assert got == 4 * idle + kv_heads * (4 * 4 + (2 * BLOCK + 2) * slot)
 
 
 def test_the_paged_backend_rule():

@@ -8,7 +8,8 @@ one GPU this code met, a decode step took 29.5 ms where its bytes need about 3 m
 Here the loop is inside one Triton program per (row, KV head[, key split]): the trip count is
 the row's own ``ceil(length / block)``, read from device memory by the kernel, so the host
 launches one kernel per layer and never waits on a predicate, and a row reads its own live
-blocks only (an idle or finished row, length 0, reads no block at all).
+slots only: its live blocks, the last one's loads masked to the slots the row holds (an idle or
+finished row, length 0, reads no block at all).
 
 Layout (``attention/paged.py``): pools ``[D, NB, KVH, block, Dh]``, ``table [B, C]`` with ``NB``
 for an unallocated entry, rows split over the ``D`` device pools in contiguous groups. The
@@ -81,17 +82,18 @@ def decode_read_bytes(lengths, kv_heads: int, head_dim: int, block: int, itemsiz
 
     Per program (row, KV head, split): its length (4 B) and its padded query tile read, its output
     tile written (``itemsize`` each with one split; fp32 partials plus fp32 max and sum with
-    more); per live block of the row, its table entry (4 B) and its key and value blocks
-    (``block x head_dim x itemsize`` each). A row of length 0 reads no block. ``itemsize`` is the
-    pools', the queries' and the output's (the same dtype in the decoder)."""
+    more); per live block of the row, its table entry (4 B); per live slot, its key and value
+    (``head_dim x itemsize`` each: the last block's loads are masked to the row's slots). A row of
+    length 0 reads no block. ``itemsize`` is the pools', the queries' and the output's (the same
+    dtype in the decoder)."""
     lengths = [int(n) for n in lengths]
     group = padded_group(heads, kv_heads)
     tile = group * head_dim
     programs = len(lengths) * kv_heads * splits
     per_program = 4 + tile * itemsize + (tile * itemsize if splits == 1 else tile * 4 + 2 * group * 4)
     live_blocks = sum(-(-n // block) for n in lengths if n > 0)
-    per_block = 4 + 2 * block * head_dim * itemsize
-    return programs * per_program + kv_heads * live_blocks * per_block
+    live_slots = sum(n for n in lengths if n > 0)
+    return programs * per_program + kv_heads * (4 * live_blocks + 2 * live_slots * head_dim * itemsize)
 
 
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array,
@@ -151,10 +153,13 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, block: int, 
     def fold(j, carry):
         m, total, acc = carry
         entry = table_ref[j]
-        present = entry >= 0
         page = jnp.maximum(entry, 0)
-        k = jnp.where(present, k_ref[page].astype(q.dtype), 0)  # [block, Dh]
-        v = jnp.where(present, v_ref[page].astype(q.dtype), 0)
+        # the block's slots the row holds: a masked load fetches none of the others (an unallocated
+        # entry: none), so the row's last block costs its live slots, not the whole block
+        slots = j * block + jax.lax.broadcasted_iota(jnp.int32, (block, head_dim), 0)
+        read = (entry >= 0) & (slots < length)
+        k = plgpu.load(k_ref.at[page], mask=read, other=0).astype(q.dtype)  # [block, Dh]
+        v = plgpu.load(v_ref.at[page], mask=read, other=0).astype(q.dtype)
         scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         scores = scores / math.sqrt(head_dim)
         ids = j * block + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
