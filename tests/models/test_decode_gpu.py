@@ -38,13 +38,16 @@ def _tolerance(dtype, scale: float, longest: int) -> float:
 def _case(heads: int, kv_heads: int, head_dim: int, dtype, devices: int, lengths=LENGTHS, seed: int = 0):
     """Rows of the given lengths split over ``devices`` pools, their blocks scattered at random;
     each row's table names blocks only up to its length (the rest unallocated). Blocks no row
-    reads hold NaN in the kernel's pools (a read outside a row's live blocks would show) and 0 in
-    the reference's (the XLA loop reads every row up to the longest one; masked there)."""
+    reads, and the slots of a row's last block past its length, hold NaN in the kernel's pools (a
+    read outside a row's live slots would show: a masked score's probability is 0, and 0 x NaN is
+    NaN) and 0 or their values in the reference's (the XLA loop reads every row up to the longest
+    one; masked there)."""
     batch = len(lengths)
     per_device, blocks = batch // devices, batch // devices * COLUMNS + 2
     rng = np.random.default_rng(seed)
     table = np.full((batch, COLUMNS), blocks, np.int32)
     read = np.zeros((devices, blocks), bool)
+    past = np.zeros((devices, blocks, BLOCK), bool)  # slots of a row's blocks past its length
     for d in range(devices):
         free = rng.permutation(blocks)
         for r in range(per_device):
@@ -52,12 +55,15 @@ def _case(heads: int, kv_heads: int, head_dim: int, dtype, devices: int, lengths
             live = -(-lengths[b] // BLOCK)
             table[b, :live] = free[r * COLUMNS:r * COLUMNS + live]
             read[d, table[b, :live]] = True
+            if live:
+                past[d, table[b, live - 1], lengths[b] - (live - 1) * BLOCK:] = True
     keys = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(keys[0], (batch, heads, head_dim)).astype(dtype)
     shape = (devices, blocks, kv_heads, BLOCK, head_dim)
     pools = [jax.random.normal(key, shape).astype(dtype) for key in keys[1:]]
     unread = jnp.asarray(~read)[:, :, None, None, None]
-    poisoned = [jnp.where(unread, jnp.nan, p).astype(dtype) for p in pools]
+    unread_slot = unread | jnp.asarray(past)[:, :, None, :, None]
+    poisoned = [jnp.where(unread_slot, jnp.nan, p).astype(dtype) for p in pools]
     clean = [jnp.where(unread, 0, p).astype(dtype) for p in pools]
     return q, poisoned, clean, jnp.asarray(table), jnp.asarray(lengths, jnp.int32)
 
@@ -79,7 +85,7 @@ def _check(out, want, lengths, dtype):
 @pytest.mark.parametrize("devices", [1, 2])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("model", sorted(SHAPES))
-def test_kernel_matches_the_xla_path_reading_only_live_blocks(model, dtype, devices):
+def test_kernel_matches_the_xla_path_reading_only_live_slots(model, dtype, devices):
     """Key splits as chosen for these few rows (one per column), the partials combined in XLA."""
     q, (k_nan, v_nan), (k_pool, v_pool), table, lengths = _case(*SHAPES[model], dtype, devices)
     assert decode_gpu.decode_splits(len(LENGTHS) // devices, SHAPES[model][1], COLUMNS) == COLUMNS
