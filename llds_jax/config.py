@@ -59,7 +59,7 @@ def base_config() -> ml_collections.ConfigDict:
         dtype="float32",       # compute dtype of the policy
         param_dtype="float32",  # master weights (keep fp32: lr 1e-6 updates vanish in bf16)
         ref_dtype="float32",   # frozen reference copy; "bfloat16" halves its memory
-        remat="minimal",       # per-layer checkpoint policy: none | minimal | dots_saveable | full (models/decoder.py)
+        remat="minimal",       # per-layer checkpoint policy: none | minimal | minimal_no_gate | dots_saveable | full (models/decoder.py)
         remat_gpu="",          # the policy where the programs compile for a GPU; "" = model.remat (models/loading.py)
         scan_layers=True,      # one scanned block (compiles once per program) or the layers unrolled (models/config.py)
         attention="auto",      # auto (splash on TPU, cuDNN on GPU, blockwise XLA elsewhere) | xla_blockwise | splash | cudnn | naive

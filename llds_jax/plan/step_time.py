@@ -205,6 +205,8 @@ class StepTime:
 REMAT_RERUN = {"full": "full remat rerunning the forward", "nothing_saveable": "remat rerunning the forward",
                "minimal": "remat 'minimal' keeping every matmul output (rerun: norms, RoPE, SiLU; no matmul)",
                "dots_saveable": "remat keeping every dot product's output (rerun: elementwise work)",
+               "minimal_no_gate": "remat 'minimal_no_gate' keeping every matmul output but the MLP gate's "
+                                  "(rerun: the gate projection, norms, RoPE, SiLU)",
                "none": "no remat"}
 
 
@@ -376,8 +378,8 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
                               if packing is not None else ""),
         "update_flops": f"remat={model_cfg.remat!r} (model.remat; model.remat_gpu on a GPU): the update runs the forward once and the backward "
                         f"(2 forwards), {REMAT_RERUN[model_cfg.remat]}"
-                        + ("" if model_cfg.remat in flops.REMAT_RERUNS_FORWARD or not opaque or
-                           model_cfg.remat not in flops.REMAT_KEEPS_MATMULS else
+                        + ("" if not opaque or model_cfg.remat not in (*flops.REMAT_KEEPS_MATMULS,
+                                                                       *flops.REMAT_RERUNS_GATE) else
                            f" plus the opaque attention kernel's forward ({'cuDNN' if platform == 'gpu' else 'splash'}"
                            ": its residuals live in its custom VJP)")
                         + (f"; the LM head's {scored_per_row} scored positions a row in chunks of "

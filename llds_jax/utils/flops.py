@@ -42,6 +42,8 @@ REMAT_RERUNS_FORWARD = ("full", "nothing_saveable")
 # (no matmul FLOPs) and, where the attention is an opaque kernel (cuDNN, splash: its residuals live inside its
 # custom VJP, so no policy can name them), that kernel's forward.
 REMAT_KEEPS_MATMULS = ("minimal", "dots_saveable")
+# Policies that keep every matmul's output but the MLP gate projection's, which the backward recomputes.
+REMAT_RERUNS_GATE = ("minimal_no_gate",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,15 +151,17 @@ def update_hardware_flops(cfg, rows: int, length: int, scored_per_row: int, rema
     """Hardware FLOPs of the update's forward + backward over the rows, term by term (what the job runs):
     the decoder body B (layers and attention A) and the LM head H each once forward and twice backward;
     ``remat`` in :data:`REMAT_RERUNS_FORWARD` reruns B, one in :data:`REMAT_KEEPS_MATMULS` reruns A where the
-    kernel is opaque (``opaque_attention``); ``head_chunked`` (``models.logprobs.token_logprobs`` scans more
+    kernel is opaque (``opaque_attention``), one in :data:`REMAT_RERUNS_GATE` that and the MLP gate projection; ``head_chunked`` (``models.logprobs.token_logprobs`` scans more
     than one chunk of scored positions and checkpoints each) reruns H. Full remat with a chunked head is
     ``4 × forward``, :func:`training_flops`' count."""
     pairs = causal_pairs(length) if pairs_per_row is None else pairs_per_row
     attention = rows * attention_flops(cfg, pairs)
     head = rows * 2.0 * cfg.hidden_size * cfg.vocab_size * scored_per_row
     body = forward_flops(cfg, rows, length, scored_per_row, pairs_per_row=pairs) - head
-    rerun = body if remat in REMAT_RERUNS_FORWARD else attention if (remat in REMAT_KEEPS_MATMULS
-                                                                      and opaque_attention) else 0.0
+    kept = remat in REMAT_KEEPS_MATMULS or remat in REMAT_RERUNS_GATE
+    rerun = body if remat in REMAT_RERUNS_FORWARD else attention if (kept and opaque_attention) else 0.0
+    if remat in REMAT_RERUNS_GATE:
+        rerun += rows * length * 2.0 * cfg.num_layers * cfg.hidden_size * cfg.intermediate_size
     return 3.0 * (body + head) + rerun + (head if head_chunked else 0.0)
 
 
