@@ -59,7 +59,8 @@ def base_config() -> ml_collections.ConfigDict:
         dtype="float32",       # compute dtype of the policy
         param_dtype="float32",  # master weights (keep fp32: lr 1e-6 updates vanish in bf16)
         ref_dtype="float32",   # frozen reference copy; "bfloat16" halves its memory
-        remat="minimal",       # per-layer checkpoint policy: none | minimal | dots_saveable | full (models/decoder.py)
+        remat="minimal",       # per-layer checkpoint policy: none | minimal | minimal_no_gate | dots_saveable | full (models/decoder.py)
+        remat_gpu="",          # the policy where the programs compile for a GPU; "" = model.remat (models/loading.py)
         scan_layers=True,      # one scanned block (compiles once per program) or the layers unrolled (models/config.py)
         attention="auto",      # auto (splash on TPU, cuDNN on GPU, blockwise XLA elsewhere) | xla_blockwise | splash | cudnn | naive
         logprob_chunk_size=128,  # positions per chunk of the vocab projection (never [B,T,V] fp32)
@@ -197,6 +198,9 @@ def _check_model(config) -> None:
             raise TrainConfigError(f"{path}={_get(config, path)!r}: expected float32, bfloat16 or float16")
     if m.remat not in REMAT_POLICIES:
         raise TrainConfigError(f"model.remat={m.remat!r}: expected one of {REMAT_POLICIES}")
+    if m.remat_gpu and m.remat_gpu not in REMAT_POLICIES:
+        raise TrainConfigError(f"model.remat_gpu={m.remat_gpu!r}: expected '' (= model.remat) or one of "
+                               f"{REMAT_POLICIES}")
     if m.attention not in ATTENTION_BACKENDS:
         raise TrainConfigError(f"model.attention={m.attention!r}: expected one of {ATTENTION_BACKENDS}")
     _positive(config, "model.logprob_chunk_size")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from llds_jax.errors import InputError
 
 FAMILIES = ("qwen2", "qwen3", "llama")
-REMAT_POLICIES = ("none", "full", "dots_saveable", "nothing_saveable", "minimal")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "nothing_saveable", "minimal", "minimal_no_gate")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION_BACKENDS = ("auto", "xla_blockwise", "splash", "cudnn", "naive")  # see models/attention
 

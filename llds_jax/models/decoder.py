@@ -251,6 +251,10 @@ def _block(config: DecoderConfig, weights: dict[str, jax.Array], x: jax.Array, c
 # kernels (splash, cuDNN) keep their residuals inside, so the backward reruns their forward from
 # the saved q, k, v, as under "full" but without the projections.
 MINIMAL_SAVED_NAMES = ("block_mid", *L.MLP_RESIDUALS, *ATTENTION_RESIDUALS)
+# remat="minimal_no_gate": the same less the MLP gate projection's output (with the up projection's, the
+# widest value kept), which the backward recomputes: one [tokens, hidden] x [hidden, mlp] matmul a layer
+# (for chips where minimal does not fit: docs/performance.md, "the update's remat").
+MINIMAL_NO_GATE_SAVED_NAMES = tuple(name for name in MINIMAL_SAVED_NAMES if name != L.GATE_RESIDUAL)
 
 
 def _remat(config: DecoderConfig, fn):
@@ -261,6 +265,7 @@ def _remat(config: DecoderConfig, fn):
         "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
         "dots_saveable": jax.checkpoint_policies.dots_saveable,
         "minimal": jax.checkpoint_policies.save_only_these_names(*MINIMAL_SAVED_NAMES),
+        "minimal_no_gate": jax.checkpoint_policies.save_only_these_names(*MINIMAL_NO_GATE_SAVED_NAMES),
     }[config.remat]
     return jax.checkpoint(fn, policy=policy)
 

@@ -82,7 +82,8 @@ def predict_run(config, lengths: list[TrajectoryLengths], hardware: str, label: 
     from llds_jax.train.step_settings import StepSizes  # noqa: PLC0415
     from llds_jax.utils import flops  # noqa: PLC0415
 
-    model_cfg = decoder_config(config.model)
+    platform = "gpu" if hardware in ("H100", "H200") else "cpu"
+    model_cfg = decoder_config(config.model, platform)
     if hardware in flops.PEAKS:
         name, peak_flops, bandwidth = flops.PEAKS[hardware]
         peak = flops.Peak(peak_flops, bandwidth, name)
@@ -94,7 +95,7 @@ def predict_run(config, lengths: list[TrajectoryLengths], hardware: str, label: 
     length, scored = padded_length(config), StepSizes.from_config(config).scored_positions
     packing = packing_sizes(config, length, scored, 1) if config.train.packing else None
     return predict_step_time(
-        config, model_cfg, platform="gpu" if hardware in ("H100", "H200") else "cpu", peak=peak, devices=1, hosts=1,
+        config, model_cfg, platform=platform, peak=peak, devices=1, hosts=1,
         rows_per_wave=trajectories, train_rows=trajectories, train_length=length, scored_per_row=scored,
         state_bytes=16 * flops.parameters(model_cfg), lengths=lengths, length_label=label, packing=packing,
         device_bytes=HARDWARE[hardware][1] if hardware in HARDWARE else None,

@@ -217,7 +217,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
     shape = mesh_shape(config, len(devices))
     mesh = make_mesh(shape, devices)
     rules = DEFAULT
-    decoder_cfg = decoder_config(config.model)
+    decoder_cfg = decoder_config(config.model, target.platform)  # the target's remat policy (model.remat_gpu)
 
     trajectories = config.train.prompts_per_step * config.rollout.n_samples
     length = padded_length(config)
@@ -447,7 +447,7 @@ def _cached_forward(graphdef, mesh, rules):
 # What to change when a phase does not fit, named in the refusal.
 PHASE_KNOBS = {
     "update": "train.micro_batch_tokens (packed) or train.micro_batch_size (rows per gradient micro-batch), "
-              "model.remat or mesh.shape",
+              "model.remat (model.remat_gpu on a GPU) or mesh.shape",
     "logprobs": "train.micro_batch_tokens (packed) or train.logprob_batch_size",
     "prefill": "rollout.max_concurrent_rows (rows per rollout wave) or rollout.prefill_chunk",
     "decode": "rollout.max_concurrent_rows (rows per rollout wave) or rollout.memory_fraction",

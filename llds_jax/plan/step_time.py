@@ -199,6 +199,23 @@ class StepTime:
                 "retrieval_turn_s": dict(self.retrieval_turn)}
 
 
+# What each remat policy (models.decoder._remat) reruns in the update's backward, for the assumption's text.
+REMAT_RERUN = {"full": "full remat rerunning the forward", "nothing_saveable": "remat rerunning the forward",
+               "minimal": "remat 'minimal' keeping every matmul output (rerun: norms, RoPE, SiLU; no matmul)",
+               "dots_saveable": "remat keeping every dot product's output (rerun: elementwise work)",
+               "minimal_no_gate": "remat 'minimal_no_gate' keeping every matmul output but the MLP gate's "
+                                  "(rerun: the gate projection, norms, RoPE, SiLU)",
+               "none": "no remat"}
+
+
+def attention_is_opaque(requested: str, platform: str) -> bool:
+    """Whether the training passes' attention on ``platform`` is a kernel that keeps its residuals inside its
+    custom VJP (so a remat policy reruns its forward): cuDNN on a GPU, splash on a TPU, where ``model.attention``
+    asks for them or for ``auto`` (``models.attention.resolve_backend``; the job's GPU has cuDNN)."""
+    return ((platform == "gpu" and requested in ("auto", "cudnn"))
+            or (platform == "tpu" and requested in ("auto", "splash")))
+
+
 def training_rows(trajectories: list[TrajectoryLengths], packing, length: int) -> tuple[int, int, float]:
     """(rows, row length, attention pairs per row) the training passes compute for ``trajectories``:
     packed rows (``train.packing.plan_rows``, first-fit decreasing within each mini-batch) when
@@ -302,11 +319,14 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
                                          seed=int(config.seed))
         train_rows, train_length, pairs = training_rows(step_trajectories, packing, train_length)
         scored_per_row = packing.scored
+        useful_tokens = sum(t.total for t in step_trajectories)
     else:
-        pairs = float(flops.causal_pairs(train_length))
+        pairs, useful_tokens = float(flops.causal_pairs(train_length)), 0
     forward = flops.forward_flops(model_cfg, train_rows, train_length, scored_per_row, pairs_per_row=pairs)
-    _, update_flops = flops.training_flops(model_cfg, train_rows, train_length, scored_per_row, model_cfg.remat,
-                                           pairs_per_row=pairs)
+    opaque = attention_is_opaque(str(config.model.attention), platform)
+    head_chunked = scored_per_row > int(config.model.logprob_chunk_size)
+    update_flops = flops.update_hardware_flops(model_cfg, train_rows, train_length, scored_per_row, model_cfg.remat,
+                                               pairs_per_row=pairs, opaque_attention=opaque, head_chunked=head_chunked)
     mesh_rate = peak.flops * matmul * devices
     passes = 1 + int(float(config.rl.kl_coef) > 0)
     delta_every = int(config.train.delta_every) if config.train.delta_diagnostics else 0
@@ -350,7 +370,22 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
                    f"(rollout.sampler_devices), retrieval {retrieval_steps} decode steps a batch on a host thread; "
                    f"configured: rollout.engine={config.rollout.engine!r}",
         "training_batch": f"{train_rows} {'packed' if packing is not None else 'padded'} rows x {train_length} "
-                          "tokens computed per pass",
+                          "tokens computed per pass" + (
+                              f" (packing.plan_rows on the drawn lengths: {useful_tokens:,} real tokens, "
+                              f"computed / real {train_rows * train_length / useful_tokens:.3f})"
+                              if packing is not None else ""),
+        "update_flops": f"remat={model_cfg.remat!r} (model.remat; model.remat_gpu on a GPU): the update runs the forward once and the backward "
+                        f"(2 forwards), {REMAT_RERUN[model_cfg.remat]}"
+                        + ("" if not opaque or model_cfg.remat not in (*flops.REMAT_KEEPS_MATMULS,
+                                                                       *flops.REMAT_RERUNS_GATE) else
+                           f" plus the opaque attention kernel's forward ({'cuDNN' if platform == 'gpu' else 'splash'}"
+                           ": its residuals live in its custom VJP)")
+                        + (f"; the LM head's {scored_per_row} scored positions a row in chunks of "
+                           f"{int(config.model.logprob_chunk_size)}, each checkpointed: their projection rerun"
+                           if head_chunked else "")
+                        + f" = {update_flops / forward:.2f} forwards (utils.flops.update_hardware_flops); the "
+                        "matmul efficiency above is per hardware FLOP, measured under full remat and assumed "
+                        "for every policy",
         "overlap": "none: phases run one after another, as the trainer runs them",
     }
     details = {"decode_bytes": decode_bytes, "decode_flops": decode_flops,

@@ -132,12 +132,21 @@ class RowPlan(NamedTuple):
 
 
 def plan_rows(lengths, action_targets, sizes: PackingSizes) -> RowPlan:
-    """First-fit decreasing of each mini-batch's trajectories into rows of ``width`` tokens and ``scored``
-    action targets: longest first (ties in batch order), each to the first row with room for both;
-    none is split or cut. Order inside a mini-batch is free — its micro-batches' gradients are summed
-    before its one update — so sorting costs nothing in semantics and spreads the rows better over
-    micro-batches than plain first-fit (the paper config on the reference lengths, 8 shards: 63 → 61
-    micro-batches, 1.17 → 1.13 computed ÷ real tokens; ``bench_train_step.py --packing-report``)."""
+    """Each mini-batch's trajectories into rows of ``width`` tokens and ``scored`` action targets; none is
+    split or cut. Order inside a mini-batch is free — its micro-batches' gradients are summed before its one
+    update — so the rows are whatever packs tightest, two ways:
+
+    * **first-fit decreasing** (``_first_fit_decreasing``): longest first (ties in batch order), each to the
+      first row with room for both. It sorts, so it spreads the rows better over micro-batches than plain
+      first-fit (the paper config on the reference lengths, 8 shards: 63 → 61 micro-batches, 1.17 → 1.13
+      computed ÷ real tokens; ``bench_train_step.py --packing-report``);
+    * **minimum row slack** (``_minimum_slack``, Gupta & Ho's MBS' heuristic for bin packing): each new row
+      takes the longest trajectory left, then the subset of the rest that leaves the row the fewest empty
+      tokens (an exact subset sum over token counts); Search-R1 trajectories are a prompt plus ≈ 500-token
+      search results, lengths that first-fit leaves gaps between.
+
+    A mini-batch computes whole micro-batches (``rows`` rows each), so the second plan replaces the first
+    only where it needs fewer micro-batches (elsewhere first-fit's rows stay, row for row)."""
     lengths = np.asarray(lengths, np.int64)
     action_targets = np.asarray(action_targets, np.int64)
     n = len(lengths)
@@ -150,22 +159,69 @@ def plan_rows(lengths, action_targets, sizes: PackingSizes) -> RowPlan:
     row, offset, start = (np.zeros(n, np.int64) for _ in range(3))
     rows_per_mini = np.zeros(sizes.mini_batches, np.int64)
     for mini in range(sizes.mini_batches):
-        used_tokens: list[int] = []
-        used_scored: list[int] = []
         members = np.arange(mini * sizes.mini_batch_size, (mini + 1) * sizes.mini_batch_size)
-        for j in members[np.argsort(-lengths[members], kind="stable")]:  # first-fit decreasing
-            fits = [r for r, (tokens, scored) in enumerate(zip(used_tokens, used_scored, strict=True))
-                    if tokens + lengths[j] <= sizes.width and scored + action_targets[j] <= sizes.scored]
-            r = fits[0] if fits else len(used_tokens)
-            if not fits:
-                used_tokens.append(0)
-                used_scored.append(0)
-            row[j], offset[j], start[j] = r, used_tokens[r], used_scored[r]
-            used_tokens[r] += int(lengths[j])
-            used_scored[r] += int(action_targets[j])
-        rows_per_mini[mini] = len(used_tokens)
+        rows = _first_fit_decreasing(members, lengths, action_targets, sizes)
+        if -(-len(rows) // sizes.rows) > -(-int(lengths[members].sum()) // (sizes.width * sizes.rows)):
+            tighter = _minimum_slack(members, lengths, action_targets, sizes)
+            if -(-len(tighter) // sizes.rows) < -(-len(rows) // sizes.rows):
+                rows = tighter
+        for r, held in enumerate(rows):
+            at = scored = 0
+            for j in held:
+                row[j], offset[j], start[j] = r, at, scored
+                at += int(lengths[j])
+                scored += int(action_targets[j])
+        rows_per_mini[mini] = len(rows)
     slots = -(-rows_per_mini // sizes.rows)
     return RowPlan(row, offset, start, rows_per_mini, slots)
+
+
+def _first_fit_decreasing(members, lengths, action_targets, sizes: PackingSizes) -> list[list[int]]:
+    """Rows (each its trajectories, in column order): longest first, each to the first row with room."""
+    rows: list[list[int]] = []
+    used_tokens: list[int] = []
+    used_scored: list[int] = []
+    for j in members[np.argsort(-lengths[members], kind="stable")]:
+        fits = [r for r, (tokens, scored) in enumerate(zip(used_tokens, used_scored, strict=True))
+                if tokens + lengths[j] <= sizes.width and scored + action_targets[j] <= sizes.scored]
+        r = fits[0] if fits else len(rows)
+        if not fits:
+            rows.append([])
+            used_tokens.append(0)
+            used_scored.append(0)
+        rows[r].append(int(j))
+        used_tokens[r] += int(lengths[j])
+        used_scored[r] += int(action_targets[j])
+    return rows
+
+
+def _minimum_slack(members, lengths, action_targets, sizes: PackingSizes) -> list[list[int]]:
+    """Rows by minimum slack: each opens with the longest trajectory left and takes the subset of the others
+    that fills it closest to ``width`` tokens (subset sum as a bitset over token counts, walked back to the
+    members); a subset over the ``scored`` bound drops its most action-heavy members until it fits."""
+    left = [int(j) for j in members[np.argsort(-lengths[members], kind="stable")]]
+    rows: list[list[int]] = []
+    while left:
+        first, rest = left[0], left[1:]
+        room = sizes.width - int(lengths[first])
+        mask = (1 << (room + 1)) - 1
+        reachable, before = 1, []
+        for j in rest:
+            before.append(reachable)
+            reachable = (reachable | (reachable << int(lengths[j]))) & mask
+        total, chosen = reachable.bit_length() - 1, []
+        for k in range(len(rest) - 1, -1, -1):  # take member k where the sum cannot be made without it
+            if not (before[k] >> total) & 1:
+                chosen.append(rest[k])
+                total -= int(lengths[rest[k]])
+        chosen.reverse()  # longest first, as they were listed
+        chosen += [j for j in rest if lengths[j] == 0]  # empty trajectories take no room (the sum never needs them)
+        while int(action_targets[[first, *chosen]].sum()) > sizes.scored:
+            chosen.remove(max(chosen, key=lambda j: (int(action_targets[j]), j)))
+        rows.append([first, *chosen])
+        taken = set(rows[-1])
+        left = [j for j in left if j not in taken]
+    return rows
 
 
 def trajectory_lengths(attention_mask: np.ndarray) -> np.ndarray:

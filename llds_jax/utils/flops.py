@@ -9,7 +9,10 @@ seconds and the devices' peak. Two counts per phase:
   on the *scored* positions only (``models.logprobs.scored_positions``: only action targets meet
   the head); training = 3 × forward (the backward costs two forwards);
 * **hardware FLOPs** (what a time prediction needs): model FLOPs plus what remat recomputes
-  (``model.remat="full"`` / ``"nothing_saveable"`` rerun the whole forward in the backward).
+  (``model.remat="full"`` / ``"nothing_saveable"`` rerun the whole forward in the backward;
+  ``"minimal"`` / ``"dots_saveable"`` keep the matmul outputs and rerun only elementwise work and an
+  opaque attention kernel's forward; the LM head's chunks rerun their projection under any policy:
+  :func:`update_hardware_flops`).
 
 Decode is bandwidth-bound, so its utilisation is MBU: bytes a decode step must read — the
 weights once per step (all rows share them) and each row's *live* KV entries — over seconds and
@@ -35,6 +38,12 @@ PEAKS: dict[str, tuple[str, float, float]] = {
     "v5p": ("TPU v5p (459 TFLOP/s bf16, 2.77 TB/s)", 459e12, 2.765e12),
 }
 REMAT_RERUNS_FORWARD = ("full", "nothing_saveable")
+# Policies that keep every matmul's output (``models.decoder._remat``): the backward reruns elementwise work
+# (no matmul FLOPs) and, where the attention is an opaque kernel (cuDNN, splash: its residuals live inside its
+# custom VJP, so no policy can name them), that kernel's forward.
+REMAT_KEEPS_MATMULS = ("minimal", "dots_saveable")
+# Policies that keep every matmul's output but the MLP gate projection's, which the backward recomputes.
+REMAT_RERUNS_GATE = ("minimal_no_gate",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +143,26 @@ def training_flops(cfg, rows: int, length: int, scored_per_row: int, remat: str 
     """(model FLOPs, hardware FLOPs) of one forward + backward over the rows (see the module doc)."""
     forward = forward_flops(cfg, rows, length, scored_per_row, pairs_per_row=pairs_per_row)
     return 3.0 * forward, (4.0 if remat in REMAT_RERUNS_FORWARD else 3.0) * forward
+
+
+def update_hardware_flops(cfg, rows: int, length: int, scored_per_row: int, remat: str, *,
+                          pairs_per_row: float | None = None, opaque_attention: bool = False,
+                          head_chunked: bool = False) -> float:
+    """Hardware FLOPs of the update's forward + backward over the rows, term by term (what the job runs):
+    the decoder body B (layers and attention A) and the LM head H each once forward and twice backward;
+    ``remat`` in :data:`REMAT_RERUNS_FORWARD` reruns B, one in :data:`REMAT_KEEPS_MATMULS` reruns A where the
+    kernel is opaque (``opaque_attention``), one in :data:`REMAT_RERUNS_GATE` that and the MLP gate projection; ``head_chunked`` (``models.logprobs.token_logprobs`` scans more
+    than one chunk of scored positions and checkpoints each) reruns H. Full remat with a chunked head is
+    ``4 × forward``, :func:`training_flops`' count."""
+    pairs = causal_pairs(length) if pairs_per_row is None else pairs_per_row
+    attention = rows * attention_flops(cfg, pairs)
+    head = rows * 2.0 * cfg.hidden_size * cfg.vocab_size * scored_per_row
+    body = forward_flops(cfg, rows, length, scored_per_row, pairs_per_row=pairs) - head
+    kept = remat in REMAT_KEEPS_MATMULS or remat in REMAT_RERUNS_GATE
+    rerun = body if remat in REMAT_RERUNS_FORWARD else attention if (kept and opaque_attention) else 0.0
+    if remat in REMAT_RERUNS_GATE:
+        rerun += rows * length * 2.0 * cfg.num_layers * cfg.hidden_size * cfg.intermediate_size
+    return 3.0 * (body + head) + rerun + (head if head_chunked else 0.0)
 
 
 def decode_bytes(cfg, steps: int, key_reads: float, weight_bytes: int = 2, kv_bytes: int = 2) -> float:
