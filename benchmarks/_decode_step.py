@@ -58,6 +58,9 @@ into VMEM by memory-space assignment is charged at both ends (``copy-start``/``c
 8.9 GB its HBM-resident operands and results account for. The ideal is an HBM figure, so the ratio
 compares like with like; ``hbm_model.by_opcode`` says where the bytes go.
 
+``kernel_groups``: where a token's bytes go, the kernels grouped by what they run, each group's
+operand and result bytes (a custom call's declared bytes), largest first.
+
 ``ideal_bytes``: the weights in the compute dtype once (a tied table once; an untied input table
 only its looked-up rows), each row's live k and v over every layer read once, the new token's k
 and v written, and the fp32 logits row written by the step and read by the next one's sampler
@@ -428,12 +431,13 @@ def read_step(hlo: str, platform: str, decoder_cfg, lengths: list[int], block: i
     xla = _hlo_cost(as_entry(blocks, body))
     loop_extra = sum(loop["times"] * (loop["trips"] - 1) * _hlo_cost(as_entry(blocks, loop["body"]))
                      for loop in found.loops)
-    declared, uncosted, kinds = 0.0, [], {}
+    declared, uncosted, kinds, per_call = 0.0, [], {}, {}
     for computation, name, times in found.calls:
         nbytes, kind = _call_bytes(reader, computation, name, platform, decoder_cfg, lengths)
         if kind:
             declared += times * nbytes
             kinds[kind] = kinds.get(kind, 0.0) + times * nbytes
+            per_call[name] = nbytes
         else:
             uncosted.append(name)
     pool = (1, None, decoder_cfg.num_kv_heads, block, decoder_cfg.head_dim)
@@ -459,10 +463,41 @@ def read_step(hlo: str, platform: str, decoder_cfg, lengths: list[int], block: i
                                                           pool_gathers=sum(gathers.values()),
                                                           table_lookups=lookups, logit_picks=picks,
                                                           charged_not_run=-int(in_place)),
-                uncosted_calls=sorted(uncosted),
+                uncosted_calls=sorted(uncosted), kernel_groups=kernel_groups(reader, found, per_call),
                 loops=[dict(body=loop["body"], trips=loop["trips"], dynamic=loop["dynamic"]) for loop in found.loops],
                 segment_loop=dict(known_trip_count=reader.trip_count(reader.entry, segment[0]) is not None,
                                   body=body, tokens_per_check=tokens_per_check), dynamic_trips_charged=dynamic_trips)
+
+
+# ops inside a fusion that say nothing about what it computes (a kernel group's name leaves them out)
+_FUSED_PLUMBING = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "broadcast", "convert", "reshape",
+                   "copy", "transpose"}
+
+
+def kernel_groups(reader: Reader, found: _Walk, declared: dict[str, float]) -> list[dict]:
+    """Where a token's bytes go: the step's kernels grouped by what they run (a fusion by the ops
+    inside it, a custom call by its kernel's name), each group's operand + result bytes a token
+    (``declared``: a custom call's declared bytes instead), largest first. Evidence, not the total:
+    a kernel that reads part of an operand (a gather, an in-place scatter) is charged all of it."""
+    groups: dict[str, dict] = {}
+    for (computation, name), times in found.kernels.items():
+        op = reader.computations[computation][name]
+        moved = declared.get(name)
+        if moved is None:
+            moved = op.bytes + sum(leaf.bytes for o in op.operands for leaf in reader.leaves_of(computation, o))
+        if op.opcode == "fusion":
+            inner = {o.opcode for o in reader.computations[op.called("calls")[0]].values()} - _FUSED_PLUMBING
+            kind = f"fusion({','.join(sorted(inner))})"
+        elif op.opcode == "custom-call":
+            named = re.search(r'name = \\?"([A-Za-z_]+?)(?:_\d+_reads)?\\?"', op.attrs)
+            kind = named[1] if named else re.search(r'custom_call_target="([^"]+)"', op.attrs)[1]
+        else:
+            kind = op.opcode
+        group = groups.setdefault(kind, dict(kind=kind, kernels=0, bytes=0.0))
+        group["kernels"] += times
+        group["bytes"] += times * moved
+    return sorted(({**g, "bytes": int(g["bytes"]), "kernels": int(g["kernels"])} for g in groups.values()),
+                  key=lambda g: -g["bytes"])
 
 
 class _KernelsApart(Reader):

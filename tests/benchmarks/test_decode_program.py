@@ -47,6 +47,8 @@ def test_the_report_has_every_field_for_each_target_compiler(report):
         assert target["kernels"] > 0 and target["bytes"] > 0 and target["uncosted_calls"] == []
         assert target["segment_loop"]["known_trip_count"] is False  # decode_segment stops early: a checked loop
         assert target["live_lengths"]["max"] == max(_tiny_lengths())
+        groups = target["kernel_groups"]  # where the bytes go: every kernel in one group, largest first
+        assert sum(g["kernels"] for g in groups) == target["launches"] and groups[0]["bytes"] >= groups[-1]["bytes"]
     assert report["targets"]["h100-tiny"]["compiler"].startswith("XLA:GPU")
     assert report["targets"]["v5e-tiny"]["compiler"].startswith("XLA:TPU")
 
