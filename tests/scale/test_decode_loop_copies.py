@@ -3,11 +3,16 @@ the cache's size), compiled through the planner's AOT front-end (``plan.aot``).
 
 XLA:TPU, compiled for a v5e from this CPU host: with the Pallas decode kernel (attention "auto"
 on TPU) the loop body holds no cache-sized op, and with the plain-XLA blockwise kernel it holds
-copies (so the probe is shown to find what it looks for). XLA:CPU: the cache is held per key
-block (``attention.cache_block``) and the body's only block-sized ops are the in-place writes;
-held as one buffer per layer, every visited block is sliced out (copied) for its dots."""
+copies (so the probe is shown to find what it looks for). XLA:GPU, compiled for an H100: the
+engine's step (``slots.decode_segment``, the paged pools carried through its token loop) holds no
+pool-sized op but the in-place writes. XLA:CPU: the cache is held per key block
+(``attention.cache_block``) and the body's only block-sized ops are the in-place writes; held as one
+buffer per layer, every visited block is sliced out (copied) for its dots."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +46,28 @@ def test_tpu_decode_loop_body_touches_no_whole_cache():
     blockwise_ops, _ = _cache_ops_in_loop_body("xla_blockwise")
     assert any(op.startswith("copy") for op in blockwise_ops), \
         f"the probe no longer finds the blockwise loop's cache copies ({blockwise_ops}): it may be blind"
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(bool(target_installed("gpu")), reason=target_installed("gpu") or "installed")
+def test_gpu_engine_decode_loop_body_touches_no_whole_pool_but_its_writes():
+    """The engine's decode step as ``bench_rollout.py --decode-program --tiny`` compiles it for an H100:
+    inside its loops, the only ops whose result is a whole KV pool are the scatter fusions that write
+    the new token in place (seen, so the probe is not blind); no copy of a pool a token."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import _decode_step  # noqa: PLC0415  (benchmarks/: the report's own compile of the step)
+
+    target = _decode_step.tiny_targets()["h100-tiny"]
+    config = _decode_step._decoder_config(target.model)
+    device, _ = _decode_step._device("gpu")
+    compiled, _ = _decode_step.compile_segment(target, config, device)
+    hlo = compiled.as_text()
+    pool = f"[1,{target.kv_blocks},{config.num_kv_heads},{target.block},{config.head_dim}]"
+    bodies = while_bodies(hlo)
+    ops = [op for op in ops_outside_fusions(hlo) if op["computation"] in bodies and op["shape"].endswith(pool)]
+    writes = [op for op in ops if op["opcode"] == "fusion" and "scatter" in op["name"]]
+    assert len(writes) == 2 * config.num_layers, f"expected a k and a v write a layer: {ops}"
+    assert writes == ops, f"pool-sized ops other than the in-place writes in the GPU decode loop: {ops}"
 
 
 def test_cpu_decode_loop_reads_its_key_blocks_in_place(monkeypatch):
