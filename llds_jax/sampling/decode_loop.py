@@ -244,35 +244,47 @@ def decode_program(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array,
         drawn=drawn.astype(jnp.int32),
     )
 
+    return state, token_step(model, layer_weights, sampling, budget, pad_id, keep_frozen_logits=True)
+
+
+def token_step(model, layer_weights, sampling: SamplingParams, budget: jax.Array, pad_id: jax.Array, *,
+               keep_frozen_logits: bool):
+    """The one-token step ``DecodeState -> DecodeState`` of both decode programs: the waves'
+    (:func:`decode_program`) and the engine's (``slots.decode_segment``).
+
+    Every row that is not done samples with its own key at count ``drawn + lengths``, writes its
+    token and log-prob at its own column (its action's length, so an action can span several
+    calls), advances its stop-string matcher and its length, and finishes on a stop id, a stop
+    string or its ``budget``; the token goes through ``forward_cached`` with the done rows masked
+    (no cache write). ``keep_frozen_logits``: a done row keeps its next-token logits (the waves: a
+    row sitting out a turn resumes there); the engine writes every row's (a select over the fp32
+    ``[B, V]`` logits a token saved; its slots always restart after an append).
+    """
     def one_token(s: DecodeState) -> DecodeState:
         sampled, logprob = sample_rows(s.logits, s.keys, s.drawn + s.lengths, sampling)
         active = ~s.done
         token = jnp.where(active, sampled, pad_id)
         logprob = jnp.where(active, logprob, 0.0)
         stop_state, string_hit = stop_strings.advance(sampling.stop_table, s.stop_state, token)
+        stop_state = jnp.where(active[:, None], stop_state, s.stop_state)
         id_hit = jnp.any(token[:, None] == sampling.stop_ids[None, :], axis=-1)
+        columns = jnp.arange(s.tokens.shape[1], dtype=jnp.int32)
+        write = active[:, None] & (columns[None, :] == s.lengths[:, None])
         lengths = s.lengths + active.astype(jnp.int32)
-        capped = lengths >= budget
         finish = jnp.where(id_hit, FinishReason.STOP_TOKEN,
                            jnp.where(string_hit, FinishReason.STOP_STRING, FinishReason.CAP))
-        now_done = active & (id_hit | string_hit | capped)
+        now_done = active & (id_hit | string_hit | (lengths >= budget))
         next_logits, cache = model.forward_cached(token[:, None], s.cache, token_mask=active[:, None],
                                                   layer_weights=layer_weights)
         return DecodeState(
-            tokens=s.tokens.at[:, s.step].set(token),
-            logprobs=s.logprobs.at[:, s.step].set(logprob),
-            lengths=lengths,
-            done=s.done | now_done,
-            finish=jnp.where(now_done, finish, s.finish),
+            tokens=jnp.where(write, token[:, None], s.tokens),
+            logprobs=jnp.where(write, logprob[:, None], s.logprobs),
+            lengths=lengths, done=s.done | now_done, finish=jnp.where(now_done, finish, s.finish),
             stop_state=stop_state,
-            logits=jnp.where(active[:, None], next_logits, s.logits),  # frozen rows keep theirs
-            cache=cache,
-            step=s.step + 1,
-            keys=s.keys,
-            drawn=s.drawn,
-        )
+            logits=jnp.where(active[:, None], next_logits, s.logits) if keep_frozen_logits else next_logits,
+            cache=cache, step=s.step + 1, keys=s.keys, drawn=s.drawn)
 
-    return state, one_token
+    return one_token
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, counts: jax.Array, sampling: SamplingParams

@@ -42,7 +42,7 @@ from flax import nnx
 
 from llds_jax.models import PagedKVCache, init_paged_pools
 from llds_jax.models.attention import CACHED_BLOCK
-from llds_jax.sampling import decode_loop, placement, stop_strings
+from llds_jax.sampling import decode_loop, placement
 from llds_jax.sampling.decode_loop import DecodeState, FinishReason, SamplingParams
 from llds_jax.sampling.generate import MIN_LENGTH_BUCKET, bucket
 from llds_jax.sampling.session import MIN_EXTEND_TOKENS, NO_TRAJECTORY, SampledAction, cache_slot_limit
@@ -351,8 +351,8 @@ def decode_segment(graphdef: nnx.GraphDef, params: nnx.State, layer_weights, sta
     ``started [B]``: slots whose action begins now (ids, length and stop-string state reset);
     ``idle [B]``: slots that take no part (frozen, as ``decode_loop.decode`` freezes done
     rows: no token, no cache write, no length). Each slot writes its tokens at its own column
-    (its action's length), so an action runs over several calls. The per-token work is
-    ``decode_loop.decode_program``'s: the same sampler with row ``b``'s key at count
+    (its action's length), so an action runs over several calls. The per-token work is the
+    waves' own step (``decode_loop.token_step``): the same sampler with row ``b``'s key at count
     ``drawn[b] + length[b]``, the same stop rules, the same cached forward.
 
     One difference: the next-token logits are written for every row, not kept for the frozen
@@ -366,7 +366,6 @@ def decode_segment(graphdef: nnx.GraphDef, params: nnx.State, layer_weights, sta
     width = state.tokens.shape[1]
     pad_id = jnp.asarray(pad_id, jnp.int32)
     budget = jnp.minimum(budget.astype(jnp.int32), width)
-    columns = jnp.arange(width, dtype=jnp.int32)
     lengths = jnp.where(started, 0, state.lengths)
     state = DecodeState(
         tokens=jnp.where(started[:, None], pad_id, state.tokens),
@@ -378,26 +377,5 @@ def decode_segment(graphdef: nnx.GraphDef, params: nnx.State, layer_weights, sta
         logits=state.logits, cache=state.cache, step=jnp.zeros((), jnp.int32), keys=state.keys,
         drawn=state.drawn.astype(jnp.int32))
 
-    def one_token(s: DecodeState) -> DecodeState:
-        sampled, logprob = decode_loop.sample_rows(s.logits, s.keys, s.drawn + s.lengths, sampling)
-        active = ~s.done
-        token = jnp.where(active, sampled, pad_id)
-        logprob = jnp.where(active, logprob, 0.0)
-        stop_state, string_hit = stop_strings.advance(sampling.stop_table, s.stop_state, token)
-        stop_state = jnp.where(active[:, None], stop_state, s.stop_state)
-        id_hit = jnp.any(token[:, None] == sampling.stop_ids[None, :], axis=-1)
-        write = active[:, None] & (columns[None, :] == s.lengths[:, None])
-        lengths = s.lengths + active.astype(jnp.int32)
-        finish = jnp.where(id_hit, FinishReason.STOP_TOKEN,
-                           jnp.where(string_hit, FinishReason.STOP_STRING, FinishReason.CAP))
-        now_done = active & (id_hit | string_hit | (lengths >= budget))
-        next_logits, cache = model.forward_cached(token[:, None], s.cache, token_mask=active[:, None],
-                                                  layer_weights=layer_weights)
-        return DecodeState(
-            tokens=jnp.where(write, token[:, None], s.tokens),
-            logprobs=jnp.where(write, logprob[:, None], s.logprobs),
-            lengths=lengths, done=s.done | now_done, finish=jnp.where(now_done, finish, s.finish),
-            stop_state=stop_state, logits=next_logits, cache=cache,
-            step=s.step + 1, keys=s.keys, drawn=s.drawn)
-
-    return decode_loop.run_steps(one_token, state, steps)  # at most ``steps`` tokens, done checked every few
+    step = decode_loop.token_step(model, layer_weights, sampling, budget, pad_id, keep_frozen_logits=False)
+    return decode_loop.run_steps(step, state, steps)  # at most ``steps`` tokens, done checked every few
