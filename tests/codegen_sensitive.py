@@ -34,7 +34,8 @@ def child_xla_flags(devices: int | None = None, *, min_llvm_level: int | None = 
     Children compile as the test process does: in paired runs under the second code generator, level 0 was
     faster for the CLI-mode and fault-recovery children (``--mode=plan`` of the default job most of all) and
     within run-to-run noise for the two-process training ones; only the device check's dry run, which runs
-    each part of the GPU check over Qwen's 151,936-token vocabulary, came out clearly faster at level 1.
+    each part of the GPU check over Qwen's 151,936-token vocabulary, and the mesh-index training run of
+    ``tests/retrieval/test_mesh_training.py`` (70 warm-up steps) came out clearly faster at level 1.
     """
     prefix = "--xla_backend_optimization_level="
     flags = []

@@ -1,4 +1,5 @@
-"""The Gram probe's pieces (lab/gram.py) on hand-built gradients, and first order against an exact step."""
+"""The Gram probe's pieces (lab/gram.py) on hand-built gradients, and first order against an exact step.
+The probe on a tiny model shares the SGD probe's checkpoint run in ``test_probe.py``."""
 
 import numpy as np
 import pytest
@@ -83,63 +84,3 @@ def test_first_order_predicts_an_exact_small_sgd_step_on_a_softmax_policy():
     assert result["groups"] == len(agree) > 20 and result["agreement"] == 1.0 and result["first_order_ok"]
     assert not sign_agreement([1.0, 1.0, -1.0], [1.0, -1.0, 1.0])["first_order_ok"]
     assert sign_agreement([None], [1.0]) == {"groups": 0, "agreement": None, "first_order_ok": False}
-
-
-@pytest.mark.integration
-@pytest.mark.slow  # ≈ 40 s: a tiny random model, two probed groups plus the Gram probe's fresh sample
-def test_gram_probe_on_a_tiny_model_matches_the_sgd_probe_and_the_batch_gradient(shared_dir, tmp_path):
-    import sys
-    from pathlib import Path
-
-    import jax
-    import jax.numpy as jnp
-    from jax.flatten_util import ravel_pytree
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
-    from train_helpers import tiny_loop_config
-
-    from llds_jax.app.run import load_policy_and_retriever
-    from llds_jax.data.prompts import load_questions
-    from llds_jax.lab.gram import ResponseGrads
-    from llds_jax.lab.probe import DEFAULT_PROBE, GroupModel, group_config, probe_checkpoint
-    from llds_jax.parallel.mesh import make_mesh
-    from llds_jax.train.learner import Learner
-
-    config = group_config(tiny_loop_config(str(tmp_path), str(shared_dir / "assets" / "qwen2_tokenizer")))
-    config.rollout.n_samples, config.rollout.max_action_tokens = 4, 8
-    config.train.mini_batch_size = config.train.micro_batch_size = config.train.logprob_batch_size = 4
-    mesh = make_mesh((1, 1, 1))
-    model, tokenizer, retriever = load_policy_and_retriever(config, mesh)
-    learner = Learner.create(model, config, mesh)
-    saved = jax.tree.map(lambda x: jnp.array(x, copy=True), learner.state)
-    records = load_questions(config.data.train)[:2]
-    settings = {**DEFAULT_PROBE, "gram": True, "gram_samples": 8, "gram_subsets": 5}
-    slots = int(config.rollout.max_turns) + 1
-    grads = ResponseGrads(learner.graphdef, 1.0, slots)
-    result = probe_checkpoint(learner, saved, tokenizer, retriever, records, config, settings,
-                              GroupModel(learner.graphdef, 1.0), response_grads=grads,
-                              reward_fn=lambda answers, golden: np.arange(len(answers)) % 2 == 0)
-    gram = result["gram"]
-    assert gram["validation"]["groups"] == 2 and gram["validation"]["agreement"] >= 0.9, gram["validation"]
-    assert gram["validation"]["first_order_ok"]
-    assert gram["questions_by_stratum"] == {"4": 2}  # 4 of 8 correct: the whole group, k = 4 only
-    assert all(np.isfinite(r["margin"]) and r["norm_ratio"] > 0 for r in gram["strata"]["4"])
-    assert all(np.isfinite(g["delta_fresh_adam"]["total"]) for g in result["groups"])
-    assert result["lld_share_fresh_adam"] in (0.0, 0.5, 1.0)
-    # Σ_i A_i g_i / (action tokens) is minus the SGD probe's loss gradient: the per-response gradients are aligned.
-    from llds_jax.rollout.multi_turn import run_rollouts
-    from llds_jax.train.batch import TrainBatch
-
-    rollout = run_rollouts(learner.sampler_policy(), tokenizer, [records[0].question], retriever, config.rollout,
-                           key=jax.random.key(1), group_ids=[0])
-    batch = TrainBatch.from_rollout(rollout, (np.arange(4) % 2 == 0).astype(np.float32), length=learner.seq_len)
-    a = np.array([1.0, -1.0, 1.0, -1.0], np.float32)
-    per_response = grads(saved.params, batch.input_ids, batch.attention_mask, batch.action_mask, batch.action_index)
-    loss_grad = GroupModel(learner.graphdef, 1.0).grad(saved.params, jnp.asarray(batch.input_ids),
-                                                       jnp.asarray(batch.attention_mask),
-                                                       jnp.asarray(batch.action_mask, jnp.float32), jnp.asarray(a))
-    flat = np.asarray(ravel_pytree(loss_grad)[0], np.float64)
-    leaves = np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(loss_grad)])
-    assert flat.size == per_response.shape[-1] == leaves.size
-    mine = -(a[:, None] * per_response.sum(axis=1)).sum(axis=0) / np.asarray(batch.action_mask).sum()
-    np.testing.assert_allclose(mine, leaves, rtol=1e-3, atol=1e-6 * np.abs(leaves).max())

@@ -11,6 +11,15 @@ shortened default job runs over the mesh index; its recorded searches are then a
 the price of one run instead of two. Both retrievers search one set of MiniLM vectors of a 301-row cut
 of the bundled corpus (an odd count: the mesh pads it over the devices); queries are encoded by the
 configured encoder.
+
+The run is the default job with its policy swapped for the tiny random model (``tiny:qwen2``, the Qwen
+tokenizer): the comparison needs rollouts that search, not a model that answers, and this file cost 504
+CPU-s with SmolLM2's run, 226 with the tiny model's (a loaded 2-core VM). A random model writes no
+``<search>`` either, so the job's own format warm-up (synthetic trajectories whose documents come from the
+same mesh retriever) runs first, at a learning rate a tiny model learns the fixed tag template from, and
+the rollout samples at T = 0.5 (below). Its queries are a few of the question words ("who the answer"),
+so BM25's documents for them still differ from the dense index's; the rollout's caps, the retriever and
+the replay are the default job's.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from llds_jax.errors import InputError
-from llds_jax.models.loading import load_tokenizer, resolve_model_path
+from llds_jax.models.loading import load_tokenizer
 from llds_jax.retrieval import Corpus, DenseRetriever, build_retriever
 from llds_jax.retrieval.config import BUNDLED_CORPUS
 from llds_jax.retrieval.dense import build_dense_index
@@ -41,9 +50,15 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS = 301
-# The smallest run whose rollouts search: SmolLM2 writes no <search> zero-shot, so the default job's
-# format warm-up runs first (its synthetic trajectories' documents come from the same retriever).
-WARMUP_STEPS = 8
+# The smallest run whose rollouts search: the tiny random model writes no <search>, so the default job's
+# format warm-up runs first (its synthetic trajectories' documents come from the same retriever), at a rate
+# that teaches a tiny model the tag template (the job's 1e-4 is SmolLM2's fine-tuning rate): after 80 steps
+# at 1e-2 it writes "<think> I need to find information about this question. </think>\n<search>" but then a
+# query of random words, which at T = 1 often runs past the action cap before "</search>" (3 of 8 searched);
+# sampled at T = 0.5 the learned closing tag comes soon enough.
+WARMUP_STEPS = 70
+SFT_LR = 1e-2
+TEMPERATURE = 0.5
 RL_STEPS = 1
 TRAJECTORIES = 8  # the default job's 2 prompts x 4 samples: every one is written to samples.jsonl
 # One device, as a user's CPU run has: simulated devices' collectives abort after 40 s without a peer, which a
@@ -72,6 +87,20 @@ def cut(tmp_path_factory, make_embedder):
     return {"corpus": corpus_path, "index": index_dir}
 
 
+def policy_fields(shared_dir: Path) -> dict:
+    """The default job's policy swapped for the tiny random model over the Qwen tokenizer."""
+    return {"model.source": "tiny:qwen2", "model.tokenizer": str(shared_dir / "assets" / "qwen2_tokenizer")}
+
+
+def job_config(fields: dict):
+    """The default job with ``fields`` (dotted names) set."""
+    config = load_default_job()
+    for field, value in fields.items():
+        section, name = field.split(".")
+        config[section][name] = value
+    return config
+
+
 def retrieval_fields(cut, method: str) -> dict:
     return {"retrieval.method": method, "retrieval.corpus_path": str(cut["corpus"]),
             "retrieval.index_path": str(cut["index"])}
@@ -85,10 +114,7 @@ def test_the_trainer_places_the_mesh_index_on_its_own_mesh(cut, shared_dir):
     from llds_jax.config import validate_sections
     from llds_jax.parallel.mesh import make_mesh
 
-    config = load_default_job()
-    config.model.source, config.model.tokenizer = "tiny:qwen2", str(shared_dir / "assets" / "qwen2_tokenizer")
-    for field, value in retrieval_fields(cut, "mesh").items():
-        config.retrieval[field.split(".")[1]] = value
+    config = job_config({**policy_fields(shared_dir), **retrieval_fields(cut, "mesh")})
     for shape, axis, shards, spec in (((-1, 1, 1), "", 8, P(("data", "fsdp", "tensor"), None)),
                                       ((2, 4, 1), "fsdp", 4, P(("fsdp",), None))):
         config.mesh.shape, config.retrieval.mesh_axis = shape, axis
@@ -143,9 +169,10 @@ def test_the_waves_rollout_calls_the_mesh_index_once_per_turn_with_every_query(c
     assert all(text.count("<information>") == len(row) - 1 for text, row in zip(batches["mesh"].response_texts, rows))
 
 
-def train_command(workdir: Path, cut, method: str) -> list[str]:
+def train_command(workdir: Path, cut, method: str, shared_dir: Path) -> list[str]:
     overrides = {
-        "workdir": str(workdir), **retrieval_fields(cut, method), "train.warmup_sft_steps": WARMUP_STEPS,
+        "workdir": str(workdir), **policy_fields(shared_dir), **retrieval_fields(cut, method),
+        "train.warmup_sft_steps": WARMUP_STEPS, "sft.lr": SFT_LR, "rollout.temperature": TEMPERATURE,
         "train.total_steps": RL_STEPS, "train.samples_per_step": TRAJECTORIES, "eval.data": "",
         "train.export_hf": False, "train.loggers": "()",
     }
@@ -154,32 +181,33 @@ def train_command(workdir: Path, cut, method: str) -> list[str]:
 
 
 def run_to_end(cmd: list[str], log: Path, timeout: float = 1500) -> None:
-    """One ``python -m llds_jax.main`` as a user starts it, on one device."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(RUN_DEVICES))
+    """One ``python -m llds_jax.main`` as a user starts it, on one device. Under the second code generator its
+    LLVM level is raised to 1: the run is 70 warm-up steps of compute, and level 0's slower code cost more than
+    its faster compile (the file's CPU-s under that generator: 432 at level 0, 238 at level 1)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(RUN_DEVICES, min_llvm_level=1))
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     finish(proc, log, timeout)
 
 
 @pytest.fixture(scope="module")
-def mesh_run(cut, tmp_path_factory):
-    """The default job, shortened, over the mesh index. Cost: ≈ 5 min on the 2-core VM (warm-up 94 s, RL step
-    85 s, the rest compiling); one run, where comparing two whole runs cost twice that."""
+def mesh_run(cut, tmp_path_factory, shared_dir):
+    """The default job, shortened and on the tiny model, over the mesh index. Cost: ≈ 3.5 min on the 2-core
+    VM (warm-up 87-95 s, RL step 50-100 s, mostly compiling); one run, where comparing two whole runs cost twice
+    that."""
     root = tmp_path_factory.mktemp("runs")
     workdir, log = root / "mesh", root / "mesh.log"
-    run_to_end(train_command(workdir, cut, "mesh"), log)
-    return {"workdir": workdir, "log": log.read_text(),
+    run_to_end(train_command(workdir, cut, "mesh", shared_dir), log)
+    return {"workdir": workdir, "log": log.read_text(), "policy": policy_fields(shared_dir),
             "samples": [json.loads(line) for line in (workdir / "samples.jsonl").read_text().splitlines()],
             "metrics": [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]}
 
 
 def replay(run: dict, retriever_fields: dict):
     """The run's recorded searches asked of the retriever ``retriever_fields`` configure, as ``--mode=replay``
-    asks them (the job's ``max_doc_tokens`` cut in SmolLM2's tokens, its ``topk`` and ``max_obs_tokens``)."""
-    config = load_default_job()
-    for field, value in retriever_fields.items():
-        config.retrieval[field.split(".")[1]] = value
-    tokenizer = load_tokenizer(config.model, resolve_model_path(str(config.model.source)))
+    asks them (the job's ``max_doc_tokens`` cut in the run's policy tokens, its ``topk`` and ``max_obs_tokens``)."""
+    config = job_config({**run["policy"], **retriever_fields})
+    tokenizer = load_tokenizer(config.model)  # model.tokenizer: the Qwen tokenizer the run sampled with
     return replay_feedback([s["response"] for s in run["samples"]], build_retriever(config.retrieval, tokenizer),
                            tokenizer, int(config.rollout.topk), int(config.rollout.max_obs_tokens))
 
