@@ -59,6 +59,11 @@ def test_minimal_no_gate_gives_minimals_gradients():
         return jax.grad(loss)(params)
 
     del graphdef
-    same = jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, rtol=1e-6, atol=1e-7)), grads("minimal"),
-                        grads("minimal_no_gate"))
-    assert all(jax.tree.leaves(same))
+    # The same arithmetic: only XLA's fusion around the recomputed gate differs, so a gradient element (a sum
+    # over the batch's B·L positions) may be summed in another order: at most one rounding a position at the
+    # leaf's scale. (Measured: 0 under this host's default code generator, <= 1.7 eps x max under the second.)
+    bound = _BATCH * _LENGTH * float(jnp.finfo(jnp.float32).eps)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads("minimal")),
+                            jax.tree.leaves(grads("minimal_no_gate")), strict=True):
+        scale = float(jnp.max(jnp.abs(a)))
+        assert float(jnp.max(jnp.abs(a - b))) <= bound * scale, jax.tree_util.keystr(path)
