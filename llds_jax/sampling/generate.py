@@ -1,10 +1,16 @@
 """``generate``: one batched, single-turn call of the sampler, with bucketed shapes.
 
+It runs on the rollout engine's decode slots (``slots.SlotSession``, the paged KV cache),
+so there is one cache layout and one decode program: row ``b`` is slot ``b`` holding
+trajectory ``b``, its mask-true prompt ids are appended from cache slot 0 on (no padding
+in the cache, positions as transformers counts them), and one decode call samples every
+row's action.
+
 Shapes that reach the compiled programs are rounded up to buckets (powers of two, at
-least 16 for lengths): the batch, the prompt width and the generation width. Padding rows
-are frozen from the start and padding prompt slots are invalid cache slots, so results do
-not depend on the bucket — only the number of compiled programs does: one per bucket,
-whatever the prompts, knobs, stop strings or weights (asserted in the tests).
+least 16 for lengths): the batch, the longest prompt and the generation width. Padding rows
+idle and a row's padding never enters the cache, so results do not depend on the bucket —
+only the number of compiled programs does: one per bucket, whatever the prompts, knobs,
+stop strings or weights (asserted in the tests).
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ import functools
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -74,8 +79,12 @@ def generate(model, input_ids, attention_mask, *, max_new_tokens: int, temperatu
     ``model`` is a :class:`~llds_jax.models.Decoder` or a ``(graphdef, params)`` pair from
     ``nnx.split``. ``temperature=0`` is greedy. A row stops after a token in
     ``stop_token_ids``, after the token that completes one of ``stop_strings`` (that token
-    is kept, see ``stop_strings.py``), or at ``max_new_tokens``.
+    is kept, see ``stop_strings.py``), or at ``max_new_tokens``. Every row needs at least
+    one prompt token (its first draw follows its last one).
     """
+    # imported here: slots.py imports this module's ``bucket`` and ``MIN_LENGTH_BUCKET``
+    from llds_jax.sampling.slots import SlotSession
+
     graphdef, params = nnx.split(model) if isinstance(model, nnx.Module) else model
     config = _config(graphdef, params)
     input_ids = np.asarray(input_ids, np.int32)
@@ -84,34 +93,44 @@ def generate(model, input_ids, attention_mask, *, max_new_tokens: int, temperatu
         raise ValueError(f"input_ids {input_ids.shape} and attention_mask {attention_mask.shape} must be equal [B, T]")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
-    rows, prompt_len = input_ids.shape
-    batch = bucket(rows)
-    prompt_width = bucket(prompt_len, MIN_LENGTH_BUCKET)
+    prompts = [ids[row_mask].tolist() for ids, row_mask in zip(input_ids, attention_mask)]
+    empty = [row for row, ids in enumerate(prompts) if not ids]
+    if empty:
+        raise ValueError(f"rows {empty} have no prompt token (attention_mask all false)")
+    rows = len(prompts)
+    # The context a row may hold, bucketed (the longest real prompt, then the generation
+    # buffer) so that the pool and block tables — shapes of both programs — follow the buckets.
     width = bucket(max_new_tokens, MIN_LENGTH_BUCKET)
-
-    tokens = np.full((batch, prompt_width), pad_id, np.int32)
-    mask = np.zeros((batch, prompt_width), bool)
-    tokens[:rows, prompt_width - prompt_len:] = input_ids  # extra left padding: invalid slots
-    mask[:rows, prompt_width - prompt_len:] = attention_mask
-    done = np.arange(batch) >= rows
-    budget = np.full((batch,), max_new_tokens, np.int32)
+    max_tokens = bucket(max(map(len, prompts)), MIN_LENGTH_BUCKET) + width
 
     sampling = decode_loop.SamplingParams.create(
         temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
         stop_table=resolve_stop_table(stop_strings, tokenizer, config.vocab_size))
-    cache = decode_loop.new_cache(config, batch, prompt_width + width)
-    logits, cache = decode_loop.extend(graphdef, params, jnp.asarray(tokens), jnp.asarray(mask), cache)
-    keys = decode_loop.row_keys(key, np.arange(batch))  # row b's draws depend on (key, b) only
-    state = decode_loop.decode(graphdef, params, logits, cache, jnp.asarray(done), jnp.asarray(budget), keys,
-                               jnp.zeros((batch,), jnp.int32), sampling, width=width, pad_id=pad_id)
-    out_tokens, out_logprobs, lengths, finish = jax.device_get(
-        (state.tokens, state.logprobs, state.lengths, state.finish))
-    return GenerateOutput(
-        tokens=np.asarray(out_tokens[:rows, :max_new_tokens]),
-        logprobs=np.asarray(out_logprobs[:rows, :max_new_tokens]),
-        lengths=np.asarray(lengths[:rows]),
-        finish=np.asarray(finish[:rows]),
-    )
+    session = SlotSession((graphdef, params), sampling, slots=bucket(rows), max_action_tokens=max_new_tokens,
+                          key=key, max_tokens=max_tokens, pad_id=pad_id)
+    for row in range(rows):
+        # slot ``row`` holds trajectory ``row``: its draws use fold_in(fold_in(key, row), n), the
+        # keys ``decode_loop.row_keys(key, arange(B))`` gave the dense path; its own ``columns``
+        # blocks of the pool (sized for every allocated slot to hold ``max_tokens``)
+        session.reset(row, row, 0)
+        session.set_blocks(row, np.arange(row * session.columns, (row + 1) * session.columns))
+    # mask-true ids only: a row's tokens sit from cache slot 0 on, at positions 0, 1, ... —
+    # transformers' cumsum(mask) - 1 position ids for left or right padding alike
+    session.append(dict(enumerate(prompts)))
+    for row in range(rows):
+        session.start_action(row, max_new_tokens)
+    actions = session.decode(width)  # every budget is ≤ the buffer width: one call ends every action
+    if session.any_decoding or len(actions) != rows:
+        raise RuntimeError(f"a decode call of {width} tokens ended {len(actions)} of {rows} rows")
+
+    tokens = np.full((rows, max_new_tokens), pad_id, np.int32)
+    logprobs = np.zeros((rows, max_new_tokens), np.float32)
+    lengths = np.zeros((rows,), np.int32)
+    finish = np.zeros((rows,), np.int32)
+    for row, action in actions.items():
+        n = len(action.ids)
+        tokens[row, :n], logprobs[row, :n], lengths[row], finish[row] = action.ids, action.logprobs, n, action.finish
+    return GenerateOutput(tokens=tokens, logprobs=logprobs, lengths=lengths, finish=finish)
 
 
 def _config(graphdef, params):

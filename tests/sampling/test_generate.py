@@ -9,7 +9,7 @@ import pytest
 
 from llds_jax.models import from_pretrained
 from llds_jax.models.testing import tiny_model
-from llds_jax.sampling import FinishReason, build_stop_table, decode_loop, generate
+from llds_jax.sampling import FinishReason, build_stop_table, decode_loop, generate, slots
 
 from .hf_reference import hf_greedy, left_padded, tiny_hf_model
 
@@ -101,11 +101,19 @@ def test_stop_string_ends_the_row_after_the_completing_token(model):
 
 
 def test_one_compiled_program_per_bucket_across_repeated_calls(model):
+    # generate runs on the decode slots: its programs are the slot session's append (_extend)
+    # and decode (decode_segment); its small helpers (pools, weight slices, logits scatter,
+    # row keys) must not compile per call either.
+    helpers = (slots._new_pools, slots._layer_weights, slots._put_rows, decode_loop.row_keys)
+
     def sizes():
-        return decode_loop.extend._cache_size(), decode_loop.decode._cache_size()
+        return slots._extend._cache_size(), slots.decode_segment._cache_size()
+
+    def helper_sizes():
+        return [f._cache_size() for f in helpers]
 
     generate(model, *left_padded((5, 3), vocab=256), max_new_tokens=9, key=jax.random.key(0))
-    before = sizes()
+    before, helpers_before = sizes(), helper_sizes()
     # Same buckets (batch ≤ 2, prompt ≤ 16, new ≤ 16) and sampling mode (plain temperature),
     # different lengths, temperatures, stops and keys.
     for seed, (lengths, new) in enumerate([((7, 2), 16), ((16, 5), 10), ((1, 12), 11), ((3, 3), 9)]):
@@ -114,6 +122,7 @@ def test_one_compiled_program_per_bucket_across_repeated_calls(model):
     # New weights (same shapes) reuse the program too: params are arguments.
     generate(tiny_model("qwen2", seed=9), *left_padded((4, 8), vocab=256), max_new_tokens=12, key=jax.random.key(1))
     assert sizes() == before, f"jit cache grew within one bucket: {before} -> {sizes()}"
+    assert helper_sizes() == helpers_before, f"a helper recompiled: {helpers_before} -> {helper_sizes()}"
     # Each other sampling mode (greedy, top-k, top-p, both) is a program of its own, compiled
     # once (other tests may have compiled it already): the mode is static (no run-time cond),
     # the knob values within it are not.
@@ -126,10 +135,17 @@ def test_one_compiled_program_per_bucket_across_repeated_calls(model):
                 compiled = sizes()
         assert sizes() == compiled, f"{second} recompiled the program of {first}: {compiled} -> {sizes()}"
     assert sizes()[1] <= before[1] + 4, f"four more modes, at most four more programs: {before} -> {sizes()}"
+    # A longer prompt bucket. The append pads its rows to MIN_EXTEND_TOKENS positions (64), so
+    # two rows already ran 32 columns: a prompt of 17..32 real ids compiles nothing new. Past
+    # 32 ids (64 columns) the append is one new program; the decode program keeps, since the
+    # row's context (64 + 16 slots) still fits one 128-slot block (the pool and the block
+    # tables are its only shapes that follow the prompt).
     before = sizes()
     generate(model, *left_padded((20, 3), vocab=256), max_new_tokens=9, key=jax.random.key(0))
+    assert sizes() == before, f"a prompt within the append floor recompiled: {before} -> {sizes()}"
+    generate(model, *left_padded((40, 3), vocab=256), max_new_tokens=9, key=jax.random.key(0))
     grown = sizes()
-    assert grown[0] == before[0] + 1, f"a new prompt bucket should add one extend program: {before} -> {grown}"
+    assert grown == (before[0] + 1, before[1]), f"a new prompt bucket should add one append program: {before} -> {grown}"
 
 
 @pytest.mark.integration
