@@ -409,7 +409,7 @@ def _engine_layout(config, section, decoder_cfg, target, devices, trajectories: 
 def _abstract_paged_cache(decoder_cfg, rollout_config, engine, dp: int, mesh, rules):
     """The engine's paged cache (``models.PagedKVCache``) as sharded shapes: each data device its pool."""
     from llds_jax.models import PagedKVCache  # noqa: PLC0415
-    from llds_jax.sampling.session import cache_slot_limit  # noqa: PLC0415
+    from llds_jax.sampling.slots import cache_slot_limit  # noqa: PLC0415
 
     block = engine.block_tokens
     pool = (dp, engine.kv_blocks_per_device, decoder_cfg.num_kv_heads, block, decoder_cfg.head_dim)

@@ -18,26 +18,55 @@ scheduler, verl's agent loop, in one host loop):
   newest trajectory there is preempted and resumes from its ids (recompute); its unfinished
   action is redrawn with the same keys.
 
+The turn-synchronous waves (``rollout.engine="waves"``, Search-R1's own ``run_llm_loop``
+schedule) are a policy of this same loop, ``waves=True``: the scheduler admits a new wave only
+into an empty engine; each turn decodes until the wave's longest action ends (one decode call of
+the whole action buffer); the turn's queries go to the retriever as one batch once no slot
+decodes; every row's feedback is appended in one call once they are back. Same session, same
+paged cache, same decode program: only when the host lets things happen differs.
+
 What a trajectory samples does not depend on this schedule: trajectory ``i`` draws token
 ``n`` with ``fold_in(fold_in(key, i), n)`` whatever slot, order or latency it meets, and its
 cache row is its own (``tests/rollout/test_engine.py`` compares slot counts, retrieval
-delays and the turn loop).
+delays and the two policies).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 
+import jax
 import numpy as np
+from flax import nnx
 
 from llds_jax.rollout import protocol
 from llds_jax.rollout.scheduler import Phase, Scheduler, blocks_for
 from llds_jax.rollout.trajectory import Trajectory
 from llds_jax.rollout.turns import apply_action, cut_feedback
 from llds_jax.sampling import placement
-from llds_jax.sampling.session import DecodeSession, cache_slot_limit
-from llds_jax.sampling.slots import SlotSession
+from llds_jax.sampling.decode_loop import SamplingParams
+from llds_jax.sampling.slots import SlotSession, cache_slot_limit
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPolicy:
+    """What the engine samples with: the model (``nnx.split`` halves), the sampling knobs, the
+    rollout's key (trajectory ``i`` samples with ``fold_in(key, i)``), the pad id and the append
+    chunk. ``multi_turn.make_policy`` builds one from a config."""
+
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    sampling: SamplingParams
+    key: jax.Array
+    pad_id: int = 0
+    prefill_chunk: int = 0
+
+    @property
+    def config(self):
+        """The model's ``DecoderConfig`` (the memory plans size slots from it)."""
+        return nnx.merge(self.graphdef, self.params).config
 
 
 class RetrievalThread:
@@ -55,8 +84,14 @@ class RetrievalThread:
     def busy(self) -> bool:
         return self._running is not None or bool(self._queued)
 
-    def submit(self, row: int, query: str) -> None:
+    def submit(self, row: int, query: str, *, launch: bool = True) -> None:
+        """Queue ``row``'s query; ``launch=False`` holds it for :meth:`launch` (the waves' turn batch)."""
         self._queued.append((row, query))
+        if launch:
+            self._launch()
+
+    def launch(self) -> None:
+        """Send whatever is queued as one batch, if no batch is out."""
         self._launch()
 
     def _launch(self) -> None:
@@ -96,13 +131,14 @@ def _history(traj: Trajectory) -> list[int]:
     return list(traj.prompt_ids) + [i for piece in traj.pieces for i in piece.ids]
 
 
-def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tokenizer, retriever, config,
-               timings: dict, *, slots: int, kv_blocks: int = 0) -> dict:
+def run_engine(policy: ModelPolicy, trajectories: list[Trajectory], vocab, tokenizer, retriever, config,
+               timings: dict, *, slots: int, kv_blocks: int = 0, waves: bool = False) -> dict:
     """Roll out ``trajectories`` (row ``i`` samples as trajectory ``i``) over ``slots`` slots, in place.
 
     ``policy`` supplies the model, sampling knobs, key and pad id; ``kv_blocks``: blocks per
-    device's pool (0: every slot can hold ``max_context``). Returns the schedule's counts
-    (decode calls, appends, retrieval batches, preemptions, peak KV blocks).
+    device's pool (0: every slot can hold ``max_context``); ``waves``: the turn-synchronous
+    policy (module docstring). Returns the schedule's counts (decode calls, appends, retrieval
+    batches, waves, preemptions, peak KV blocks).
     """
     devices = placement.sampler_devices(int(config.sampler_devices))
     block = int(config.kv_block_tokens)
@@ -119,12 +155,12 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
     per_device = session.rows_per_device
     row_of = [(s % len(devices)) * per_device + s // len(devices) for s in range(slots)]
     scheduler = Scheduler([len(t.prompt_ids) for t in trajectories], slots=slots, block_size=block,
-                          kv_blocks=kv_blocks, max_tokens=int(config.max_context), devices=len(devices))
-    segment = int(config.segment_tokens)
+                          kv_blocks=kv_blocks, max_tokens=int(config.max_context), devices=len(devices), waves=waves)
+    segment = session.width if waves else int(config.segment_tokens)  # waves: a turn's action in one call
     retrieval = RetrievalThread(retriever, int(config.topk))
     drawn = [0] * len(trajectories)   # tokens trajectory i has drawn (its keys' counter), cut ids included
     slot_of: dict[int, int] = {}      # trajectory -> the session row (slot) it holds
-    counts = dict(decode_calls=0, appends=0, busy_rows_per_device=[0] * len(devices))
+    counts = dict(decode_calls=0, appends=0, waves=0, busy_rows_per_device=[0] * len(devices))
 
     def preempted(victims: list[int]) -> None:
         for victim in victims:
@@ -153,15 +189,21 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
         while not scheduler.finished:
             for row, text in retrieval.poll():
                 feedback(row, text)
-            for slot, row in scheduler.admit():
+            admitted = scheduler.admit()
+            counts["waves"] += bool(waves and admitted)
+            for slot, row in admitted:
                 slot_of[row] = row_of[slot]
                 session.reset(slot_of[row], row, drawn[row])
                 tables[slot_of[row]] = []
-            for row in scheduler.in_phase(Phase.APPEND):  # blocks first: a later reservation may preempt
+            if waves and not scheduler.in_phase(Phase.DECODE):
+                retrieval.launch()  # the turn's queries, one batch, once no slot decodes
+            # waves: nothing is appended until every action of the turn has ended and its searches are back
+            barrier = waves and (bool(scheduler.in_phase(Phase.DECODE)) or retrieval.busy)
+            for row in ([] if barrier else scheduler.in_phase(Phase.APPEND)):  # blocks first: a later reservation may preempt
                 if scheduler.entries[row].phase is Phase.APPEND:
                     preempted(scheduler.reserve(row, 0))
             chunks = {}
-            for row in scheduler.in_phase(Phase.APPEND):
+            for row in ([] if barrier else scheduler.in_phase(Phase.APPEND)):
                 entry = scheduler.entries[row]
                 if entry.tokens != trajectories[row].length:
                     raise AssertionError(f"scheduler counts {entry.tokens} tokens for trajectory {row}, "
@@ -203,14 +245,14 @@ def run_engine(policy: DecodeSession, trajectories: list[Trajectory], vocab, tok
                 timings["decode_s"] += time.perf_counter() - clock
                 counts["decode_calls"] += 1
                 _end_actions(ended, session, scheduler, trajectories, slot_of, drawn, retrieval, tables, vocab, tokenizer,
-                             config)
+                             config, hold_queries=waves)
             elif retrieval.busy:
                 clock = time.perf_counter()
                 results = retrieval.poll(wait=True)
                 timings["retrieval_s"] += time.perf_counter() - clock
                 for row, text in results:
                     feedback(row, text)
-            elif not scheduler.in_phase(Phase.APPEND) and not scheduler.finished:
+            elif not (scheduler.in_phase(Phase.APPEND) or scheduler.finished):
                 raise RuntimeError(f"rollout engine stalled: {len(scheduler.pending)} pending, "
                                    f"{scheduler.used_blocks}/{scheduler.kv_blocks} KV blocks in use")
     finally:
@@ -227,8 +269,9 @@ def _rows_per_device(session: SlotSession) -> list[int]:
 
 
 def _end_actions(ended, session: SlotSession, scheduler: Scheduler, trajectories, slot_of, drawn, retrieval, tables,
-                 vocab, tokenizer, config) -> None:
-    """Record the actions that ended this call (slot order), cut them, and move each trajectory on."""
+                 vocab, tokenizer, config, *, hold_queries: bool) -> None:
+    """Record the actions that ended this call (slot order), cut them, and move each trajectory on
+    (``hold_queries``: queue searches for the turn's one batch instead of sending them now)."""
     owner = {slot: row for row, slot in slot_of.items()}
     cuts = {}
     for slot, action in sorted(ended.items()):
@@ -244,7 +287,7 @@ def _end_actions(ended, session: SlotSession, scheduler: Scheduler, trajectories
             slot_of.pop(row)
         elif outcome.query is not None:
             scheduler.action_ended(row, outcome.kept_tokens, "search")
-            retrieval.submit(row, outcome.query)
+            retrieval.submit(row, outcome.query, launch=not hold_queries)
         else:
             scheduler.action_ended(row, outcome.kept_tokens, "feedback", len(outcome.feedback))
     if cuts:

@@ -29,7 +29,7 @@ from llds_jax.rollout.waves import (
     rollout_row_bytes,
     weight_bytes,
 )
-from llds_jax.sampling.session import cache_slot_limit
+from llds_jax.sampling.slots import cache_slot_limit
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,11 +21,15 @@ Caps: an action has at most ``max_action_tokens`` tokens and never more than the
 has room for; feedback is cut to ``max_obs_tokens`` and to the room left; the prompt
 keeps its last ``max_prompt_tokens``. A trajectory with no room left ends, ``truncated``.
 
-Memory: the trajectories run in *waves* of at most ``max_concurrent_rows`` rows (derived
-from the device's memory by default, ``waves.py``); each wave runs the whole loop above
-on its own cache, which is freed before the next wave starts. Trajectory ``i`` samples
-with ``fold_in(key, i)`` whatever wave it lands in, so the batch — ids, masks, sampler
-log-probs, answers, searches — does not depend on the wave size.
+A model's rollout runs on the one engine (``engine.py``: slots over a paged KV cache), under
+the policy ``rollout.engine`` names: ``"waves"`` runs the loop above turn-synchronously, in
+*waves* of at most ``max_concurrent_rows`` rows (derived from the device's memory by default,
+``waves.py``); ``"continuous"`` lets each slot run its own turns. Trajectory ``i`` samples
+with ``fold_in(key, i)`` whatever slot or wave it lands in, so the batch — ids, masks, sampler
+log-probs, answers, searches — does not depend on the policy or the wave size.
+
+A scripted :class:`Policy` (no model, no cache: protocol tests, the retrieval outage test)
+runs the loop above on the host as written, in the same waves.
 """
 
 from __future__ import annotations
@@ -41,19 +45,19 @@ from flax import nnx
 from llds_jax.rollout import protocol
 from llds_jax.rollout.action_stop import action_stop_table
 from llds_jax.rollout.config import terminator_ids
-from llds_jax.rollout.engine import count_decode_work, run_engine
+from llds_jax.rollout.engine import ModelPolicy, count_decode_work, run_engine
 from llds_jax.rollout.kv_plan import engine_sizing
 from llds_jax.rollout.trajectory import RolloutBatch, Trajectory, collate
 from llds_jax.rollout.turns import apply_action, cut_feedback
 from llds_jax.rollout.waves import wave_plan
 from llds_jax.sampling import placement
 from llds_jax.sampling.decode_loop import SamplingParams
-from llds_jax.sampling.session import DecodeSession, SampledAction
+from llds_jax.sampling.slots import SampledAction
 from llds_jax.sampling.token_bytes import vocab_bytes
 
 
 class Policy(Protocol):
-    """What the loop needs from a policy; :class:`~llds_jax.sampling.session.DecodeSession` is one."""
+    """What the host turn loop needs from a scripted policy (``scripted_policy.ScriptedPolicy``)."""
 
     def start(self, prompts: Sequence[Sequence[int]], *, trajectory_ids: Sequence[int] | None = None,
               batch: int | None = None) -> None: ...
@@ -69,17 +73,18 @@ def _is_model(policy) -> bool:
     return isinstance(policy, nnx.Module) or (isinstance(policy, tuple) and len(policy) == 2)
 
 
-def make_policy(model, tokenizer, config, *, key: jax.Array) -> DecodeSession:
-    """A JAX decoding session for ``model`` (``Decoder`` or ``(graphdef, params)``) with ``config``'s knobs."""
+def make_policy(model, tokenizer, config, *, key: jax.Array) -> ModelPolicy:
+    """What the engine samples ``model`` (``Decoder`` or ``(graphdef, params)``) with, under ``config``'s knobs."""
     graphdef, params = nnx.split(model) if isinstance(model, nnx.Module) else model
     vocab_size = nnx.merge(graphdef, params).config.vocab_size
     sampling = SamplingParams.create(
         temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
         stop_token_ids=terminator_ids(tokenizer, config.stop_token_ids),
         stop_table=action_stop_table(vocab_bytes(tokenizer, vocab_size)).transitions)
-    return DecodeSession((graphdef, params), sampling, max_action_tokens=config.max_action_tokens, key=key,
-                         pad_id=pad_token_id(tokenizer), max_tokens=config.max_context,
-                         prefill_chunk=int(config.prefill_chunk))
+    if int(config.prefill_chunk) < 0:
+        raise ValueError(f"rollout.prefill_chunk={config.prefill_chunk}: expected 0 (whole prompt) or a token count")
+    return ModelPolicy(graphdef, params, sampling, key, pad_id=pad_token_id(tokenizer),
+                       prefill_chunk=int(config.prefill_chunk))
 
 
 def _vocab_size(policy) -> int | None:
@@ -102,7 +107,7 @@ def run_rollouts(policy, tokenizer, questions: Sequence[str], retriever, config,
     temperature / top-p / top-k and ``key``), or any :class:`Policy`. ``retriever``: any
     object with ``search(queries, topk) -> list[list[Hit]]``. ``group_ids[i]`` labels
     question ``i``'s group (default ``i``); row ``i * n_samples + j`` is its ``j``-th sample.
-    Rows run in waves (``waves.wave_plan``); the batch is the same for any wave size.
+    The batch is the same under either ``rollout.engine`` policy and for any wave size.
     """
     if _is_model(policy):
         if key is None:
@@ -120,12 +125,15 @@ def run_rollouts(policy, tokenizer, questions: Sequence[str], retriever, config,
         prompt_ids = protocol.encode_prompt(tokenizer, question, config.max_prompt_tokens)
         trajectories.extend(Trajectory(prompt_ids=list(prompt_ids), group_id=group) for _ in range(config.n_samples))
     rows_per_wave, batch = wave_plan(config, len(trajectories), getattr(policy, "config", None))
-    if config.engine == "continuous" and isinstance(policy, DecodeSession):
+    if isinstance(policy, ModelPolicy) and config.engine == "continuous":
         # slots and KV pool from the expected length (rollout/kv_plan.py), on every sampler device
         devices = len(placement.sampler_devices(int(config.sampler_devices)))
         slots, kv_blocks = engine_sizing(config, len(trajectories), policy.config, devices)
         timings.update(run_engine(policy, trajectories, vocab, tokenizer, retriever, config, timings, slots=slots,
                                   kv_blocks=kv_blocks))
+    elif isinstance(policy, ModelPolicy):  # waves: each slot reserves a whole max_context of blocks
+        timings.update(run_engine(policy, trajectories, vocab, tokenizer, retriever, config, timings,
+                                  slots=rows_per_wave, waves=True))
     else:
         for first in range(0, len(trajectories), rows_per_wave):
             rows = list(range(first, min(first + rows_per_wave, len(trajectories))))

@@ -84,7 +84,7 @@ class Scheduler:
     """
 
     def __init__(self, prompt_tokens: Sequence[int], *, slots: int, block_size: int = 128,
-                 kv_blocks: int | None = None, max_tokens: int, devices: int = 1):
+                 kv_blocks: int | None = None, max_tokens: int, devices: int = 1, waves: bool = False):
         if slots < 1 or block_size < 1 or devices < 1 or slots % devices:
             raise ValueError(f"slots={slots}, block_size={block_size}, devices={devices}: all must be >= 1 "
                              f"and slots a multiple of devices")
@@ -95,6 +95,7 @@ class Scheduler:
                              f"max_tokens={max_tokens} ({per_row} blocks)")
         self.slots, self.block_size, self.kv_blocks, self.max_tokens = slots, block_size, kv_blocks, max_tokens
         self.devices = devices
+        self.waves = waves  # admit only into an empty engine: the turn-synchronous policy's waves
         self.entries = [Entry(i, int(n)) for i, n in enumerate(prompt_tokens)]
         self.pending: collections.deque[int] = collections.deque(range(len(self.entries)))
         self.slot_owner: list[int | None] = [None] * slots
@@ -139,9 +140,10 @@ class Scheduler:
         re-admitting at once would only preempt again (40 toy trajectories over 40 slots and a
         pool of 30 16-token blocks, ``tests/rollout/test_scheduler.py``: 557 preemptions with the
         pause, 823 without; a pool that small for that many slots thrashes either way).
+        With ``waves`` only an empty engine admits: the next wave starts when the last one ended.
         """
         admitted = []
-        if self._admission_paused and any(owner is not None for owner in self.slot_owner):
+        if (self._admission_paused or self.waves) and any(owner is not None for owner in self.slot_owner):
             return admitted
         self._admission_paused = False
         for slot, owner in enumerate(self.slot_owner):

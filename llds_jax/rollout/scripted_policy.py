@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from llds_jax.sampling.decode_loop import FinishReason
-from llds_jax.sampling.session import SampledAction
+from llds_jax.sampling.slots import SampledAction
 from llds_jax.sampling.stop_strings import StopStringTable
 
 

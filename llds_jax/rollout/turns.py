@@ -13,7 +13,7 @@ from llds_jax.rollout import protocol
 from llds_jax.rollout.action_stop import kept_action_tokens
 from llds_jax.rollout.trajectory import Trajectory
 from llds_jax.sampling.decode_loop import FinishReason
-from llds_jax.sampling.session import SampledAction
+from llds_jax.sampling.slots import SampledAction
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,16 +9,15 @@ the rows are spread over::
 
     rows = floor((memory_fraction x device_bytes - weight_bytes) / row_bytes) x n_data_devices
 
-``row_bytes`` (:func:`rollout_row_bytes`) is the row's KV cache at its largest — the
-cache never grows past ``cache_slot_limit(max_context)`` slots, and the last growth
-copies it, so ``cache_slots_at_peak`` slots are alive for a moment — plus the larger of
-the prefill workspace (activations of one layer and the fp32 attention scores of one key
+``row_bytes`` (:func:`rollout_row_bytes`) is the row's KV at its largest — the engine's
+waves policy gives each slot the paged blocks of a whole ``max_context`` (``kv_blocks=0``),
+so nothing is ever preempted — plus the larger of the prefill workspace (activations of one layer and the fp32 attention scores of one key
 block for a chunk of ``prefill_chunk`` or ``max_prompt_tokens`` tokens) and the
 sampler's per-row vocabulary arrays. It is a closed-form first guess; ``plan/run.py``
 compiles the real programs and checks them against the device.
 
 Waves change nothing in the results (each row's randomness and cache layout are its
-own: ``sampling/session.py``), only the peak memory and the time.
+own: ``sampling/slots.py``), only the peak memory and the time.
 """
 
 from __future__ import annotations
@@ -33,7 +32,9 @@ import jax.numpy as jnp
 
 from llds_jax.errors import InputError
 from llds_jax.sampling.generate import MIN_LENGTH_BUCKET, bucket
-from llds_jax.sampling.session import MIN_CACHE_SLOTS, cache_slots_at_peak
+from llds_jax.models.attention import CACHED_BLOCK
+from llds_jax.rollout.scheduler import blocks_for
+from llds_jax.sampling.slots import cache_slot_limit
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,8 @@ def weight_bytes(model_config) -> int:
 
 def rollout_row_bytes(model_config, rollout_config) -> dict[str, int]:
     """Peak bytes one rollout row needs on its device, by part (``total`` = kv + the larger workspace)."""
-    context = int(rollout_config.max_context)
-    slots = cache_slots_at_peak(context)
+    block = int(rollout_config.kv_block_tokens)
+    slots = blocks_for(cache_slot_limit(int(rollout_config.max_context)), block) * block
     kv = kv_bytes_per_slot(model_config) * slots
     chunk = int(rollout_config.prefill_chunk) or bucket(int(rollout_config.max_prompt_tokens),
                                                                     MIN_LENGTH_BUCKET)
@@ -80,7 +81,7 @@ def rollout_row_bytes(model_config, rollout_config) -> dict[str, int]:
     c = model_config
     per_token = (PREFILL_HIDDEN_ARRAYS * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
                  + 2 * c.intermediate_size) * itemsize
-    key_block = min(MIN_CACHE_SLOTS, slots)
+    key_block = min(CACHED_BLOCK, slots)
     scores = 2 * c.num_heads * key_block * 4  # fp32 scores and probabilities of one key block, per query
     prefill = chunk * (per_token + scores) + chunk * 8  # + the chunk's ids and mask
     action_width = bucket(int(rollout_config.max_action_tokens), MIN_LENGTH_BUCKET)

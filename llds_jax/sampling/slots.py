@@ -1,8 +1,8 @@
 """Decode slots: a fixed batch of rows, each advancing its own conversation (continuous batching).
 
-:class:`~llds_jax.sampling.session.DecodeSession` moves all its rows through one turn at a
-time. A :class:`SlotSession` keeps ``slots`` rows alive and lets each one be at a different
-point of its own conversation, as JetStream's decode slots do:
+The rollout's one decoding session (both of the engine's policies, ``rollout/engine.py``, and
+the single-turn ``generate``). A :class:`SlotSession` keeps ``slots`` rows alive and lets each
+one be at a different point of its own conversation, as JetStream's decode slots do:
 
     reset(slot, trajectory, drawn)  the slot now holds another trajectory (empty cache row)
     append({slot: ids})             feed ids to slots' caches: a prompt, a history (recompute), feedback
@@ -24,15 +24,21 @@ per device and layer, allocated once, and a block table per slot that the caller
 trajectory has used. Appends run over the rows that have ids only (gathered into a batch of
 their own, a power of two per device), writing through their tables into the shared pool.
 
-The same invariants as the session, so a trajectory's tokens do not depend on its slot, its
-neighbours or the order of events: row ``b`` samples token ``n`` of its trajectory with
-``fold_in(fold_in(key, trajectory id), n)``, its tokens sit from cache slot 0 on, the key
-blocks are the dense cache's (``CACHED_BLOCK``: the paged read equals the dense one bit for
-bit), and appends keep the session's floors on rows and positions per call.
+A trajectory's tokens do not depend on its slot, its neighbours or the order of events:
+
+* randomness: row ``b`` samples token ``n`` of its trajectory with
+  ``fold_in(fold_in(key, trajectory id), n)`` (``decode_loop.sample_rows``);
+* layout: its tokens sit from cache slot 0 on, read in key blocks of ``CACHED_BLOCK`` (the
+  paged read equals a dense one bit for bit, ``tests/models/test_paged_cache.py``);
+* batch width: matrix products are row-invariant on XLA:CPU and the row reductions (RMSNorm,
+  softmax sums, the sampler's log-softmax) use ``models.reductions.row_sum``, whose rounding
+  ignores the row count; appends keep floors on rows (:data:`MIN_ROWS`) and positions
+  (:data:`MIN_EXTEND_TOKENS`) per call, below which XLA:CPU switches kernels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -45,7 +51,29 @@ from llds_jax.models.attention import CACHED_BLOCK
 from llds_jax.sampling import decode_loop, placement
 from llds_jax.sampling.decode_loop import DecodeState, FinishReason, SamplingParams
 from llds_jax.sampling.generate import MIN_LENGTH_BUCKET, bucket
-from llds_jax.sampling.session import MIN_EXTEND_TOKENS, NO_TRAJECTORY, SampledAction, cache_slot_limit
+
+# An append is padded to at least this many batch x token positions. The row reductions
+# are batch-invariant (``models.reductions``), but XLA:CPU still switches matmul kernels
+# for very small row counts (measured on the dense cache before the paged one replaced it:
+# without this floor a 2-row wave rounded 5 of its sampler log-probs 1 ulp away from the
+# all-rows run). Keeping every call at 64 positions or more keeps rows bit-identical.
+MIN_EXTEND_TOKENS = 64
+NO_TRAJECTORY = np.uint32(2**32 - 1)  # the id of an empty slot's key (its draws are discarded)
+
+
+def cache_slot_limit(max_tokens: int) -> int:
+    """Cache positions a row of at most ``max_tokens`` tokens may use: rounded up to a length
+    bucket, at least one attention key block (``CACHED_BLOCK``)."""
+    return max(-(-int(max_tokens) // MIN_LENGTH_BUCKET) * MIN_LENGTH_BUCKET, CACHED_BLOCK)
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledAction:
+    """One row's action as sampled: ids, their log-probs and why it ended."""
+
+    ids: np.ndarray
+    logprobs: np.ndarray
+    finish: FinishReason
 
 # The fewest rows a session decodes: XLA:CPU multiplies a single row by a matrix with another
 # kernel (a vector product), whose rounding differs by an ulp (measured: 27 of a one-slot
@@ -291,15 +319,16 @@ class SlotSession:
     def cut(self, cuts: dict[int, int]) -> None:
         """Keep only the first ``cuts[slot]`` ids of each slot's last action (the Search-R1 cut).
 
-        As ``DecodeSession.cut_last_actions``: the dropped ids leave the row (its end moves back;
-        the next write overwrites them) and the last kept id is written again, so the
-        next-token logits follow it.
+        The dropped ids leave the row (its end moves back; the next write overwrites them) and
+        the last kept id is written again, so the next-token logits follow it: positions
+        continue from the kept ids exactly as if decoding had stopped there.
         """
         rewrite: dict[int, list[int]] = {}
         for slot, kept in cuts.items():
-            action = self._last[slot]
-            if not 1 <= kept <= len(action.ids):
-                raise ValueError(f"slot {slot}: cannot keep {kept} of {len(action.ids)} sampled ids")
+            action = self._last.get(slot)
+            sampled = 0 if action is None else len(action.ids)
+            if not 1 <= kept <= sampled:
+                raise ValueError(f"slot {slot}: cannot keep {kept} of the {sampled} ids its last action sampled")
             if kept < len(action.ids):
                 self.rows_end[slot] -= len(action.ids) - kept + 1
                 rewrite[slot] = [int(action.ids[kept - 1])]

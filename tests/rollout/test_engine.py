@@ -1,15 +1,15 @@
-"""The continuous engine gives the turn loop's trajectories whatever its schedule.
+"""The continuous policy gives the waves policy's trajectories whatever its schedule.
 
 Same tiny policy, tokenizer, questions and real BM25 retriever as the waves test
 (``test_rollout_waves.py``), so every path of the protocol runs: searches, answers, invalid
 actions, the Search-R1 cut and the last search-disabled turn. Trajectory ``i`` samples with
 ``fold_in(key, i)`` counted per drawn token and owns its cache row, so its ids, masks and
 sampler log-probs must be bit-identical across slot counts {1, 3, all}, a retriever with
-random delays, and the turn-synchronous waves. The one measured exception is preemption by
+random delays, and the turn-synchronous waves (the same engine and paged cache under its other
+policy). The one measured exception is preemption by
 recompute: a resumed trajectory's history is re-prefilled, whose keys and values round
 differently from the one-token decode that first wrote them: ids and masks stay identical,
-a few action log-probs move by 1 ulp (the test allows 2). The cache is the engine's paged one
-(block tables from its scheduler), so this is also the paged cache against the waves' dense one.
+a few action log-probs move by 1 ulp (the test allows 2).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def engine(model, tokenizer, retriever, slots: int, **overrides):
 
 
 @pytest.mark.parametrize("slots", [1, 3, 0])
-def test_engine_matches_the_turn_loop_bit_for_bit_at_any_slot_count(model, tokenizer, bm25, waves, slots):
+def test_continuous_matches_the_waves_bit_for_bit_at_any_slot_count(model, tokenizer, bm25, waves, slots):
     batch = engine(model, tokenizer, bm25, slots)
     assert differences(waves, batch) == []
     assert batch.timings["slots"] == (slots or 10) and batch.timings["preemptions"] == 0  # derived: every trajectory
@@ -75,7 +75,7 @@ def test_engine_matches_the_turn_loop_bit_for_bit_at_any_slot_count(model, token
 def test_four_local_devices_each_hold_rows_and_sample_the_same_trajectories(model, tokenizer, bm25, waves, slots,
                                                                              rows_per_device, busy):
     """Rows split over 4 of the 8 simulated CPU devices (weights replicated device to device):
-    every device holds rows, and the batch is the one-device turn loop's, bit for bit. 3 slots
+    every device holds rows, and the batch is the one-device waves', bit for bit. 3 slots
     round up to 4 (one per device), allocated as 2 rows per device (``slots.MIN_ROWS``); derived
     slots (``kv_plan.engine_sizing``) are the 10 trajectories rounded up to 12, which decode 3, 3, 2
     and 2 at once (slots are dealt round-robin)."""
@@ -134,7 +134,7 @@ def test_preemption_by_recompute_keeps_every_trajectory_and_its_ids(model, token
 
 
 def test_scripted_policies_keep_the_turn_loop(tokenizer, bm25):
-    """The engine needs a model's session; a scripted :class:`Policy` runs the waves whatever the setting."""
+    """The engine needs a model; a scripted :class:`Policy` runs the host turn loop whatever the setting."""
     from llds_jax.rollout.action_stop import action_stop_table
     from llds_jax.rollout.scripted_policy import ScriptedPolicy
     from llds_jax.sampling import vocab_bytes

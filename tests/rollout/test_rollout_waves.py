@@ -1,4 +1,5 @@
-"""Waves: a rollout decoded 2, 4 or all rows at a time gives the same batch, bit for bit.
+"""Waves (the engine's turn-synchronous policy): a rollout decoded 2, 4 or all rows at a time gives
+the same batch, bit for bit.
 
 The policy is a real tiny Qwen2-shaped model over a 12-word vocabulary whose words are the
 protocol's tags and a few query words, so that plain random sampling (T = 1, top-p 0.95)
@@ -9,8 +10,8 @@ of 4 are 4 + 4 + 2 (the last padded with inert rows) and waves of 2 are five.
 What must be identical is everything the trainer receives: ids, every mask, the sampler's
 log-probs, answers, counts. It is identical because a trajectory samples with
 ``fold_in(key, trajectory index)`` counted per token it drew, and its cache layout
-does not depend on its wave-mates (``sampling/session.py``); the last test shows that
-a per-wave row index as the key breaks it.
+does not depend on its wave-mates (``sampling/slots.py``); the last test shows that
+a per-wave slot index as the key breaks it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from transformers import PreTrainedTokenizerFast
 
 from llds_jax.models.testing import tiny_model
 from llds_jax.rollout import default_config, run_rollouts
-from llds_jax.sampling import decode_loop
-from llds_jax.sampling.session import DecodeSession
+from llds_jax.sampling import slots as slots_module
 
 pytestmark = pytest.mark.unit
 
@@ -96,8 +96,8 @@ def test_the_fixture_exercises_searches_answers_invalid_actions_and_different_ca
     assert [rollouts[w].timings["waves"] for w in (0, 4, 2)] == [1, 3, 5]
     assert batch.searches.sum() >= 2 and batch.finished.sum() >= 2, (batch.searches, batch.finished)
     assert (batch.valid_actions < batch.turns).any(), "no invalid action was written"
-    # Some 2-row waves stay within the first 512-slot cache while another grows past it, so the
-    # waves' caches differ in size from each other and from the all-rows cache.
+    # Some 2-row waves stay within four 128-token blocks while another holds more, so waves
+    # read different block counts from each other and from the all-rows wave.
     pairs = batch.lengths.reshape(-1, 2).max(axis=1)
     assert pairs.max() > 512 and pairs.min() + 16 < 512, batch.lengths
 
@@ -124,35 +124,35 @@ def test_chunked_prefill_gives_the_same_trajectories_to_fp32_rounding(model, tok
     assert worst <= bound, f"max |Δ logp| {worst:.3g} > {bound:.3g}"
 
 
-def test_waves_reuse_one_compiled_batch_width_padding_the_last_wave(model, tokenizer, bm25, monkeypatch):
-    """Every extend/decode call of a 4-row-wave rollout of 10 and of 6 trajectories has batch 4, and
-    the second rollout (waves 4 + 2) compiles no new decode program: the 2-row wave is padded."""
+def test_waves_reuse_one_compiled_decode_program_for_a_short_last_wave(model, tokenizer, bm25, monkeypatch):
+    """Every decode call of a 4-row-wave rollout of 10 and of 6 trajectories runs the session's 4 rows
+    (the waves policy's slots), and the second rollout (waves 4 + 2) compiles no new decode program:
+    the 2-row wave leaves two slots idle."""
     widths = []
-    for name in ("extend", "decode"):
-        real = getattr(decode_loop, name)
+    real = slots_module.decode_segment
 
-        def spy(graphdef, params, tokens_or_logits, *args, _real=real, **kwargs):
-            widths.append(tokens_or_logits.shape[0])
-            return _real(graphdef, params, tokens_or_logits, *args, **kwargs)
+    def spy(graphdef, params, layer_weights, state, *args, **kwargs):
+        widths.append(state.tokens.shape[0])
+        return real(graphdef, params, layer_weights, state, *args, **kwargs)
 
-        spy._cache_size = real._cache_size
-        monkeypatch.setattr(decode_loop, name, spy)
-    cfg = wave_config(4, max_context=512, max_obs_tokens=64)  # one cache size (512 slots): shapes = batch
+    spy._cache_size = real._cache_size
+    monkeypatch.setattr(slots_module, "decode_segment", spy)
+    cfg = wave_config(4, max_context=512, max_obs_tokens=64)
     run_rollouts(model, tokenizer, QUESTIONS, bm25, cfg, key=jax.random.key(1))
-    compiled = decode_loop.decode._cache_size()
+    compiled = real._cache_size()
     run_rollouts(model, tokenizer, QUESTIONS[:3], bm25, cfg, key=jax.random.key(2))
-    assert set(widths) == {4}, f"batch widths seen: {sorted(set(widths))}"
-    assert decode_loop.decode._cache_size() == compiled, "a padded last wave compiled a new decode program"
+    assert set(widths) == {4}, f"decode rows seen: {sorted(set(widths))}"
+    assert real._cache_size() == compiled, "a short last wave compiled a new decode program"
 
 
-def test_a_wave_local_row_index_as_the_key_would_change_the_trajectories(model, tokenizer, bm25, rollouts,
-                                                                         monkeypatch):
-    """The identity above is not vacuous: keyed by the row's place in its wave, waves of 2 differ."""
-    start = DecodeSession.start
+def test_a_wave_local_slot_index_as_the_key_would_change_the_trajectories(model, tokenizer, bm25, rollouts,
+                                                                          monkeypatch):
+    """The identity above is not vacuous: keyed by the slot a trajectory lands in, waves of 2 differ."""
+    reset = slots_module.SlotSession.reset
 
-    def start_keyed_by_wave_row(self, prompts, *, trajectory_ids=None, batch=None):
-        return start(self, prompts, trajectory_ids=None, batch=batch)
+    def reset_keyed_by_slot(self, slot, trajectory, drawn):
+        return reset(self, slot, slot, drawn)
 
-    monkeypatch.setattr(DecodeSession, "start", start_keyed_by_wave_row)
+    monkeypatch.setattr(slots_module.SlotSession, "reset", reset_keyed_by_slot)
     wrong = run_rollouts(model, tokenizer, QUESTIONS, bm25, wave_config(2), key=jax.random.key(7))
-    assert differences(rollouts[0], wrong), "wave-local keys gave the same batch: the identity test cannot fail"
+    assert differences(rollouts[0], wrong), "slot-local keys gave the same batch: the identity test cannot fail"
