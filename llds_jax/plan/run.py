@@ -53,7 +53,7 @@ from flax import nnx
 from llds_jax.config import mesh_shape, validate, validate_sections
 from llds_jax.models.attention import CACHED_BLOCK, DEFAULT_BLOCK, QUERY_BLOCK, query_piece
 from llds_jax.models.loading import decoder_config
-from llds_jax.plan.aot import TooLargeToCompile, abstract_cache, abstract_train_state, compile_ahead
+from llds_jax.plan.aot import TooLargeToCompile, abstract_train_state, compile_ahead
 from llds_jax.plan.config import CHECK_MODES, GB, HARDWARE, USABLE_FRACTION
 from llds_jax.plan.retrieval import index_memory, refuse_index
 from llds_jax.plan.step_time import StepTime, format_step_time, predict_step_time
@@ -229,19 +229,16 @@ def make_plan(config, target: Target | None = None) -> Plan:
     packing = packing_for_run(config, mesh, rules)
     batch = TrainBatch.abstract(trajectories, length, with_ref=state.ref_params is not None, mesh=mesh, rules=rules,
                                 packing=packing, with_sampler=config.rl.rollout_correction != "none")
-    cache = abstract_cache(decoder_cfg, rollout_rows, int(config.rollout.max_context), mesh, rules)
-    sampler_rows = {"prefill": rollout_rows, "decode": rollout_rows}
-    caches = {"prefill": cache, "decode": cache}
-    engine = _engine_layout(config, section, decoder_cfg, target, devices, trajectories, dp_rows)
-    if engine is not None:  # the continuous engine compiles on its paged cache: its slots, its pool
-        cache = _abstract_paged_cache(decoder_cfg, config.rollout, engine, dp_rows, mesh, rules)
-        sampler_rows = {"prefill": min(int(config.rollout.prefill_rows), engine.slots_per_device) * dp_rows,
-                        "decode": engine.slots_per_device * dp_rows}
-        # an append runs over the rows that have ids, gathered with their tables (SlotSession._extend):
-        # the same pools, a table and an end per appended row
-        caches = {"decode": cache, "prefill": dataclasses.replace(
-            cache, table=_row_array((sampler_rows["prefill"], cache.table.shape[1]), jnp.int32, mesh, rules),
-            end=_row_array((sampler_rows["prefill"],), jnp.int32, mesh, rules))}
+    # the rollout compiles on the engine's paged cache (either policy): its slots, its pool
+    engine = _engine_layout(config, section, decoder_cfg, target, devices, trajectories, dp_rows, rollout_rows)
+    cache = _abstract_paged_cache(decoder_cfg, config.rollout, engine, dp_rows, mesh, rules)
+    sampler_rows = {"prefill": min(int(config.rollout.prefill_rows), engine.slots_per_device) * dp_rows,
+                    "decode": engine.slots_per_device * dp_rows}
+    # an append runs over the rows that have ids, gathered with their tables (SlotSession._extend):
+    # the same pools, a table and an end per appended row
+    caches = {"decode": cache, "prefill": dataclasses.replace(
+        cache, table=_row_array((sampler_rows["prefill"], cache.table.shape[1]), jnp.int32, mesh, rules),
+        end=_row_array((sampler_rows["prefill"],), jnp.int32, mesh, rules))}
     parameters = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     resident = {
         "params": bytes_per_device(state.params),
@@ -285,7 +282,7 @@ def make_plan(config, target: Target | None = None) -> Plan:
     requested = config.model.attention
     kernels = {phase: _attention_kernel(requested, target.platform, full_sequence=phase in ("update", "logprobs"))
                for phase in programs}
-    if engine is not None and "decode" in kernels:  # the engine's one-token step: the paged decode kernel
+    if "decode" in kernels:  # the engine's one-token step: the paged decode kernel
         from llds_jax.models.attention import resolve_paged_backend  # noqa: PLC0415
 
         paged = resolve_paged_backend(requested, target.platform)
@@ -374,10 +371,10 @@ def _rollout_rows(config, section, decoder_cfg, target, devices, trajectories: i
                   f"derived: rollout.memory_fraction={config.rollout.memory_fraction} of {device_bytes / GB:.0f} GB")
     rows = max(dp, min(rows, trajectories) // dp * dp)
     waves = -(-trajectories // rows)
-    note = (f"the rollout decodes {trajectories} trajectories in {waves} wave(s) of {rows} rows "
-            f"({source}); KV cache {rows} rows x {context} slots")
-    engine = _engine_layout(config, section, decoder_cfg, target, devices, trajectories, dp)
-    if engine is not None:
+    note = (f"the rollout (rollout.engine=waves) decodes {trajectories} trajectories in {waves} wave(s) of "
+            f"{rows} rows ({source}); paged KV: each row the blocks of {context} tokens")
+    if config.rollout.engine == "continuous":
+        engine = _engine_layout(config, section, decoder_cfg, target, devices, trajectories, dp, rows)
         note = (f"the rollout engine (rollout.engine=continuous, paged KV) runs {engine.slots_per_device} slots "
                 f"and a pool of {engine.kv_blocks_per_device} KV blocks of {engine.block_tokens} tokens "
                 f"({engine.kv_tokens_per_device} tokens) per device for {trajectories} trajectories; prefill "
@@ -385,22 +382,23 @@ def _rollout_rows(config, section, decoder_cfg, target, devices, trajectories: i
     return rows, note
 
 
-def _engine_layout(config, section, decoder_cfg, target, devices, trajectories: int, dp: int):
-    """The continuous engine's per-device slots and KV pool on the target (``rollout/kv_plan.py``,
-    as the engine sizes itself), or None under the waves or without a target memory."""
-    if config.rollout.engine != "continuous":
-        return None
+def _engine_layout(config, section, decoder_cfg, target, devices, trajectories: int, dp: int, wave_rows: int):
+    """The engine's per-device slots and KV pool on the target, as the engine sizes itself: under the
+    waves a wave's rows (``wave_rows`` over the ``dp`` devices), each with the blocks of a whole
+    ``max_context``; under the continuous policy ``rollout/kv_plan.py``'s slots and pool (the same
+    whole-context rows when ``rollout.max_concurrent_rows`` is set or no target memory is known)."""
     from llds_jax.rollout.kv_plan import EngineMemory, engine_memory  # noqa: PLC0415
+    from llds_jax.sampling.slots import cache_slot_limit  # noqa: PLC0415
 
+    block = int(config.rollout.kv_block_tokens)
+    whole = -(-cache_slot_limit(int(config.rollout.max_context)) // block)
     device_bytes = HARDWARE[target.hardware][1] if target.hardware else device_memory_limit(section, devices)
     explicit = int(config.rollout.max_concurrent_rows)
-    if explicit or not device_bytes:
-        if not explicit:
-            return None
-        block = int(config.rollout.kv_block_tokens)
-        slots = -(-min(explicit, trajectories) // dp)
-        blocks = int(config.rollout.kv_blocks) or slots * -(-int(config.rollout.max_context) // block)
-        return EngineMemory(slots, blocks, block, 0, 0, 0)
+    if config.rollout.engine != "continuous" or explicit or not device_bytes:
+        slots = -(-(min(explicit, trajectories) if config.rollout.engine == "continuous" and explicit
+                    else wave_rows) // dp)
+        blocks = int(config.rollout.kv_blocks) if config.rollout.engine == "continuous" else 0
+        return EngineMemory(slots, blocks or slots * whole, block, 0, 0, 0)
     memory = engine_memory(decoder_cfg, config.rollout, int(device_bytes), -(-trajectories // dp))
     configured = int(config.rollout.kv_blocks)
     return dataclasses.replace(memory, kv_blocks_per_device=configured) if configured else memory

@@ -41,17 +41,8 @@ EFFICIENCY = {
     "cpu": {"matmul": (0.50, "assumed: half the measured fp32 matmul peak"),
             "hbm": (0.50, "assumed: half the measured copy bandwidth")},
 }
-# Fixed seconds per decode step beyond its bytes, per platform, on the dense cache the waves decode over
-# (its attention a loop over key blocks to the furthest row, whose trip count XLA:GPU reads back to the host).
-# GPU: launch/device_check.sh on one H100 (2a07fdd; Qwen2.5-0.5B, 24 layers, 320 rows, 4,096-slot cache,
-# blockwise decode over 128-slot key blocks) decoded 2,000 steps in 59.0 s where their bytes at 0.60
-# of HBM take 5.8 s: (59.0 - 5.8) / 2,000 = 26.6 ms a step. One shape; not scaled by layers or slots.
-DECODE_STEP_OVERHEAD = {
-    "gpu": (0.0266, "measured: one H100 ran Qwen2.5-0.5B's decode (320 rows, 4,096 slots) at 29.5 ms a step, "
-                    "2.9 ms of it bytes at 0.60 of HBM (launch/device_check.sh, 2a07fdd)"),
-    "tpu": (0.0, "assumed: none"), "cpu": (0.0, "assumed: none")}
-# The engine's decode step (the paged cache; models/attention/decode_gpu.py on GPU, decode_tpu.py on TPU) has
-# no loop or conditional whose predicate the host reads (bench_rollout.py --decode-program: 0 and 0 on
+# The rollout's one decode step (the engine's, under either policy: the paged cache; models/attention/decode_gpu.py
+# on GPU, decode_tpu.py on TPU) has no loop or conditional whose predicate the host reads (bench_rollout.py --decode-program: 0 and 0 on
 # h100-0p5b-320, h100-qwen3b, v5e-qwen3b), so its fixed cost is its kernel launches: per layer and per step,
 # read off that report's compiled steps (0cef5cd: XLA:GPU 433 launches a token at 24 layers, 565 at 36;
 # XLA:TPU 1,518 at 36 — one shape, so its split into per layer and per step is GPU's proportion), each at LAUNCH_S.
@@ -260,26 +251,25 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
                         hosts=hosts, matmul=matmul, hbm=hbm, trajectories=trajectories)
 
     compute_bytes = 2 if model_cfg.dtype in ("bfloat16", "float16") else 4
-    overhead, overhead_why = DECODE_STEP_OVERHEAD.get(platform, DECODE_STEP_OVERHEAD["cpu"])
-    override = float(section.decode_step_overhead_s) >= 0  # one fixed cost for every schedule
-    if override:
-        overhead, overhead_why = float(section.decode_step_overhead_s), "plan.decode_step_overhead_s"
-
     launches_per_layer, launches_per_step = ENGINE_LAUNCHES.get(platform, ENGINE_LAUNCHES["cpu"])
     sampler_reads, sampler_why = SAMPLER_ROW_READS.get(platform, SAMPLER_ROW_READS["cpu"])
     launch_s, launch_why = LAUNCH_S.get(platform, LAUNCH_S["cpu"])
-    engine_overhead = (launches_per_layer * model_cfg.num_layers + launches_per_step) * launch_s
+    overhead = (launches_per_layer * model_cfg.num_layers + launches_per_step) * launch_s
+    overhead_why = (f"the engine's step (either policy): {launches_per_layer} x {model_cfg.num_layers} layers + "
+                    f"{launches_per_step} kernel launches (bench_rollout.py --decode-program, 0cef5cd) x "
+                    f"{launch_s * 1e6:g} µs ({launch_why})")
+    if float(section.decode_step_overhead_s) >= 0:  # one fixed cost for every schedule
+        overhead, overhead_why = float(section.decode_step_overhead_s), "plan.decode_step_overhead_s"
 
     def rollout_seconds(sch: Schedule, samplers: int, retrieval_on_path: bool) -> dict[str, float]:
         """Decode at the bytes (or FLOPs) bound of its steps — weights once a step, live KV, and the
-        sampler's reads of every row the step samples — plus its fixed cost a step (the dense cache's
-        measured overhead for the waves, the engine's kernel launches); prefill at the matmul rate;
+        sampler's reads of every row the step samples — plus its fixed cost a step (the engine's kernel
+        launches: both policies run its one step program); prefill at the matmul rate;
         retrieval on the critical path for the waves (the engine waits only where its steps say so)."""
         read = flops.decode_bytes(model_cfg, sch.decode_steps, sch.key_reads / samplers, compute_bytes, compute_bytes)
         read += sampler_reads * model_cfg.vocab_size * 4 * sch.decode_steps * sch.slots / samplers
         work = flops.decode_flops(model_cfg, sch.decode_tokens, sch.key_reads) / samplers
-        fixed = overhead if sch.name == "waves" or override else engine_overhead
-        decode = max(read / (peak.bytes_per_s * hbm), work / (peak.flops * matmul)) + fixed * sch.decode_steps
+        decode = max(read / (peak.bytes_per_s * hbm), work / (peak.flops * matmul)) + overhead * sch.decode_steps
         prefill = (2.0 * model_cfg.num_layers * flops.layer_weights(model_cfg) * sch.prefill_tokens
                    + flops.attention_flops(model_cfg, sch.prefill_pairs)) / (peak.flops * matmul * samplers)
         retrieval = search["cost"].total(sch.retrieval_calls, search["call_queries"]) if retrieval_on_path else 0.0
@@ -352,11 +342,7 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
                              + ("plan.efficiency_matmul" if section.efficiency_matmul else efficiency["matmul"][1]),
         "hbm_efficiency": f"{hbm:.2f} of HBM bandwidth (decode): "
                           + ("plan.efficiency_hbm" if section.efficiency_hbm else efficiency["hbm"][1]),
-        "decode_step_overhead": f"{overhead * 1e3:g} ms per decode step: {overhead_why}" + ("" if override else (
-            f"; the engine's paged step: {launches_per_layer} x {model_cfg.num_layers} layers + {launches_per_step} "
-            "kernel launches "
-            f"(bench_rollout.py --decode-program, 0cef5cd) x {launch_s * 1e6:g} µs ({launch_why}) = "
-            f"{engine_overhead * 1e3:.2f} ms")),
+        "decode_step_overhead": f"{overhead * 1e3:.2f} ms per decode step: {overhead_why}",
         "sampler": f"{sampler_reads} reads of each sampled row's fp32 logits a decode step on {platform}: {sampler_why}",
         "retrieval": f"{search['cost'].backend}: {search['cost'].why}; index {search['index'].passages:,} x "
                      f"{search['index'].dim} ({search['index'].source})",

@@ -24,19 +24,20 @@ def default_config() -> ml_collections.ConfigDict:
         top_k=0,                   # 0 = off
         stop_token_ids=(),         # () = the tokenizer's eos plus TERMINATOR_TOKENS it knows
         pad_to_multiple=128,       # the returned arrays' L is a multiple of this (fewer trainer recompiles)
-        # Memory (llds_jax/rollout/waves.py): trajectories are decoded in waves of at most
-        # max_concurrent_rows rows; results are the same whatever the wave size.
+        # Memory (llds_jax/rollout/waves.py): under the waves policy trajectories are decoded in waves of
+        # at most max_concurrent_rows rows; results are the same whatever the wave size.
         max_concurrent_rows=0,     # 0 = derive from memory_fraction x device memory, weights and KV bytes per row
         memory_fraction=0.9,       # share of a device's memory the rollout may fill (vLLM's gpu_memory_utilization)
         cpu_memory_bytes=0,        # a CPU device's memory when deriving (0 = /proc/meminfo MemTotal / local devices)
         prefill_chunk=512,         # prompts are prefilled at most this many tokens at a time (0 = whole prompt)
-        # The schedule (llds_jax/rollout/engine.py): "waves" = turn-synchronous waves; "continuous" =
-        # slots that each advance their own trajectory, retrieval on a host thread, no turn barrier.
-        # Both give the same trajectories (tests/rollout/test_engine.py).
+        # The engine's scheduling policy (llds_jax/rollout/engine.py; one engine, one paged KV cache, one
+        # decode program): "waves" = turn-synchronous waves (the CPU default: 10 % faster on the default
+        # job's rollout, docs/performance.md); "continuous" = slots that each advance their own trajectory,
+        # retrieval on a host thread, no turn barrier. Both give the same trajectories (tests/rollout/test_engine.py).
         engine="waves",
         segment_tokens=8,          # continuous: decode steps per device call before the host looks at the slots
         sampler_devices=0,         # continuous: local devices that hold rows (0 = one, -1 = all; weights replicated)
-        kv_block_tokens=128,       # continuous: tokens per paged-KV block (128 = the dense cache's key block: same bits)
+        kv_block_tokens=128,       # tokens per paged-KV block (128 = the attention's key block: same bits)
         kv_blocks=0,               # continuous: each sampler device's pool in blocks (0 = rollout/kv_plan.engine_sizing)
         slot_tokens=512,           # engine memory plan: the expected length a slot is sized for (rollout/kv_plan.py)
         prefill_rows=16,           # engine memory plan: rows one append call holds workspace for

@@ -11,7 +11,6 @@ from llds_jax.config import base_config
 from llds_jax.data.lengths import TrajectoryLengths, load_lengths, reference_lengths, row_lengths
 from llds_jax.models.testing import tiny_config
 from llds_jax.plan.step_time import (
-    DECODE_STEP_OVERHEAD,
     ENGINE_LAUNCHES,
     LAUNCH_S,
     SAMPLER_ROW_READS,
@@ -116,9 +115,9 @@ def test_the_sampler_reads_are_the_platforms_count():
         assert step.assumptions["sampler"].startswith(f"{SAMPLER_ROW_READS[platform][0]} reads")
 
 
-def test_gpu_decode_steps_carry_the_overhead_the_h100_measured():
-    """Decode on a GPU is charged its bytes plus a fixed cost a step (the device check's measurement);
-    ``plan.decode_step_overhead_s`` ≥ 0 overrides it."""
+def test_both_policies_carry_the_engines_launches_and_the_override_wins():
+    """The waves are a policy of the engine (one decode program), so their steps cost the engine's
+    launches too; ``plan.decode_step_overhead_s`` ≥ 0 replaces that fixed cost for every schedule."""
     config = base_config()
     config.rollout.max_turns, config.train.prompts_per_step, config.rollout.n_samples = 1, 2, 2
     cfg, peak = tiny_config("qwen2", dtype="bfloat16"), flops.Peak(1e12, 1e11, "test")
@@ -128,14 +127,17 @@ def test_gpu_decode_steps_carry_the_overhead_the_h100_measured():
         config.plan.decode_step_overhead_s = overhead
         step = predict_step_time(config, cfg, platform="gpu", peak=peak, devices=1, hosts=1, rows_per_wave=4,
                                  train_rows=4, train_length=64, scored_per_row=16, state_bytes=8e9, lengths=lengths)
+        assert step.schedule.name == "waves"
         return step.seconds["rollout_decode"], step.schedule.decode_steps, step.assumptions["decode_step_overhead"]
 
-    (bytes_only, steps, _), (measured, _, why) = decode(0.0), decode(-1.0)
-    assert measured == pytest.approx(bytes_only + DECODE_STEP_OVERHEAD["gpu"][0] * steps)
-    assert 0.02 < DECODE_STEP_OVERHEAD["gpu"][0] < 0.03 and "measured" in why and "26.6 ms" in why
+    per_layer, per_step = ENGINE_LAUNCHES["gpu"]
+    launches = (per_layer * cfg.num_layers + per_step) * LAUNCH_S["gpu"][0]
+    (bytes_only, steps, _), (default, _, why), (fixed, _, fixed_why) = decode(0.0), decode(-1.0), decode(0.01)
+    assert default == pytest.approx(bytes_only + launches * steps) and "kernel launches" in why
+    assert fixed == pytest.approx(bytes_only + 0.01 * steps) and "plan.decode_step_overhead_s" in fixed_why
 
 
-def test_the_engines_paged_step_costs_its_kernel_launches_not_the_dense_loops_overhead():
+def test_the_engines_paged_step_costs_its_kernel_launches():
     """The engine decodes over the paged cache, whose step has no host-read loop or conditional: its fixed
     cost a step is its launches (per layer and per step) at the platform's launch cost, stated."""
     config = base_config()
