@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
-import math
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -13,31 +9,9 @@ from flax import nnx
 
 from llds_jax.models.logprobs import sequence_logprobs
 from llds_jax.models.testing import tiny_config, tiny_model
+from tests.models.test_decoder import _BATCH, _LENGTH, _saved_per_layer_floats  # residuals a layer keeps
 
 pytestmark = pytest.mark.unit
-
-_BATCH, _LENGTH, _LAYERS = 2, 12, 3
-
-
-def _saved_per_layer_floats(remat: str) -> int:
-    """Elements the gradient of a log-prob loss keeps per layer (scan-stacked residuals, weights aside)."""
-    model = tiny_model("llama", num_layers=_LAYERS, remat=remat)  # auto: xla_blockwise on CPU
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    ids = jnp.ones((_BATCH, _LENGTH), jnp.int32)
-    mask = jnp.ones((_BATCH, _LENGTH), bool)
-
-    def loss(p):
-        return sequence_logprobs(nnx.merge(graphdef, p, rest), ids, mask, chunk_size=_LENGTH)[0].sum()
-
-    report = io.StringIO()
-    with contextlib.redirect_stdout(report):
-        jax.ad_checkpoint.print_saved_residuals(loss, params)
-    total = 0
-    for line in report.getvalue().splitlines():  # "f32[3,2,12,64] output of scan from ..."
-        shape = [int(n) for n in line[line.index("[") + 1:line.index("]")].split(",") if n]
-        if shape and shape[0] == _LAYERS and "from the argument" not in line:
-            total += math.prod(shape)
-    return total // _LAYERS
 
 
 def test_minimal_no_gate_keeps_minimals_values_but_the_gate_projections():
