@@ -147,7 +147,7 @@ def run_engine(policy: ModelPolicy, trajectories: list[Trajectory], vocab, token
     session = SlotSession((policy.graphdef, policy.params), policy.sampling, slots=slots,
                           max_action_tokens=int(config.max_action_tokens), key=policy.key,
                           max_tokens=int(config.max_context), pad_id=policy.pad_id,
-                          prefill_chunk=policy.prefill_chunk,
+                          prefill_chunk=policy.prefill_chunk, append_rows=int(config.prefill_rows),
                           mesh=placement.sampler_mesh(devices) if len(devices) > 1 else None,
                           kv_blocks=kv_blocks, block_tokens=block)
     # scheduler slot s -> session row: round-robin over the devices (each holds a contiguous block

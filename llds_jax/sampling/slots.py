@@ -91,14 +91,17 @@ class SlotSession:
     process-local ``sampling.placement.sampler_mesh`` to spread the rows over (each device
     holds ``slots / devices`` rows, a replica of the weights and its own pool; None: the
     default device). ``kv_blocks``: blocks per device's pool (0: every row can hold
-    ``max_tokens``); ``block_tokens``: tokens per block. ``usable_slots`` is ``slots`` rounded
+    ``max_tokens``); ``block_tokens``: tokens per block; ``append_rows``: the most rows of one device
+    an append call runs (0: all that have ids; the engine passes ``rollout.prefill_rows``, what the
+    memory plan holds append workspace for: a wave's, or the first admission's, prompts are every
+    slot's). ``usable_slots`` is ``slots`` rounded
     up to a multiple of the devices; ``slots`` the rows allocated. Row ``r`` is on device
     ``r // rows_per_device`` and names blocks of that device's pool.
     """
 
     def __init__(self, model, sampling: SamplingParams, *, slots: int, max_action_tokens: int, key: jax.Array,
                  max_tokens: int, pad_id: int = 0, prefill_chunk: int = 0, mesh: jax.sharding.Mesh | None = None,
-                 kv_blocks: int = 0, block_tokens: int = CACHED_BLOCK):
+                 kv_blocks: int = 0, block_tokens: int = CACHED_BLOCK, append_rows: int = 0):
         self.graphdef, self.params = nnx.split(model) if isinstance(model, nnx.Module) else model
         self.mesh = mesh
         self.devices = devices = 1 if mesh is None else mesh.devices.size
@@ -115,6 +118,7 @@ class SlotSession:
         self.columns = -(-cache_slot_limit(max_tokens) // self.block_tokens)  # block-table width
         self.kv_blocks = int(kv_blocks) or self.rows_per_device * self.columns
         self.prefill_chunk = int(prefill_chunk)
+        self.append_rows = int(append_rows)
         self.trajectory = np.full((self.slots,), NO_TRAJECTORY, np.uint32)
         self.drawn = np.zeros((self.slots,), np.int32)        # tokens the slot's trajectory drew before its action
         self.budget = np.zeros((self.slots,), np.int32)       # the current action's cap (0: not decoding)
@@ -193,19 +197,29 @@ class SlotSession:
 
     # -- appends -----------------------------------------------------------------------------
     def append(self, chunks: dict[int, list[int]]) -> None:
-        """Feed ``chunks[slot]`` to each slot's cache (right-padded, in ``prefill_chunk`` columns),
-        running only the slots that have ids (see :meth:`_compact`)."""
+        """Feed ``chunks[slot]`` to each slot's cache (right-padded, in ``prefill_chunk`` columns, at
+        most ``append_rows`` rows of a device a call), running only the slots that have ids (see
+        :meth:`_compact`)."""
         chunks = {slot: list(ids) for slot, ids in chunks.items() if len(ids)}
         if not chunks:
             return
         rows = np.asarray(sorted(chunks), np.int64)
         lengths = np.asarray([len(chunks[int(r)]) for r in rows], np.int64)
         self._check_room(rows, self.rows_end[rows] + lengths)
-        width = bucket(int(lengths.max()), MIN_LENGTH_BUCKET)
-        step = width if self.prefill_chunk == 0 else min(self.prefill_chunk, width)
-        for first in range(0, width, step):
-            part = {int(r): chunks[int(r)][first:first + step] for r in rows}
-            self._extend({r: ids for r, ids in part.items() if ids}, step)
+        for group in self._row_groups(rows):
+            width = bucket(max(len(chunks[r]) for r in group), MIN_LENGTH_BUCKET)
+            step = width if self.prefill_chunk == 0 else min(self.prefill_chunk, width)
+            for first in range(0, width, step):
+                part = {r: chunks[r][first:first + step] for r in group}
+                self._extend({r: ids for r, ids in part.items() if ids}, step)
+
+    def _row_groups(self, rows: np.ndarray) -> list[list[int]]:
+        """``rows`` in calls of at most ``append_rows`` rows per device (each call takes the next
+        rows of every device, so the devices stay busy together); one call when ``append_rows`` is 0."""
+        by_device = [[int(r) for r in rows if r // self.rows_per_device == d] for d in range(self.devices)]
+        most = max(map(len, by_device))
+        size = self.append_rows or most
+        return [[r for group in by_device for r in group[i:i + size]] for i in range(0, most, size)]
 
     def _compact(self, slots) -> tuple[np.ndarray, int]:
         """Rows to run, grouped by device: ``[devices, per_device]`` session rows (``-1``: padding),

@@ -99,3 +99,33 @@ def test_an_action_starts_only_on_logits_an_append_set():
     session.append({0: [4, 5]})
     session.start_action(0, 2)
     assert len(session.decode(8)[0].ids) == 2
+
+
+def test_append_rows_caps_a_calls_rows_and_changes_no_bit(monkeypatch):
+    """``append_rows=2`` (the engine passes ``rollout.prefill_rows``, what the memory plan holds append
+    workspace for): five rows' prompts go in three calls of at most two rows, and every row's cache
+    and logits are the one-call append's, bit for bit (rows are batch-invariant)."""
+    rows_per_call = []
+    original = slots._extend
+
+    def recorded(graphdef, params, layer_weights, tokens, mask, *args):
+        rows_per_call.append(int(np.asarray(mask).any(axis=1).sum()))
+        return original(graphdef, params, layer_weights, tokens, mask, *args)
+
+    prompts = {slot: list(range(1, 4 + 7 * slot)) for slot in range(5)}
+    results = []
+    for append_rows in (0, 2):
+        session = _session(1, 5, kv_blocks=5)
+        session.append_rows = append_rows
+        for slot in range(5):
+            session.reset(slot, slot, 0)
+            session.set_blocks(slot, [slot])
+        rows_per_call.clear()
+        monkeypatch.setattr(slots, "_extend", recorded)
+        session.append(prompts)
+        monkeypatch.setattr(slots, "_extend", original)
+        results.append((list(rows_per_call), np.asarray(session.k[0]), np.asarray(session.logits)))
+    (whole_calls, whole_k, whole_logits), (capped_calls, capped_k, capped_logits) = results
+    assert whole_calls == [5] and capped_calls == [2, 2, 1]
+    np.testing.assert_array_equal(capped_k, whole_k)
+    np.testing.assert_array_equal(capped_logits[:5], whole_logits[:5])
