@@ -186,9 +186,8 @@ def paper_schedule(reference: str, segment: int | None, retrieval_steps: int) ->
     from llds_jax.parallel.mesh import resolve_mesh_shape
     from llds_jax.plan.config import HARDWARE
     from llds_jax.plan.step_time import step_lengths
-    from llds_jax.rollout.kv_plan import engine_memory
+    from llds_jax.rollout.kv_plan import engine_memory, rollout_rows_per_wave
     from llds_jax.rollout.schedule_sim import simulate_engine_groups, simulate_waves
-    from llds_jax.rollout.waves import rollout_rows_per_wave
 
     out = {}
     for name, (config_file, hardware, devices, hosts) in PAPER_TARGETS.items():

@@ -328,7 +328,7 @@ def _step_time(config, section, decoder_cfg, target, devices, rollout_rows: int,
                state, packing) -> StepTime:
     """The step-time prediction for this plan's target (``plan.step_time``); ``packing``: the packed
     shapes the training passes run (None: padded rows, ``train.packing`` off)."""
-    from llds_jax.rollout.waves import rollout_rows_per_wave  # noqa: PLC0415
+    from llds_jax.rollout.kv_plan import rollout_rows_per_wave  # noqa: PLC0415
     from llds_jax.train.step_settings import StepSizes  # noqa: PLC0415
 
     hosts = hosts_of(devices)
@@ -353,9 +353,9 @@ def _rollout_rows(config, section, decoder_cfg, target, devices, trajectories: i
     """Rows of one rollout wave as the trainer will decode them, and a note saying where that came from.
 
     ``plan.rollout_batch`` overrides; otherwise ``rollout.max_concurrent_rows``, or the trainer's
-    derivation (``rollout.waves.rollout_rows_per_wave``) for the target chip's memory.
+    derivation (``rollout.kv_plan.rollout_rows_per_wave``) for the target chip's memory.
     """
-    from llds_jax.rollout.waves import rollout_rows_per_wave  # noqa: PLC0415
+    from llds_jax.rollout.kv_plan import rollout_rows_per_wave  # noqa: PLC0415
 
     context = config.rollout.max_context
     if int(section.rollout_batch):
@@ -456,7 +456,7 @@ def device_memory_limit(section, devices) -> int | None:
     """Bytes one device may use: ``plan.device_memory_bytes``, else what the device reports (None on CPU)."""
     if int(section.device_memory_bytes):
         return int(section.device_memory_bytes)
-    from llds_jax.rollout.waves import reported_bytes_limit  # noqa: PLC0415
+    from llds_jax.rollout.memory import reported_bytes_limit  # noqa: PLC0415
 
     return reported_bytes_limit(devices)
 

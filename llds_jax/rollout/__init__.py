@@ -9,7 +9,7 @@ Public API (the trainer and evaluation call exactly this)::
                                       # max_prompt_tokens, max_context, topk, n_samples, temperature,
                                       # top_p, top_k, stop_token_ids, pad_to_multiple,
                                       # max_concurrent_rows, memory_fraction, cpu_memory_bytes,
-                                      # prefill_chunk (waves sized to memory: rollout/waves.py),
+                                      # prefill_chunk (the memory plan: rollout/kv_plan.py),
                                       # engine ("waves" | "continuous": rollout/engine.py), segment_tokens,
                                       # sampler_devices, kv_block_tokens, kv_blocks, slot_tokens, prefill_rows
     batch = run_rollouts(model_or_graphdef_params_or_policy, tokenizer, questions, retriever, cfg,

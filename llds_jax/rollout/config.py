@@ -24,7 +24,7 @@ def default_config() -> ml_collections.ConfigDict:
         top_k=0,                   # 0 = off
         stop_token_ids=(),         # () = the tokenizer's eos plus TERMINATOR_TOKENS it knows
         pad_to_multiple=128,       # the returned arrays' L is a multiple of this (fewer trainer recompiles)
-        # Memory (llds_jax/rollout/waves.py): under the waves policy trajectories are decoded in waves of
+        # Memory (llds_jax/rollout/kv_plan.py): under the waves policy trajectories are decoded in waves of
         # at most max_concurrent_rows rows; results are the same whatever the wave size.
         max_concurrent_rows=0,     # 0 = derive from memory_fraction x device memory, weights and KV bytes per row
         memory_fraction=0.9,       # share of a device's memory the rollout may fill (vLLM's gpu_memory_utilization)

@@ -24,7 +24,7 @@ keeps its last ``max_prompt_tokens``. A trajectory with no room left ends, ``tru
 A model's rollout runs on the one engine (``engine.py``: slots over a paged KV cache), under
 the policy ``rollout.engine`` names: ``"waves"`` runs the loop above turn-synchronously, in
 *waves* of at most ``max_concurrent_rows`` rows (derived from the device's memory by default,
-``waves.py``); ``"continuous"`` lets each slot run its own turns. Trajectory ``i`` samples
+``kv_plan.py``); ``"continuous"`` lets each slot run its own turns. Trajectory ``i`` samples
 with ``fold_in(key, i)`` whatever slot or wave it lands in, so the batch — ids, masks, sampler
 log-probs, answers, searches — does not depend on the policy or the wave size.
 
@@ -46,10 +46,9 @@ from llds_jax.rollout import protocol
 from llds_jax.rollout.action_stop import action_stop_table
 from llds_jax.rollout.config import terminator_ids
 from llds_jax.rollout.engine import ModelPolicy, count_decode_work, run_engine
-from llds_jax.rollout.kv_plan import engine_sizing
+from llds_jax.rollout.kv_plan import engine_sizing, wave_plan
 from llds_jax.rollout.trajectory import RolloutBatch, Trajectory, collate
 from llds_jax.rollout.turns import apply_action, cut_feedback
-from llds_jax.rollout.waves import wave_plan
 from llds_jax.sampling import placement
 from llds_jax.sampling.decode_loop import SamplingParams
 from llds_jax.sampling.slots import SampledAction

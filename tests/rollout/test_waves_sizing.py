@@ -1,4 +1,5 @@
-"""``rollout_rows_per_wave``: rows per wave from a device-memory budget, checked on Qwen2.5-3B's sizes (SPEC §10)."""
+"""``rollout_rows_per_wave``: the waves policy's rows from a device-memory budget (the engine's one memory
+plan, a slot sized for a whole ``max_context``), checked on Qwen2.5-3B's sizes (SPEC §10)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,8 @@ import pytest
 
 from llds_jax.models.config import DecoderConfig
 from llds_jax.rollout import default_config
-from llds_jax.rollout.waves import (
-    RolloutMemoryError,
-    kv_bytes_per_slot,
-    rollout_row_bytes,
-    rollout_rows_per_wave,
-    wave_plan,
-    weight_bytes,
-)
+from llds_jax.rollout.kv_plan import engine_memory, rollout_rows_per_wave, wave_plan
+from llds_jax.rollout.memory import RolloutMemoryError, kv_bytes_per_slot, rollout_row_bytes, weight_bytes
 from llds_jax.sampling.slots import cache_slot_limit
 
 pytestmark = pytest.mark.unit
@@ -30,16 +25,17 @@ def test_qwen_3b_kv_bytes_and_weights_match_the_spec():
 
 
 def test_rows_follow_the_budget_formula_and_scale_with_data_devices():
-    cfg = default_config()  # paper limits: max_context 4096, prefill_chunk 512
+    cfg = default_config()  # paper limits: max_context 4096, prefill_chunk 512, prefill_rows 16
     row = rollout_row_bytes(QWEN_3B, cfg)
     # a row holds the paged blocks of a whole max_context: 32 blocks of 128 tokens
     assert row["kv_cache"] == kv_bytes_per_slot(QWEN_3B) * 4096
-    assert row["total"] == row["kv_cache"] + max(row["prefill"], row["decode"])
     v5e = 16 * 2**30
-    expected = int((0.9 * v5e - weight_bytes(QWEN_3B)) // row["total"])
+    free = 0.9 * v5e - weight_bytes(QWEN_3B)
+    expected = int((int(free) - 16 * row["prefill"]) // (row["decode"] + row["kv_cache"]))
     assert rollout_rows_per_wave(QWEN_3B, cfg, v5e, 1) == expected
+    assert engine_memory(QWEN_3B, cfg, v5e, 10**6, slot_tokens=4096).slots_per_device == expected  # one plan
     assert rollout_rows_per_wave(QWEN_3B, cfg, v5e, 8) == 8 * expected
-    # (14.4 GiB - 6.2 GB of weights) / (151 MB of KV + workspace) ≈ 48 rows a chip
+    # (14.4 GiB - 6.2 GB of weights - 16 rows' append workspace) / (151 MB of KV + the sampler's rows)
     assert 40 <= expected <= 60, f"{expected} rows per v5e chip for a 3B model at 4k context"
     cfg.memory_fraction = 0.5
     assert rollout_rows_per_wave(QWEN_3B, cfg, v5e, 1) < expected

@@ -182,7 +182,7 @@ def test_the_data_parallel_size_comes_from_the_rules_table():
     from llds_jax.config import data_parallel_size
     from llds_jax.parallel.mesh import make_mesh
     from llds_jax.parallel.rules import ShardingRules, use_rules
-    from llds_jax.rollout.waves import data_devices_of_ambient_mesh
+    from llds_jax.rollout.memory import data_devices_of_ambient_mesh
     from llds_jax.train.packing import data_parallel_size as packing_data_parallel_size
 
     config = base_config()
