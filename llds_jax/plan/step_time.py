@@ -138,7 +138,7 @@ def waves_schedule(trajectories: list[TrajectoryLengths], rows_per_wave: int) ->
 
 
 def engine_schedule(config, model_cfg, trajectories: list[TrajectoryLengths], *, device_bytes: float,
-                    sampler_devices: int, paged: bool, retrieval_steps: int, waves_rows: int) -> Schedule:
+                    sampler_devices: int, paged: bool, retrieval_steps, waves_rows: int) -> Schedule:
     """The continuous engine's schedule (``rollout.schedule_sim.simulate_engine``: the engine's own
     ``Scheduler``) of one host's trajectories over its ``sampler_devices``: slots of dense
     ``max_context`` rows as the engine runs today (each device holds a wave's rows per device,
@@ -280,6 +280,10 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     per_step = rollouts["waves"][1]["rollout_decode"] / max(schedule.decode_steps, 1)
     mean_call = search["call_queries"] / max(schedule.retrieval_calls, 1)  # the waves' mean batch
     retrieval_steps = math.ceil(search["cost"].seconds(mean_call) / max(per_step, 1e-9))
+
+    def batch_steps(queries: int) -> int:  # the engine's batches cost their own queries (exact search: per query)
+        return math.ceil(search["cost"].seconds(queries) / max(per_step, 1e-9))
+
     local = max(1, devices // hosts)
     engine_devices = {-1: local, 0: 1}.get(int(config.rollout.sampler_devices),
                                            int(config.rollout.sampler_devices))
@@ -290,7 +294,7 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
         try:
             sch = engine_schedule(config, model_cfg, drawn, device_bytes=device_bytes or 0,
                                   sampler_devices=min(engine_devices, local), paged=paged,
-                                  retrieval_steps=retrieval_steps, waves_rows=waves_rows_per_device)
+                                  retrieval_steps=batch_steps, waves_rows=waves_rows_per_device)
         except (ValueError, RuntimeError):  # not one trajectory fits the paged pool: no such column
             continue
         rollouts[sch.name] = (sch, rollout_seconds(sch, min(engine_devices, local), False))
@@ -353,7 +357,8 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
                    ", cut by the rollout caps",
         "sampling_devices": f"waves: {sampler_devices} sampling device(s) per host x {hosts} host(s), waves of "
                    f"{rollouts['waves'][0].slots} rows; engine: {min(engine_devices, local)} device(s) per host "
-                   f"(rollout.sampler_devices), retrieval {retrieval_steps} decode steps a batch on a host thread; "
+                   f"(rollout.sampler_devices), retrieval on a host thread, a batch in decode steps at the waves' "
+                   f"{per_step * 1e3:.2f} ms a step ({retrieval_steps} for the waves' mean batch of {mean_call:.0f}); "
                    f"configured: rollout.engine={config.rollout.engine!r}",
         "training_batch": f"{train_rows} {'packed' if packing is not None else 'padded'} rows x {train_length} "
                           "tokens computed per pass" + (

@@ -13,7 +13,8 @@ one rollout step costs in device steps under
   decoding nothing until the feedback is back, free slots admit the next trajectory.
 
 Time is counted in decode steps (one token for every active row); the retriever's
-latency is given in the same unit (``retrieval_steps``). A slot that ends its action
+latency is given in the same unit (``retrieval_steps``: a count, or a function of a batch's
+queries, since a batch of exact searches costs its queries). A slot that ends its action
 mid-segment idles until the segment ends, as in the engine. The lower bound of a
 schedule is ``max(longest trajectory's decode tokens, total decode tokens / slots)``;
 ``efficiency`` is that over the decode steps taken. Prefill chunks (device calls of at most
@@ -24,7 +25,7 @@ for the retriever (``retrieval_wait_steps``) are reported beside them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from llds_jax.data.lengths import TrajectoryLengths
 from llds_jax.rollout.scheduler import Phase, Scheduler
@@ -93,14 +94,15 @@ def simulate_waves(trajectories: Sequence[ReferenceTrajectory], rows: int, *, pr
 
 
 def simulate_engine(trajectories: Sequence[ReferenceTrajectory], slots: int, *, segment: int, prefill_chunk: int,
-                    retrieval_steps: int, max_tokens: int, kv_blocks: int | None = None,
+                    retrieval_steps: int | Callable[[int], int], max_tokens: int, kv_blocks: int | None = None,
                     block_size: int = 128, devices: int = 1) -> dict:
     """The engine's schedule of ``trajectories`` over ``slots`` (its :class:`Scheduler`, its rules).
 
     ``kv_blocks``: each of the ``devices`` sampler devices' KV pool in blocks of ``block_size``
     tokens (``None``: dense rows, no preemption), as the engine's paged cache holds them. A
     preempted trajectory loses its unfinished action (the engine redraws it with the same
-    keys) and re-prefills its history.
+    keys) and re-prefills its history. ``retrieval_steps``: a batch's latency in decode steps, or
+    a function of its query count.
     """
     scheduler = Scheduler([t.prompt for t in trajectories], slots=slots, block_size=block_size, kv_blocks=kv_blocks,
                           max_tokens=max_tokens, devices=devices)
@@ -116,8 +118,9 @@ def simulate_engine(trajectories: Sequence[ReferenceTrajectory], slots: int, *, 
                 scheduler.feedback_arrived(i, trajectories[i].feedback[turn[i] - 1])
             in_flight = []
         if queued and not in_flight:  # the retrieval thread takes everything queued as one batch
-            in_flight, queued, ready_at, batches = queued, [], now + retrieval_steps, batches + 1
-            if retrieval_steps == 0:
+            latency = retrieval_steps(len(queued)) if callable(retrieval_steps) else int(retrieval_steps)
+            in_flight, queued, ready_at, batches = queued, [], now + latency, batches + 1
+            if latency == 0:
                 continue
         scheduler.admit()
         widest = 0

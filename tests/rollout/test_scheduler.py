@@ -113,6 +113,24 @@ def test_engine_beats_waves_when_rows_come_in_several_waves_and_never_beats_the_
             assert engine["peak_kv_blocks"] <= kv_blocks
 
 
+def test_a_batch_latency_may_follow_its_query_count():
+    """``retrieval_steps`` as a function of a batch's queries (an exact search costs its queries): a
+    constant function is the constant, and a per-query latency waits for what each batch holds."""
+    trajectories = _toy_trajectories()
+    common = dict(segment=4, prefill_chunk=64, max_tokens=256)
+    constant = simulate_engine(trajectories, 8, retrieval_steps=3, **common)
+    assert simulate_engine(trajectories, 8, retrieval_steps=lambda queries: 3, **common) == constant
+    sizes = []
+
+    def per_query(queries: int) -> int:  # 20 steps a query: longer than any segment, so slots wait
+        sizes.append(queries)
+        return 20 * queries
+
+    scaled = simulate_engine(trajectories, 8, retrieval_steps=per_query, **common)
+    assert len(sizes) == scaled["retrieval_batches"] and sum(sizes) == sum(len(t.feedback) for t in trajectories)
+    assert len(set(sizes)) > 1 and scaled["retrieval_wait_steps"] > constant["retrieval_wait_steps"]
+
+
 def test_a_short_pool_preempts_and_still_finishes_every_trajectory():
     trajectories = _toy_trajectories()
     tight = simulate_engine(trajectories, 40, segment=4, prefill_chunk=64, retrieval_steps=3, max_tokens=256,
