@@ -39,9 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from llds_jax.models import KVCache, init_cache
-from llds_jax.models.attention import CACHED_BLOCK
-from llds_jax.models.decoder import join_slots, split_slots
+from llds_jax.models import KVCache
 from llds_jax.models.reductions import target_platform
 from llds_jax.sampling import stop_strings
 from llds_jax.sampling.filtering import SamplingMode, sample_tokens
@@ -134,46 +132,6 @@ class SamplingParams:
             stop_table=jnp.asarray(stop_table, jnp.int8),
             mode=SamplingMode.of(temperature, top_k, top_p),
         )
-
-
-@functools.partial(jax.jit, static_argnames=("config", "batch", "max_len"))
-def new_cache(config, batch: int, max_len: int) -> KVCache:
-    """An empty cache of ``batch`` rows × ``max_len`` slots, created on device (no host zeros)."""
-    return init_cache(config, batch, max_len)
-
-
-@functools.partial(jax.jit, static_argnames=("max_len",))
-def grow_cache(cache: KVCache, max_len: int) -> KVCache:
-    """The same cache with ``max_len`` slots (new slots empty and invalid).
-
-    Why grow instead of allocating ``max_context`` slots up front: memory. A decode step
-    reads only the key blocks below the furthest row (its time follows the live length),
-    but the buffer is allocated whole, so a session keeps the cache one bucket above
-    what its rows hold and pays one copy per growth.
-    """
-    extra = max_len - cache.max_len
-    if extra < 0:
-        raise ValueError(f"cannot shrink a cache of {cache.max_len} slots to {max_len}")
-
-    def pad(x, axis):
-        return jnp.pad(x, [(0, extra) if i == axis else (0, 0) for i in range(x.ndim)])
-
-    def grown(layer):  # held as before: one buffer, or key blocks of CACHED_BLOCK slots (as init_cache makes them)
-        return split_slots(pad(join_slots(layer), 2), CACHED_BLOCK if isinstance(layer, tuple) else 0)
-
-    return KVCache(k=tuple(map(grown, cache.k)), v=tuple(map(grown, cache.v)), valid=pad(cache.valid, 1), end=cache.end)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def extend(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, token_mask: jax.Array,
-           cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """Append ``tokens [B, T]`` (``token_mask`` marks real ones) to each row of ``cache``.
-
-    Covers the prefill of a left-padded prompt batch and the append of right-padded tool
-    feedback alike. Returns the fp32 logits ``[B, V]`` after each row's last real token.
-    """
-    model = nnx.merge(graphdef, params)
-    return model.forward_cached(tokens, cache, token_mask=token_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "width"), donate_argnames=("cache",))
