@@ -11,9 +11,10 @@ Three measurements, one process:
    hardly.
 2. The same batch shape with a scripted policy that searches every turn: retrieval and host
    time of a search-heavy rollout, without a model.
-3. Cache continuation vs re-prefill: appending a feedback chunk to a live KV cache versus
-   prefilling the whole history plus the chunk into a fresh cache (what a loop without
-   cache continuation does every turn), for several history lengths.
+3. Cache continuation vs re-prefill: appending a feedback chunk to live decode slots
+   (``slots.SlotSession.append``, the paged cache) versus feeding freshly reset slots the whole
+   history plus the chunk (what a loop without cache continuation does every turn), for several
+   history lengths.
 
     .venv/bin/python benchmarks/bench_rollout.py --questions 8 --n-samples 4 --max-turns 3 \
         --max-action-tokens 64
@@ -54,7 +55,6 @@ from pathlib import Path
 
 import _harness  # benchmarks/ is on sys.path when run as a script
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -64,7 +64,7 @@ from llds_jax.retrieval import BM25Retriever, Corpus
 from llds_jax.rollout import default_config, run_rollouts
 from llds_jax.rollout.action_stop import action_stop_table
 from llds_jax.rollout.scripted_policy import ScriptedPolicy
-from llds_jax.sampling import bucket, decode_loop, vocab_bytes
+from llds_jax.sampling import SamplingParams, vocab_bytes
 from llds_jax.utils.assets import smollm2_gguf_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,29 +133,41 @@ def rollout_scripted_search(session, tokenizer, questions, retriever, cfg, repea
 
 
 def append_and_reprefill_times(graphdef, params, batch: int, history: int, chunk: int, repeats: int):
-    """Seconds to (a) append ``chunk`` tokens to a cache holding ``history``, (b) prefill both afresh.
+    """Seconds to (a) append ``chunk`` tokens to slots holding ``history``, (b) feed freshly reset
+    slots the whole history plus the chunk: ``slots.SlotSession.append``, the rollout's own append
+    (the paged cache, each slot its own blocks), on one session of ``batch`` slots.
 
-    Alternating per repeat; the live cache (a) appends to is built untimed before each call.
+    Alternating per repeat; the live rows (a) appends to are built untimed before each call.
     """
+    from llds_jax.sampling.generate import resolve_stop_table
+    from llds_jax.sampling.slots import SlotSession
+
     config = nnx.merge(graphdef, params).config
     rng = np.random.default_rng(history)
-    cache_len = bucket(history + chunk, 16)
-    hist_ids = jnp.asarray(rng.integers(1, config.vocab_size, (batch, history)), jnp.int32)
-    chunk_ids = jnp.asarray(rng.integers(1, config.vocab_size, (batch, chunk)), jnp.int32)
-    full_ids = jnp.concatenate([hist_ids, chunk_ids], axis=1)
+    hist_ids = rng.integers(1, config.vocab_size, (batch, history)).tolist()
+    chunk_ids = rng.integers(1, config.vocab_size, (batch, chunk)).tolist()
+    sampling = SamplingParams.create(temperature=1.0, top_k=0, top_p=1.0, stop_token_ids=(),
+                                     stop_table=resolve_stop_table((), None, config.vocab_size))
+    session = SlotSession((graphdef, params), sampling, slots=batch, max_action_tokens=16, key=jax.random.key(0),
+                          max_tokens=history + chunk)
 
-    def prefill(ids):
-        cache = decode_loop.new_cache(config, batch, cache_len)
-        return jax.block_until_ready(decode_loop.extend(graphdef, params, ids, jnp.ones_like(ids, bool), cache))
+    def fresh(ids):  # every slot emptied (a new trajectory, its own blocks), then fed ``ids``
+        for slot in range(batch):
+            session.reset(slot, slot, 0)
+            session.set_blocks(slot, np.arange(slot * session.columns, (slot + 1) * session.columns))
+        session.append({slot: ids[slot] for slot in range(batch)})
+        jax.block_until_ready((session.logits, session.k, session.v))
 
-    def append(cache):
-        return jax.block_until_ready(decode_loop.extend(graphdef, params, chunk_ids, jnp.ones_like(chunk_ids, bool),
-                                                        cache))
+    def append(_live=None):  # the setup's rows (built by ``fresh``, on the session): nothing to pass
+        session.append({slot: chunk_ids[slot] for slot in range(batch)})
+        jax.block_until_ready((session.logits, session.k, session.v))
 
-    append(prefill(hist_ids)[1])  # compile both shapes
-    prefill(full_ids)
-    return _harness.alternate({"append": append, "re-prefill": lambda: prefill(full_ids)}, repeats, warmup=False,
-                              setup={"append": lambda: prefill(hist_ids)[1]})
+    full_ids = [h + c for h, c in zip(hist_ids, chunk_ids, strict=True)]
+    fresh(hist_ids)  # compile both shapes
+    append()
+    fresh(full_ids)
+    return _harness.alternate({"append": append, "re-prefill": lambda: fresh(full_ids)}, repeats, warmup=False,
+                              setup={"append": lambda: fresh(hist_ids)})
 
 
 def continuation_vs_reprefill(session, model, batch: int, chunk: int, histories: list[int], repeats: int):
@@ -163,7 +175,7 @@ def continuation_vs_reprefill(session, model, batch: int, chunk: int, histories:
     for history in histories:
         session.log(f"append vs re-prefill, history {history} ...")
         times = append_and_reprefill_times(graphdef, params, batch, history, chunk, repeats)
-        session.add_case(f"append {chunk} tokens to a {history}-token cache vs re-prefill, batch {batch}", times,
+        session.add_case(f"append {chunk} tokens to {history}-token slots vs re-prefill, batch {batch}", times,
                          reprefill_over_append=times["re-prefill"].median_s / times["append"].median_s)
 
 

@@ -11,9 +11,10 @@ machine unless ``--allow-noisy`` (benchmarks/_harness.py); ``--json`` prints one
     .venv/bin/python benchmarks/bench_sampler.py --models tiny,smollm2 --batch 8,32 \
         --prompt-len 64 --new-tokens 64
 
-``--slots 128,1024,4096`` instead measures one decode step (ours only) against the KV
-cache's slot count, on a random 8-layer Llama (d 256, vocab 8192), batch 8: the reason
-the rollout's session grows its cache instead of allocating ``max_context`` slots.
+``--slots 128,1024,4096`` instead measures one decode step (ours only: ``slots.SlotSession``,
+the paged cache) against the cache slots each row's block table covers (the pool holding every
+row's), at the same 16 live tokens, on a random 8-layer Llama (d 256, vocab 8192), batch 8: does
+a step cost what the rows hold, or what they could hold (the engine sizes rows for ``max_context``)?
 """
 
 from __future__ import annotations
@@ -84,32 +85,41 @@ def run_case(hf_model, model, batch, prompt_len, new_tokens, sampled: bool, repe
 
 
 def decode_seconds_vs_slots(session, slots: list[int], repeats: int, batch: int = 8, steps: int = 32):
+    """One decode call of ``steps`` tokens on ``slots.SlotSession`` (the paged cache) per row
+    capacity in ``slots``: each row's block table covers that many cache slots and the pool holds
+    every row's blocks, the live length the same 16-token prompt; the timed call is the decode only.
+    What it shows: whether a step's time follows the rows' live tokens or the cache they could hold
+    (``max_context``, which the engine's rows are sized for)."""
     from flax import nnx
 
     from llds_jax.models.testing import tiny_model
-    from llds_jax.sampling import SamplingParams, decode_loop
+    from llds_jax.sampling import SamplingParams
     from llds_jax.sampling.generate import resolve_stop_table
+    from llds_jax.sampling.slots import SlotSession
 
     model = tiny_model("llama", vocab_size=8192, hidden_size=256, num_layers=8, num_heads=4, num_kv_heads=2,
                        head_dim=64, intermediate_size=512)
     graphdef, params = nnx.split(model)
     sampling = SamplingParams.create(temperature=0.0, top_k=0, top_p=1.0, stop_token_ids=[],
                                      stop_table=resolve_stop_table((), None, model.config.vocab_size))
-    prompt = jax.numpy.ones((batch, 16), jax.numpy.int32)
-    keys = decode_loop.row_keys(jax.random.key(0), np.arange(batch))
     session.log(f"decode step vs cache slots: random 8-layer Llama d256 vocab 8192, batch {batch}, {steps} steps")
+    sessions = {count: SlotSession((graphdef, params), sampling, slots=batch, max_action_tokens=steps,
+                                   key=jax.random.key(0), max_tokens=count) for count in slots}
 
-    def prefilled(count):
-        cache = decode_loop.new_cache(model.config, batch, count)
-        logits, cache = decode_loop.extend(graphdef, params, prompt, jax.numpy.ones_like(prompt, bool), cache)
-        return jax.block_until_ready((logits, cache))
+    def prefilled(count):  # untimed: every slot a new trajectory holding the prompt, its action started
+        rows = sessions[count]
+        for slot in range(batch):
+            rows.reset(slot, slot, 0)
+            rows.set_blocks(slot, np.arange(slot * rows.columns, (slot + 1) * rows.columns))
+        rows.append({slot: [1] * 16 for slot in range(batch)})
+        for slot in range(batch):
+            rows.start_action(slot, steps)
+        jax.block_until_ready(rows.logits)
+        return rows
 
-    def decode(prefilled_state):  # timed: the decode steps only; the prefill is the untimed setup
-        logits, cache = prefilled_state
-        state = decode_loop.decode(graphdef, params, logits, cache, jax.numpy.zeros((batch,), bool),
-                                   jax.numpy.full((batch,), steps), keys, jax.numpy.zeros((batch,), jax.numpy.int32),
-                                   sampling, width=steps)
-        jax.block_until_ready(state.tokens)
+    def decode(rows):  # timed: the decode steps only
+        ended = rows.decode(steps)
+        assert len(ended) == batch and all(len(a.ids) == steps for a in ended.values())
 
     times = _harness.alternate({f"{count}_slots": decode for count in slots}, repeats,
                                setup={f"{count}_slots": lambda c=count: prefilled(c) for count in slots})

@@ -14,8 +14,9 @@ held by one process at a time); this orchestrating process never starts a JAX ba
    random weights, 64 prompts × 5, the paper's caps): per-phase seconds, MFU/MBU and the devices'
    peak memory from its ``metrics.jsonl``.
 3. ``decode`` — one decode step of the rollout at the job's shape (``benchmarks/device_decode_step.py``:
-   the slot engine with the backend's decode kernel, with the XLA key-block loop, and the waves'
-   dense session), ms a step against its bytes bound, with a profile of the top kernels.
+   the slot engine with the backend's decode kernel and with the XLA key-block loop; the waves run
+   this same engine, ``rollout.engine="waves"``), ms a step against its bytes bound, with a profile
+   of the top kernels.
 4. ``passes`` (``--with-passes``) — π_old + π_ref, the update and the Δ forward alone on a
    rollout-shaped batch, timed after their compile (the steady state the step's first, compiling
    step hides).
@@ -214,7 +215,7 @@ def run_decode(out: Path, tokenizer: str, dry_run: bool) -> dict:
     command = [sys.executable, str(REPO / "benchmarks" / "device_decode_step.py"), f"--out={out / 'decode'}",
                f"--tokenizer={tokenizer}", "--profile", "--trace-dir=/tmp/device_check_traces",
                # the dry run pins the wiring on one variant (the CPU compiles each path's programs anew)
-               "--variants=" + ("paged_kernel" if dry_run else "paged_kernel,paged_kernel@8,paged_xla,waves"),
+               "--variants=" + ("paged_kernel" if dry_run else "paged_kernel,paged_kernel@8,paged_xla"),
                *(["--dry-run"] if dry_run else [])]
     subprocess.run(command, cwd=REPO, check=True)
     result = json.loads((out / "decode" / "decode_step.json").read_text())

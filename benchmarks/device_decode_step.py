@@ -1,4 +1,4 @@
-"""One decode step of the rollout, timed and profiled on a device: the engine's paths side by side.
+"""One decode step of the rollout, timed and profiled on a device: the engine's attention paths side by side.
 
     python benchmarks/device_decode_step.py --out OUT                 # on the GPU (≈ 3 min on one H200)
     python benchmarks/device_decode_step.py --dry-run --out OUT       # CPU, tiny model: wiring only
@@ -7,11 +7,14 @@ What it times, at the device check's shape (Qwen2.5-0.5B shapes, random bf16 wei
 live contexts are Search-R1 3B's reference trajectories just before their last action, top-p 0.95 at
 T = 1, the protocol's real stop-string table over the Qwen2 vocabulary):
 
-* ``waves`` — ``DecodeSession.act`` over a dense cache (``rollout.engine="waves"``);
 * ``paged_xla`` — the slot engine (``SlotSession.decode``) with ``model.attention="xla_blockwise"``:
   the XLA loop over key blocks;
 * ``paged_kernel`` — the slot engine with ``model.attention="auto"``: the backend's decode kernel
   (``models/attention/decode_gpu.py`` on GPU).
+
+Both rollout policies decode on this one engine (``rollout.engine="waves"`` is its turn-synchronous
+policy: ``rollout/engine.py``), so there is no other session to compare: the dense-cache
+``DecodeSession`` the waves ran on is gone.
 
 Each variant prefills its rows once, decodes ``--steps`` tokens per call (one compile, one warm-up
 call), then ``--calls`` timed calls; ms per step = a call's wall time / the steps it decoded (every
@@ -38,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-VARIANTS = ("waves", "paged_xla", "paged_kernel")
+VARIANTS = ("paged_xla", "paged_kernel")
 
 
 def live_lengths(rows: int, cap: int) -> list[int]:
@@ -122,7 +125,6 @@ def run_variant(name: str, args, lengths: list[int], sampling, out: Path) -> dic
         raise ValueError(f"--variants: {variant!r} is not one of {VARIANTS}")
     args = argparse.Namespace(**{**vars(args), "steps": int(steps or args.steps)})
 
-    from llds_jax.sampling.session import DecodeSession
     from llds_jax.sampling.slots import SlotSession
 
     model = build(variant, args)
@@ -133,36 +135,24 @@ def run_variant(name: str, args, lengths: list[int], sampling, out: Path) -> dic
     key = jax.random.key(0)
     t0 = time.perf_counter()
     restarted: list[int] = []
-    if variant == "waves":
-        session = DecodeSession(model, sampling, max_action_tokens=budget, key=key, max_tokens=args.slots)
-        session.start(prompts)
-        jax.block_until_ready(session.cache)
-        prefill_s = time.perf_counter() - t0
-        active = np.ones(len(prompts), bool)
+    session = SlotSession(model, sampling, slots=len(prompts), max_action_tokens=budget, key=key, max_tokens=args.slots)
+    per_row = session.columns
+    for slot, _ in enumerate(prompts):
+        session.reset(slot, slot, 0)
+        session.set_blocks(slot, np.arange(slot * per_row, (slot + 1) * per_row) % session.kv_blocks)
+    session.append({slot: ids for slot, ids in enumerate(prompts)})
+    for slot in range(len(prompts)):
+        session.start_action(slot, budget)
+    jax.block_until_ready(session.k)
+    prefill_s = time.perf_counter() - t0
 
-        def one_call():  # a fresh action of `steps` tokens per row (the cache keeps growing, as in a turn)
-            session.act(active, np.full(len(prompts), args.steps, np.int32))
-            return args.steps
-    else:
-        session = SlotSession(model, sampling, slots=len(prompts), max_action_tokens=budget, key=key,
-                              max_tokens=args.slots)
-        per_row = session.columns
-        for slot, _ in enumerate(prompts):
-            session.reset(slot, slot, 0)
-            session.set_blocks(slot, np.arange(slot * per_row, (slot + 1) * per_row) % session.kv_blocks)
-        session.append({slot: ids for slot, ids in enumerate(prompts)})
-        for slot in range(len(prompts)):
-            session.start_action(slot, budget)
-        jax.block_until_ready(session.k)
-        prefill_s = time.perf_counter() - t0
-
-        def one_call():  # a row whose action ended (a stop string a random policy completed) starts another
-            ended = session.decode(args.steps)
-            for slot in ended:
-                if session.rows_end[slot] + budget <= session.max_tokens:
-                    session.start_action(slot, budget)
-            restarted.append(len(ended))
-            return args.steps
+    def one_call():  # a row whose action ended (a stop string a random policy completed) starts another
+        ended = session.decode(args.steps)
+        for slot in ended:
+            if session.rows_end[slot] + budget <= session.max_tokens:
+                session.start_action(slot, budget)
+        restarted.append(len(ended))
+        return args.steps
 
     t0 = time.perf_counter()
     one_call()  # compiles
@@ -173,7 +163,7 @@ def run_variant(name: str, args, lengths: list[int], sampling, out: Path) -> dic
         t0 = time.perf_counter()
         steps = one_call()
         times.append((time.perf_counter() - t0) / steps)
-    result = {"variant": name, "rows_ended": sum(restarted) if variant != "waves" else 0, "prefill_s": round(prefill_s, 3), "first_call_s": round(compile_s, 3),
+    result = {"variant": name, "rows_ended": sum(restarted), "prefill_s": round(prefill_s, 3), "first_call_s": round(compile_s, 3),
               "ms_per_step": round(1e3 * statistics.median(times), 3),
               "ms_per_step_all": [round(1e3 * t, 3) for t in times]}
     if args.profile:

@@ -1,4 +1,4 @@
-"""JAX sampler over the models' KV cache: jitted extend (prefill / append) and a jitted decode loop.
+"""JAX sampler over the models' paged KV cache: decode slots (``slots.SlotSession``) and its one decode program.
 
 Public API::
 
@@ -12,9 +12,11 @@ Public API::
 is greedy. Stop strings are matched on the bytes of the sampled ids while decoding and
 need ``tokenizer=`` (or a prebuilt ``StopStringTable``).
 
-Lower level, for multi-turn callers (the rollout): ``decode_loop.new_cache``,
-``decode_loop.extend`` (prefill or append a chunk), ``decode_loop.decode`` (the loop),
-``decode_loop.SamplingParams`` (its static ``filtering.SamplingMode``), ``stop_strings.build_stop_table``, ``token_bytes.vocab_bytes``.
+Lower level, for multi-turn callers (the rollout engine, ``rollout/engine.py``):
+``slots.SlotSession`` (reset / append a prompt, history or feedback / start an action / decode
+segments / cut), whose decode program is ``slots.decode_segment`` over ``decode_loop.token_step``;
+``decode_loop.SamplingParams`` (its static ``filtering.SamplingMode``), ``stop_strings.build_stop_table``,
+``token_bytes.vocab_bytes``.
 """
 
 from llds_jax.sampling.decode_loop import DecodeState, FinishReason, SamplingParams

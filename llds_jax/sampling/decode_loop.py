@@ -1,32 +1,33 @@
-"""The jitted pieces of the sampler: extend a KV cache with given tokens, and the decode loop.
+"""The decode program's parts: its state, its one-token step, its loop, the sampler's knobs.
 
-Everything a decode step needs is in one pytree, :class:`DecodeState`; the loop
-(:func:`run_steps`) ends when every row is done, checked every :data:`STOP_CHECK_EVERY`
-tokens, or when the buffer is full.
-Parameters enter as arguments (``nnx.split`` state), never as closed-over constants, so a
-new policy after an optimizer step reuses the compiled program. So do the sampling knobs,
-the stop token ids and the stop-string tables: they are arrays, not trace-time constants.
+The one decode program is ``slots.decode_segment`` (the rollout engine's, both policies, and
+``generate``'s), over the paged KV cache (``models.PagedKVCache``); this module holds what it is
+built from. Everything a decode step needs is in one pytree, :class:`DecodeState`; the loop
+(:func:`run_steps`) ends when every row is done, checked every :data:`STOP_CHECK_EVERY` tokens, or
+after its static number of steps. Parameters enter the program as arguments (``nnx.split``
+state), never as closed-over constants, so a new policy after an optimizer step reuses the
+compiled program. So do the sampling knobs, the stop token ids and the stop-string tables: they
+are arrays, not trace-time constants.
 
-Per step, for every row at once::
+Per step (:func:`token_step`), for every row at once::
 
     token  ~ filtered(logits)              # greedy / temperature / top-k / top-p, row b's own key
     done  |= token ∈ stop_ids  or  a stop string completed  or  length == budget
     logits, cache = model.forward_cached(token, cache, token_mask=row was active)
 
-A row that is done is frozen: its token is ``pad_id``, its length, its cache and its
-next-token logits stop moving (``token_mask`` False), so a row sitting out one turn
-resumes exactly where it stopped. The token that finishes a row *is* written to the cache,
-so a multi-turn caller can append tool feedback right after it without a re-prefill.
+A row that is done is frozen: its token is ``pad_id``, its length and its cache stop moving
+(``token_mask`` False); its next-token logits are overwritten (nothing reads them: a slot's next
+action starts after an append). The token that finishes a row *is* written to the cache, so a
+multi-turn caller can append tool feedback right after it without a re-prefill.
 
-Each row has its own ``budget`` (≤ the buffer width): the per-action cap, or less when
-the context cap is close.
+Each row has its own ``budget`` (≤ the buffer width): the per-action cap, or less when the
+context cap is close.
 
 Randomness is per row: row ``b`` draws its ``n``-th token of a trajectory with
-``fold_in(keys[b], drawn[b] + n)``. So what a row samples depends on its own key and its
-own token count only — not on which other rows share the batch, where in the batch it
-sits, or how many decode calls came before — which is what lets a rollout decode its
-trajectories in waves of any size and get the same trajectories. Buffer width, batch, cache length and table shapes are the only
-shapes; callers bucket them (see ``generate.py``) so repeated calls hit one compiled entry.
+``fold_in(keys[b], drawn[b] + n)``. So what a row samples depends on its own key and its own
+token count only — not on which other rows share the batch, where in the batch it sits, or how
+many decode calls came before — which is what lets the engine decode a trajectory in any slot,
+beside any others, in segments of any length, and get the same trajectory.
 """
 
 from __future__ import annotations
@@ -37,11 +38,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from llds_jax.models import KVCache, init_cache
-from llds_jax.models.attention import CACHED_BLOCK
-from llds_jax.models.decoder import join_slots, split_slots
+from llds_jax.models import PagedKVCache
 from llds_jax.models.reductions import target_platform
 from llds_jax.sampling import stop_strings
 from llds_jax.sampling.filtering import SamplingMode, sample_tokens
@@ -58,7 +56,7 @@ of static length, which XLA:GPU runs without reading anything back. The price: u
 after the last row finishes, in which every row is frozen. XLA:CPU runs the loop on the host
 anyway, so there a check costs nothing and every token is checked (no frozen steps); the
 chunked path is the same code, tested on CPU by setting the entry to 8
-(``tests/sampling/test_session.py``).
+(``tests/sampling/test_slots.py``).
 """
 
 
@@ -84,7 +82,7 @@ class DecodeState:
     lengths: ``[B]`` tokens generated per row (also the next write column).
     done: ``[B]`` frozen rows.  finish: ``[B]`` :class:`FinishReason` of done rows.
     stop_state: ``[B, K]`` int8 stop-string matcher state per row and stop string.
-    logits: ``[B, V]`` fp32 next-token logits.  cache: the KV cache.
+    logits: ``[B, V]`` fp32 next-token logits.  cache: the paged KV cache.
     step: scalar, columns written so far.
     keys: ``[B]`` per-row PRNG keys; drawn: ``[B]`` tokens each row drew before this call.
     """
@@ -96,7 +94,7 @@ class DecodeState:
     finish: jax.Array
     stop_state: jax.Array
     logits: jax.Array
-    cache: KVCache
+    cache: PagedKVCache
     step: jax.Array
     keys: jax.Array
     drawn: jax.Array
@@ -136,61 +134,6 @@ class SamplingParams:
         )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "batch", "max_len"))
-def new_cache(config, batch: int, max_len: int) -> KVCache:
-    """An empty cache of ``batch`` rows × ``max_len`` slots, created on device (no host zeros)."""
-    return init_cache(config, batch, max_len)
-
-
-@functools.partial(jax.jit, static_argnames=("max_len",))
-def grow_cache(cache: KVCache, max_len: int) -> KVCache:
-    """The same cache with ``max_len`` slots (new slots empty and invalid).
-
-    Why grow instead of allocating ``max_context`` slots up front: memory. A decode step
-    reads only the key blocks below the furthest row (its time follows the live length),
-    but the buffer is allocated whole, so a session keeps the cache one bucket above
-    what its rows hold and pays one copy per growth.
-    """
-    extra = max_len - cache.max_len
-    if extra < 0:
-        raise ValueError(f"cannot shrink a cache of {cache.max_len} slots to {max_len}")
-
-    def pad(x, axis):
-        return jnp.pad(x, [(0, extra) if i == axis else (0, 0) for i in range(x.ndim)])
-
-    def grown(layer):  # held as before: one buffer, or key blocks of CACHED_BLOCK slots (as init_cache makes them)
-        return split_slots(pad(join_slots(layer), 2), CACHED_BLOCK if isinstance(layer, tuple) else 0)
-
-    return KVCache(k=tuple(map(grown, cache.k)), v=tuple(map(grown, cache.v)), valid=pad(cache.valid, 1), end=cache.end)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def extend(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, token_mask: jax.Array,
-           cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """Append ``tokens [B, T]`` (``token_mask`` marks real ones) to each row of ``cache``.
-
-    Covers the prefill of a left-padded prompt batch and the append of right-padded tool
-    feedback alike. Returns the fp32 logits ``[B, V]`` after each row's last real token.
-    """
-    model = nnx.merge(graphdef, params)
-    return model.forward_cached(tokens, cache, token_mask=token_mask)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "width"), donate_argnames=("cache",))
-def decode(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: KVCache,
-           done: jax.Array, budget: jax.Array, keys: jax.Array, drawn: jax.Array, sampling: SamplingParams, *,
-           width: int, pad_id: jax.Array | int = 0) -> DecodeState:
-    """Sample up to ``budget[b] ≤ width`` tokens per row, starting from ``logits [B, V]``.
-
-    ``done [B]`` marks rows that take no part (they stay frozen). ``keys [B]`` are the rows'
-    own PRNG keys and ``drawn [B]`` the tokens each already drew with it (see the module
-    docstring). Returns the final :class:`DecodeState`; its cache holds every sampled token.
-    """
-    state, step = decode_program(graphdef, params, logits, cache, done, budget, keys, drawn, sampling,
-                                 width=width, pad_id=pad_id)
-    return run_steps(step, state, width)
-
-
 def run_steps(step, state: DecodeState, steps: int, every: int | None = None) -> DecodeState:
     """At most ``steps`` (static) one-token ``step``s from ``state`` (whose ``step`` counts from 0),
     ending early once every row is done, which is checked only every ``every`` tokens (default:
@@ -217,48 +160,17 @@ def run_steps(step, state: DecodeState, steps: int, every: int | None = None) ->
     return jax.lax.while_loop(keep_going, functools.partial(run, every), state)
 
 
-def decode_program(graphdef: nnx.GraphDef, params: nnx.State, logits: jax.Array, cache: KVCache,
-                   done: jax.Array, budget: jax.Array, keys: jax.Array, drawn: jax.Array, sampling: SamplingParams,
-                   *, width: int, pad_id: jax.Array | int = 0):
-    """``decode``'s parts, to trace inside a jit: (the initial :class:`DecodeState`, the
-    one-token step ``DecodeState -> DecodeState``). The per-call work (layer weight slices)
-    happens here, once; the roofline report runs the step k times in a row to charge
-    per-token work apart from it."""
-    model = nnx.merge(graphdef, params)
-    layer_weights = model.layer_weights()  # sliced once, outside the loop (see Decoder.layer_weights)
-    batch = logits.shape[0]
-    pad_id = jnp.asarray(pad_id, jnp.int32)
-    budget = jnp.minimum(budget.astype(jnp.int32), width)
-    start_done = done | (budget <= 0)
-    state = DecodeState(
-        tokens=jnp.full((batch, width), pad_id, jnp.int32),
-        logprobs=jnp.zeros((batch, width), jnp.float32),
-        lengths=jnp.zeros((batch,), jnp.int32),
-        done=start_done,
-        finish=jnp.full((batch,), FinishReason.CAP, jnp.int32),
-        stop_state=jnp.zeros((batch, sampling.stop_table.shape[0]), jnp.int8),
-        logits=logits.astype(jnp.float32),
-        cache=cache,
-        step=jnp.zeros((), jnp.int32),
-        keys=keys,
-        drawn=drawn.astype(jnp.int32),
-    )
-
-    return state, token_step(model, layer_weights, sampling, budget, pad_id, keep_frozen_logits=True)
-
-
-def token_step(model, layer_weights, sampling: SamplingParams, budget: jax.Array, pad_id: jax.Array, *,
-               keep_frozen_logits: bool):
-    """The one-token step ``DecodeState -> DecodeState`` of both decode programs: the waves'
-    (:func:`decode_program`) and the engine's (``slots.decode_segment``).
+def token_step(model, layer_weights, sampling: SamplingParams, budget: jax.Array, pad_id: jax.Array):
+    """The one-token step ``DecodeState -> DecodeState`` of the decode program (``slots.decode_segment``;
+    ``tools/roofline`` compiles the same step to cost it).
 
     Every row that is not done samples with its own key at count ``drawn + lengths``, writes its
     token and log-prob at its own column (its action's length, so an action can span several
     calls), advances its stop-string matcher and its length, and finishes on a stop id, a stop
     string or its ``budget``; the token goes through ``forward_cached`` with the done rows masked
-    (no cache write). ``keep_frozen_logits``: a done row keeps its next-token logits (the waves: a
-    row sitting out a turn resumes there); the engine writes every row's (a select over the fp32
-    ``[B, V]`` logits a token saved; its slots always restart after an append).
+    (no cache write). Every row's next-token logits are written, a done row's included: keeping a
+    frozen row's would be a select over the fp32 ``[B, V]`` logits each token, and the engine never
+    reads them (a slot's next action always starts right after an append, which sets its logits).
     """
     def one_token(s: DecodeState) -> DecodeState:
         sampled, logprob = sample_rows(s.logits, s.keys, s.drawn + s.lengths, sampling)
@@ -281,7 +193,7 @@ def token_step(model, layer_weights, sampling: SamplingParams, budget: jax.Array
             logprobs=jnp.where(write, logprob[:, None], s.logprobs),
             lengths=lengths, done=s.done | now_done, finish=jnp.where(now_done, finish, s.finish),
             stop_state=stop_state,
-            logits=jnp.where(active[:, None], next_logits, s.logits) if keep_frozen_logits else next_logits,
+            logits=next_logits,
             cache=cache, step=s.step + 1, keys=s.keys, drawn=s.drawn)
 
     return one_token

@@ -392,14 +392,14 @@ def decode_segment(graphdef: nnx.GraphDef, params: nnx.State, layer_weights, sta
     """At most ``steps`` tokens for every slot that decodes, continuing each slot's own action.
 
     ``started [B]``: slots whose action begins now (ids, length and stop-string state reset);
-    ``idle [B]``: slots that take no part (frozen, as ``decode_loop.decode`` freezes done
-    rows: no token, no cache write, no length). Each slot writes its tokens at its own column
-    (its action's length), so an action runs over several calls. The per-token work is the
-    waves' own step (``decode_loop.token_step``): the same sampler with row ``b``'s key at count
-    ``drawn[b] + length[b]``, the same stop rules, the same cached forward.
+    ``idle [B]``: slots that take no part (frozen, as the step freezes done rows: no token, no
+    cache write, no length). Each slot writes its tokens at its own column
+    (its action's length), so an action runs over several calls. The per-token work is
+    ``decode_loop.token_step``: the sampler with row ``b``'s key at count ``drawn[b] + length[b]``,
+    the stop rules, the cached forward over the paged cache.
 
-    One difference: the next-token logits are written for every row, not kept for the frozen
-    ones. Keeping them is a select over the fp32 ``[B, V]`` logits each token (three passes of
+    The next-token logits are written for every row, frozen ones included. Keeping a frozen
+    row's would be a select over the fp32 ``[B, V]`` logits each token (three passes of
     it: 0.58 GB a token at 320 rows of Qwen's 151,936-word vocabulary, a quarter of the
     0.5B step's ideal bytes; ``bench_rollout.py --decode-program``), and the engine never reads
     them: a slot's next action always starts right after an append, which sets its logits
@@ -420,5 +420,5 @@ def decode_segment(graphdef: nnx.GraphDef, params: nnx.State, layer_weights, sta
         logits=state.logits, cache=state.cache, step=jnp.zeros((), jnp.int32), keys=state.keys,
         drawn=state.drawn.astype(jnp.int32))
 
-    step = decode_loop.token_step(model, layer_weights, sampling, budget, pad_id, keep_frozen_logits=False)
+    step = decode_loop.token_step(model, layer_weights, sampling, budget, pad_id)
     return decode_loop.run_steps(step, state, steps)  # at most ``steps`` tokens, done checked every few

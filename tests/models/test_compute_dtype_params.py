@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llds_jax.models import params_in_compute_dtype
+from llds_jax.models import PagedKVCache, init_paged_pools, params_in_compute_dtype
 from llds_jax.models.testing import tiny_model
-from llds_jax.sampling import decode_loop
 from llds_jax.train.step import forward_logprobs
 
 pytestmark = pytest.mark.unit
@@ -32,6 +31,8 @@ def test_narrower_leaves_are_not_widened():
 
 @pytest.mark.codegen_sensitive
 def test_bf16_compute_with_precast_weights_is_bit_identical():
+    """A prefill and one more token through the paged cache (the sampler's: ``slots.SlotSession``),
+    each row in one 128-slot block of its own."""
     model = tiny_model("qwen2", seed=3, dtype="bfloat16")  # fp32 stored weights, bf16 compute
     assert jnp.dtype(model.config.compute_dtype) == jnp.bfloat16
     graphdef, params = nnx.split(model)
@@ -39,11 +40,17 @@ def test_bf16_compute_with_precast_weights_is_bit_identical():
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
     ids = jnp.asarray(np.random.default_rng(0).integers(3, 200, (2, 20)), jnp.int32)
     mask = jnp.ones(ids.shape, bool)
+
+    @jax.jit
+    def forward(p, tokens, token_mask, cache):
+        return nnx.merge(graphdef, p).forward_cached(tokens, cache, token_mask=token_mask)
+
     results = []
     for p in (params, cast):
-        cache = decode_loop.new_cache(model.config, 2, 128)
-        logits, cache = decode_loop.extend(graphdef, p, ids, mask, cache)
-        step, _ = decode_loop.extend(graphdef, p, ids[:, :1], mask[:, :1], cache)
+        k, v = init_paged_pools(model.config, 1, 2, 128)
+        cache = PagedKVCache(k, v, jnp.asarray([[0], [1]], jnp.int32), jnp.zeros((2,), jnp.int32))
+        logits, cache = forward(p, ids, mask, cache)
+        step, _ = forward(p, ids[:, :1], mask[:, :1], cache)
         results.append((np.asarray(logits), np.asarray(step)))
     for got, want in zip(results[1], results[0]):
         np.testing.assert_array_equal(got, want)

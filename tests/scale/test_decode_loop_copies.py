@@ -1,83 +1,106 @@
-"""The decode loop must not copy the KV cache (issue 15: decode cost follows the live bytes, not
-the cache's size), compiled through the planner's AOT front-end (``plan.aot``).
+"""The engine's decode step (``slots.decode_segment``, the rollout's one decode program) must not copy
+a KV pool per token (issue 15: decode cost follows the live bytes, not the cache's size). Each case
+compiles the step as ``bench_rollout.py --decode-program --tiny`` does (``benchmarks/_decode_step.py``:
+the engine's shapes, the paged pools carried through its token loops) and reads the ops of its
+while-loop bodies (what runs per token) whose result is a whole pool.
 
-XLA:TPU, compiled for a v5e from this CPU host: with the Pallas decode kernel (attention "auto"
-on TPU) the loop body holds no cache-sized op, and with the plain-XLA blockwise kernel it holds
-copies (so the probe is shown to find what it looks for). XLA:GPU, compiled for an H100: the
-engine's step (``slots.decode_segment``, the paged pools carried through its token loop) holds no
-pool-sized op but the in-place writes. XLA:CPU: the cache is held per key block
-(``attention.cache_block``) and the body's only block-sized ops are the in-place writes; held as one
-buffer per layer, every visited block is sliced out (copied) for its dots."""
+XLA:TPU, compiled for a v5e from this CPU host: with the Pallas paged decode kernel (attention "auto")
+the bodies hold no pool-sized XLA op at all (the kernel writes the token's k and v into the pools it
+aliases); with the plain-XLA blockwise loop they copy every pool each token (so the probe is shown to
+find what it looks for). XLA:GPU, compiled for an H100: the only pool-sized ops are the scatters that
+write the token in place. XLA:CPU: the same, and what it does with the blocks it reads is pinned too.
+"""
 
 from __future__ import annotations
 
+import math
+import re
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from llds_jax.models.testing import tiny_config
 from llds_jax.plan.targets import target_installed
-from tests.hlo_helpers import compiled_decode_loop, ops_outside_fusions, while_bodies
+from tests.hlo_helpers import ops_outside_fusions, while_bodies
 
 pytestmark = pytest.mark.unit
 
-SLOTS, BATCH = 256, 8
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import _decode_step  # noqa: E402  (benchmarks/: the report's own compile of the step)
 
 
-def _cache_ops_in_loop_body(attention: str, target: str = "tpu", slots_per_op: int = SLOTS,
-                            dtype: str = "bfloat16") -> tuple[list[str], str]:
-    """The ops in the decode loop's bodies whose result is a ``slots_per_op``-slot cache buffer."""
-    config = tiny_config("qwen2", dtype=dtype, param_dtype="float32", scan_layers=False, attention=attention)
-    hlo = compiled_decode_loop(config, target, batch=BATCH, slots=SLOTS, width=16)
-    cache_shape = f"[{BATCH},{config.num_kv_heads},{slots_per_op},{config.head_dim}]"
+def _elements(shape: str) -> int:
+    return math.prod(int(d) for d in re.search(r"\[([\d,]*)\]", shape)[1].split(",") if d)
+
+
+def _loop_body_ops(platform: str, attention: str = "auto", dtype: str = "bfloat16"):
+    """(config, target, HLO, the unfused ops of the step's loop bodies) of ``decode_segment`` on the tiny
+    target's shapes, compiled for one device of ``platform`` ("cpu", "gpu": an H100, "tpu": a v5e)."""
+    target = _decode_step.tiny_targets()["v5e-tiny" if platform == "tpu" else "h100-tiny"]
+    config = tiny_config("qwen2", dtype=dtype, scan_layers=False, attention=attention)
+    device = jax.devices("cpu")[0] if platform == "cpu" else _decode_step._device(platform)[0]
+    compiled, _ = _decode_step.compile_segment(target, config, device)
+    hlo = compiled.as_text()
     bodies = while_bodies(hlo)
-    found = [f"{op['opcode']} {op['name']} {op['shape']} ({op['op_name']})" for op in ops_outside_fusions(hlo)
-             if op["computation"] in bodies and op["shape"].endswith(cache_shape) and op["opcode"] != "custom-call"]
-    return found, hlo
+    return config, target, hlo, [op for op in ops_outside_fusions(hlo) if op["computation"] in bodies]
+
+
+def _pool_sized(ops, config, target):
+    """The ops whose result has a pool's elements (with or without the pool's device axis)."""
+    pool = target.kv_blocks * config.num_kv_heads * target.block * config.head_dim
+    return [op for op in ops if _elements(op["shape"]) == pool]
+
+
+def _writes(ops):
+    return [op for op in ops if op["opcode"] == "fusion" and "scatter" in op["name"]]
 
 
 @pytest.mark.integration
 @pytest.mark.skipif(bool(target_installed("tpu")), reason=target_installed("tpu") or "installed")
-def test_tpu_decode_loop_body_touches_no_whole_cache():
-    kernel_ops, hlo = _cache_ops_in_loop_body("auto")
-    assert hlo.count("decode_attention") >= 2, "the Pallas decode kernel is not in the TPU decode program"
-    assert not kernel_ops, f"cache-sized ops inside the TPU decode loop: {kernel_ops}"
-    blockwise_ops, _ = _cache_ops_in_loop_body("xla_blockwise")
-    assert any(op.startswith("copy") for op in blockwise_ops), \
-        f"the probe no longer finds the blockwise loop's cache copies ({blockwise_ops}): it may be blind"
+def test_tpu_engine_decode_loop_body_touches_no_whole_pool():
+    config, target, hlo, ops = _loop_body_ops("tpu")
+    assert "paged_decode_attention" in hlo, "the Pallas paged decode kernel is not in the TPU decode program"
+    assert not _pool_sized(ops, config, target), f"pool-sized ops inside the TPU decode loop: {_pool_sized(ops, config, target)}"
+    config, target, _, blockwise = _loop_body_ops("tpu", "xla_blockwise")
+    copies = [op for op in _pool_sized(blockwise, config, target) if op["opcode"] == "copy"]
+    assert len(copies) >= 2 * config.num_layers, \
+        f"the probe no longer finds the blockwise loop's pool copies ({blockwise}): it may be blind"
 
 
 @pytest.mark.integration
 @pytest.mark.skipif(bool(target_installed("gpu")), reason=target_installed("gpu") or "installed")
 def test_gpu_engine_decode_loop_body_touches_no_whole_pool_but_its_writes():
-    """The engine's decode step as ``bench_rollout.py --decode-program --tiny`` compiles it for an H100:
-    inside its loops, the only ops whose result is a whole KV pool are the scatter fusions that write
-    the new token in place (seen, so the probe is not blind); no copy of a pool a token."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import _decode_step  # noqa: PLC0415  (benchmarks/: the report's own compile of the step)
-
-    target = _decode_step.tiny_targets()["h100-tiny"]
-    config = _decode_step._decoder_config(target.model)
-    device, _ = _decode_step._device("gpu")
-    compiled, _ = _decode_step.compile_segment(target, config, device)
-    hlo = compiled.as_text()
-    pool = f"[1,{target.kv_blocks},{config.num_kv_heads},{target.block},{config.head_dim}]"
-    bodies = while_bodies(hlo)
-    ops = [op for op in ops_outside_fusions(hlo) if op["computation"] in bodies and op["shape"].endswith(pool)]
-    writes = [op for op in ops if op["opcode"] == "fusion" and "scatter" in op["name"]]
-    assert len(writes) == 2 * config.num_layers, f"expected a k and a v write a layer: {ops}"
-    assert writes == ops, f"pool-sized ops other than the in-place writes in the GPU decode loop: {ops}"
+    """Inside the H100 step's loops, the only ops whose result is a whole KV pool are the scatter
+    fusions that write the new token in place (seen, so the probe is not blind); no copy of a pool a token."""
+    config, target, _, ops = _loop_body_ops("gpu")
+    pool_ops = _pool_sized(ops, config, target)
+    writes = _writes(pool_ops)
+    assert len(writes) == 2 * config.num_layers, f"expected a k and a v write a layer: {pool_ops}"
+    assert writes == pool_ops, f"pool-sized ops other than the in-place writes in the GPU decode loop: {pool_ops}"
 
 
-def test_cpu_decode_loop_reads_its_key_blocks_in_place(monkeypatch):
-    from llds_jax.models import decoder
-    from llds_jax.models.attention import CACHED_BLOCK
-
-    block_ops, _ = _cache_ops_in_loop_body("auto", "cpu", CACHED_BLOCK, "float32")
-    writes = [op for op in block_ops if "scatter" in op]
-    assert writes and len(writes) == len(block_ops), f"block-sized ops other than the writes: {block_ops}"
-    monkeypatch.setattr(decoder, "cache_block", lambda backend, platform: 0)  # one buffer per layer
-    one_buffer_ops, _ = _cache_ops_in_loop_body("auto", "cpu", CACHED_BLOCK, "float32")
-    assert any("slice" in op for op in one_buffer_ops), \
-        f"the probe no longer finds the one-buffer loop's key-block copies ({one_buffer_ops}): it may be blind"
+def test_cpu_engine_decode_loop_writes_in_place_and_gathers_each_visited_block():
+    """XLA:CPU (the CPU default job decodes on this step): the only pool-sized ops per token are the
+    in-place scatters of the token's k and v (one each a layer). What the step does copy, pinned so a
+    change is seen: every key block it visits is gathered out of the pool for every row
+    (``attention/paged.py::gather_column``, a ``jnp.take`` of one block a row, materialised as a
+    ``[rows, kv_heads, block, head_dim]`` fusion before the dots), a k and a v block a layer for the
+    peeled first block in the token body and again in each layer's key-block loop. Those copies are
+    the live blocks (twice the live KV bytes moved, plus their read), never the pool: the step's cost
+    follows the rows' lengths, not the pool's size."""
+    config, target, _, ops = _loop_body_ops("cpu", dtype="float32")
+    pool_ops = _pool_sized(ops, config, target)
+    writes = _writes(pool_ops)
+    assert len(writes) == 2 * config.num_layers and writes == pool_ops, \
+        f"pool-sized ops other than a k and a v write a layer in the CPU decode loop: {pool_ops}"
+    block = target.rows * config.num_kv_heads * target.block * config.head_dim
+    gathers = [op for op in ops if _elements(op["shape"]) == block]
+    assert gathers and all(op["opcode"] == "fusion" and "_take" in op["op_name"] for op in gathers), gathers
+    per_body: dict[str, int] = {}
+    for op in gathers:
+        per_body[op["computation"]] = per_body.get(op["computation"], 0) + 1
+    token_body = next(op["computation"] for op in writes)
+    assert per_body.pop(token_body) == 2 * config.num_layers, gathers  # block 0 of each layer's k and v
+    assert len(per_body) == config.num_layers and set(per_body.values()) == {2}, gathers  # the key-block loops

@@ -16,15 +16,15 @@ instruction's result carries a layout whose ``S(n)`` names its memory space (``S
 * a ``while`` nested in the body counts its body times its trip count (XLA:TPU prints no
   known_trip_count: read off a ``fori_loop``'s counter; once, noted, when it cannot be read);
   a ``conditional`` is charged its costliest branch (noted);
-* the Pallas decode kernel's DMAs are computed from its block schedule (``decode_tpu.py``), for
-  the live length asked for, on the operands that live in HBM: they are not read from XLA.
+* the Pallas paged decode kernel's DMAs are computed from its block schedule (``decode_tpu.py``),
+  for the live length asked for, on the operands that live in HBM: they are not read from XLA.
 
 One token = one trip of the decode loop's body. The ENTRY computation around the loop (layer
 weight slices, layout converts of the caches) runs once per call and is reported apart.
 
-``decode_loop`` is ``sampling.decode_loop.decode`` with the sampler fixed at compile time, as
-``_decode_program.py`` fixes it for the straight-line steps: the real loop picks greedy or a
-filtered draw with run-time ``conditional``s, which would be charged their costliest branch.
+``decode_loop`` is the rollout engine's token step over the paged cache (``slots.decode_segment``'s
+step) with the sampler fixed at compile time, as ``_decode_program.py`` fixes it for the
+straight-line steps: the engine's program takes the knobs as traced arrays.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ import math
 import re
 
 import jax
-import jax.numpy as jnp
-from _decode_program import SAMPLING_MODES
+from _decode_program import engine_step, fixed_sampling
 from _hlo_reading import _DTYPE_BYTES
 
 _HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(")
@@ -46,7 +45,7 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "copy
          "partition-id", "replica-id", "opt-barrier"}
 _SLICING = {"slice", "dynamic-slice", "gather"}  # ops that read part of their first operand
 FREE_CALLS = frozenset({"ConcatBitcast"})  # slices of one buffer laid side by side: no data moves
-KERNEL = "decode_attention"
+KERNEL = "paged_decode_attention"  # decode_tpu.paged_decode_and_write's pallas_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,37 +162,38 @@ class Charge:
     op_name: str = ""  # the JAX operation it came from (metadata), for the per-op breakdown
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class KernelShape:
-    """One decode kernel call, from its operands: caches [B, KVH, S, Dh], q [B, KVH, G, Dh],
-    mask [B, S / block, block], and which of them live in HBM."""
+    """One paged decode kernel call (``decode_tpu.paged_decode_and_write``), from its operands: the
+    rows' grouped queries [B, KVH, G, Dh] (B padded to whole programs), the pools [NB, KVH, block, Dh],
+    the flattened block table [B x C], and which of them live in HBM."""
     batch: int
     kv_heads: int
-    slots: int
+    blocks: int
+    columns: int
     head_dim: int
     group: int
     block: int
     itemsize: int
-    cache_hbm: tuple[bool, bool]
+    pool_hbm: tuple[bool, bool]
     q_hbm: bool
     new_hbm: tuple[bool, bool]
-    mask_hbm: bool
     out_hbm: bool
 
 
 def kernel_dma_bytes(k: KernelShape, live: int) -> float:
-    """HBM bytes one decode kernel call moves (``decode_tpu._kernel``), per (row, KV head):
-    ``ceil(live / block)`` key blocks and as many value blocks in; the new row's tile of
-    ``row_tile`` slots read, patched and written back, for k and for v; its G query heads and
-    the new k and v in (BlockSpec inputs); its G output heads out. The mask block depends on the
-    row only: Pallas' pipeline fetches it once per row (a block whose index does not change
-    between consecutive grid steps is not fetched again). Only operands that live in HBM count."""
-    blocks = min(-(-live // k.block), k.slots // k.block)
+    """HBM bytes one paged decode kernel call moves (``decode_tpu._paged_rows_kernel``), per (row, KV
+    head), every row at ``live`` slots: ``ceil(live / block)`` key blocks (at most the table's
+    columns) and as many value blocks in; the new slot's tile of ``row_tile`` slots read, patched and
+    written back, for k and for v; its G query heads and the new k and v in (BlockSpec inputs); its
+    G output heads out. Only operands that live in HBM count (``decode_tpu.decode_read_bytes`` is the
+    same schedule's reads, for rows of their own lengths)."""
+    blocks = min(-(-live // k.block), k.columns)
     tile = 8 * max(1, 4 // k.itemsize)  # decode_tpu.row_tile
     row = k.head_dim * k.itemsize
-    per_head = sum(blocks * k.block * row + 2 * tile * row for hbm in k.cache_hbm if hbm)
+    per_head = sum(blocks * k.block * row + 2 * tile * row for hbm in k.pool_hbm if hbm)
     per_head += k.group * row * (k.q_hbm + k.out_hbm) + sum(row for hbm in k.new_hbm if hbm)
-    return k.batch * (k.kv_heads * per_head + k.mask_hbm * k.slots * 4)
+    return k.batch * k.kv_heads * per_head
 
 
 class Reader:
@@ -358,25 +358,28 @@ class Reader:
         return total
 
     def _kernel_shape(self, operands: list[list[Leaf]], op: Op) -> KernelShape:
-        # operands: 3 scalar-prefetch vectors, q, k_new, v_new, mask, k_cache, v_cache
-        q, k_new, v_new, mask, k_cache, v_cache = (leaves[0] for leaves in operands[3:9])
-        batch, kv_heads, slots, head_dim = k_cache.dims
-        return KernelShape(batch, kv_heads, slots, head_dim, q.dims[2], mask.dims[2], _DTYPE_BYTES[k_cache.dtype],
-                           (k_cache.hbm, v_cache.hbm), q.hbm, (k_new.hbm, v_new.hbm), mask.hbm, op.leaves[0].hbm)
+        # operands: 7 scalar-prefetch vectors (the last the flattened table), q, k_new, v_new, k_pool, v_pool
+        table = operands[-6][0]
+        q, k_new, v_new, k_pool, v_pool = (leaves[0] for leaves in operands[-5:])
+        blocks, kv_heads, block, head_dim = k_pool.dims
+        batch = q.dims[0]
+        return KernelShape(batch, kv_heads, blocks, table.dims[0] // batch, head_dim, q.dims[2], block,
+                           _DTYPE_BYTES[k_pool.dtype], (k_pool.hbm, v_pool.hbm), q.hbm, (k_new.hbm, v_new.hbm),
+                           op.leaves[0].hbm)
 
 
 def cache_moves(reader: Reader, body: str, charges: list[Charge], kernels: list[KernelShape]) -> float:
-    """Bytes of the body's XLA ops on a KV cache or rows of one (``[b, KVH, S, Dh]``): memory-space
-    assignment moving caches between HBM and VMEM. ``roofline.py``'s copy probe counts ops, and
-    only ``copy``/``copy-done`` of a whole cache: a cache brought back in ``slice-start`` pieces
-    is not among them."""
-    tails = {(k.kv_heads, k.slots, k.head_dim) for k in kernels}
+    """Bytes of the body's XLA ops on a KV pool (``[NB, KVH, block, Dh]``, with or without the device
+    axis): memory-space assignment moving pools between HBM and VMEM. ``roofline.py``'s copy probe
+    counts ops, and only ``copy``/``copy-done`` of a whole pool: a pool brought back in
+    ``slice-start`` pieces is not among them."""
+    pools = {(k.blocks, k.kv_heads, k.block, k.head_dim) for k in kernels}
     ops = reader.computations[body]
     total = 0.0
     for charge in charges:
         op = ops.get(charge.name)
         arrays = (op.leaves + [leaf for name in op.operands for leaf in reader.leaves_of(body, name)]) if op else []
-        total += charge.bytes if any(leaf.dims[-3:] in tails for leaf in arrays) else 0.0
+        total += charge.bytes if any(leaf.dims[-4:] in pools for leaf in arrays) else 0.0
     return total
 
 
@@ -435,7 +438,7 @@ def hbm_per_token(hlo: str, live: int) -> dict:
     setup = reader.charges(reader.entry, skip_while=body)
     ops = sum(c.bytes for c in charges)
     dma = sum(kernel_dma_bytes(k, live) for k in kernels)
-    hbm_caches = sum(k.cache_hbm.count(True) for k in kernels)
+    hbm_caches = sum(k.pool_hbm.count(True) for k in kernels)
     return dict(bytes=ops + dma, xla_ops=ops, kernel_dma=dma, setup_per_call=sum(c.bytes for c in setup),
                 cache_moves=cache_moves(reader, body, charges, kernels),
                 kernels=len(kernels), kernel_caches_in_hbm=hbm_caches, kernel_caches=2 * len(kernels),
@@ -469,17 +472,15 @@ def hbm_of_program(hlo: str, ideal: float, kernel_flops: float = 0.0) -> dict:
 @functools.partial(jax.jit, static_argnames=("graphdef", "width", "sampling_mode"), donate_argnames=("cache",))
 def decode_loop(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, *, width: int,
                 sampling_mode: str):
-    """``sampling.decode_loop.decode``'s step in ``run_steps`` with the sampler's knobs constants of the
-    program and its static mode the one they need, as ``SamplingParams.create`` sets it. Checked every
-    token (``every=1``): one loop whose body is one token, the body this model reads (the accelerators'
-    chunks of 8 run the same step in a static loop inside)."""
-    from llds_jax.sampling.decode_loop import decode_program, run_steps
-    from llds_jax.sampling.filtering import SamplingMode
+    """The engine's token step (``_decode_program.engine_step``: ``decode_loop.token_step`` over the
+    paged cache) in ``run_steps`` with the sampler's knobs constants of the program and its static
+    mode the one they need, as ``SamplingParams.create`` sets it. Checked every token (``every=1``):
+    one loop whose body is one token, the body this model reads (the engine's chunks of 8 on an
+    accelerator run the same step in a static loop inside)."""
+    from llds_jax.sampling.decode_loop import run_steps
 
-    temperature, top_k, top_p = SAMPLING_MODES[sampling_mode]
-    sampling = dataclasses.replace(sampling, temperature=jnp.float32(temperature), top_k=jnp.int32(top_k),
-                                   top_p=jnp.float32(top_p), mode=SamplingMode.of(temperature, top_k, top_p))
-    state, step = decode_program(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, width=width)
+    state, step = engine_step(graphdef, params, logits, cache, done, budget, keys, drawn,
+                              fixed_sampling(sampling, sampling_mode), width=width)
     return run_steps(step, state, width, every=1)
 
 
@@ -487,8 +488,8 @@ def measure_hbm(compile_for, args, mesh, platform: str, sampling_mode: str, live
                 real_hlo: str = "", width: int = 64) -> dict:
     """``roofline.py``'s hook: compile :func:`decode_loop` for the target, read one token's HBM
     bytes off its body (:func:`hbm_per_token`), with XLA's own figure for the same program. With
-    ``real_hlo`` (the real ``decode`` program, knobs traced) its figure too: each sampler
-    ``conditional`` charged its costliest branch, whatever the mode, so a bound, not the mode's."""
+    ``real_hlo`` (the engine's real program, ``slots.decode_segment``, knobs traced) its figure too:
+    any sampler ``conditional`` charged its costliest branch, so a bound, not the mode's."""
     from _xla_charges import xla_cost
 
     compiled, _ = compile_for(decode_loop, args, dict(width=width, sampling_mode=sampling_mode), mesh, platform)
@@ -527,14 +528,14 @@ def hbm_lines(rows: list[dict]) -> list[str]:
     for r in rows:
         h = r["hbm"]
         lines.append(f"  {r['model']} {r['shape']}: XLA ops {h['xla_ops'] / 1e6:.1f} MB + kernel DMAs "
-                     f"{h['kernel_dma'] / 1e6:.1f} MB ({h['kernel_caches_in_hbm']} of {h['kernel_caches']} layer caches "
+                     f"{h['kernel_dma'] / 1e6:.1f} MB ({h['kernel_caches_in_hbm']} of {h['kernel_caches']} layer pools "
                      f"in HBM) = {h['bytes'] / 1e6:.1f} MB per token = {h['ratio']:.2f}x ideal "
-                     f"{h['ideal'] / 1e6:.1f} MB (of it on whole caches or their rows: {h['cache_moves'] / 1e6:.1f} MB); "
+                     f"{h['ideal'] / 1e6:.1f} MB (of it on whole pools: {h['cache_moves'] / 1e6:.1f} MB); "
                      f"per call, not per token: {h['setup_per_call'] / 1e6:.1f} MB; XLA "
                      f"charges the loop program {h['xla_loop_bytes'] / 1e6:.1f} MB"
                      + (f" ({'; '.join(h['notes'])})" if h["notes"] else ""))
         if real := h.get("real_decode"):
-            lines.append(f"    the real decode program (sampler picked at run time; {len(real['notes'])} notes, each "
+            lines.append(f"    the engine's real decode program (slots.decode_segment, knobs traced; {len(real['notes'])} notes, each "
                          f"conditional its costliest branch): {real['bytes'] / 1e6:.1f} MB per token = "
                          f"{real['bytes'] / h['ideal']:.2f}x ideal; per call {real['setup_per_call'] / 1e6:.1f} MB")
     return lines

@@ -102,18 +102,18 @@ def _array_bytes(dtype: str, dims: str) -> int:
 
 
 def _inventory(hlo: str, buffer_dims: tuple[tuple[int, ...], ...], table_dims: tuple[int, ...]
-               ) -> tuple[tuple[int, ...], int, int]:
-    """(scatters into a cache buffer of each of ``buffer_dims``, gathers from a ``table_dims`` table,
-    bytes the cuBLAS GEMM calls move) in one program, fused computations included."""
+               ) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
+    """(scatters into a pool of each of ``buffer_dims``, gathers from one, gathers from a
+    ``table_dims`` table, bytes the cuBLAS GEMM calls move) in one program, fused computations included."""
     arrays = {name: (dtype, dims) for name, dtype, dims in _ARRAY.findall(hlo)}
     definitions = _DEFINITION.findall(hlo)
 
-    def count(opcode: str, dims: tuple[int, ...]) -> int:
-        wanted = ",".join(map(str, dims))
-        return sum(1 for _, _, op, first in definitions if op == opcode and arrays.get(first, ("", ""))[1] == wanted)
+    def count(opcode: str, dims: tuple[int, ...]) -> int:  # a pool's leading device axis of 1 may be dropped
+        wanted = {",".join(map(str, dims)), ",".join(map(str, dims[1:] if dims[:1] == (1,) else dims))}
+        return sum(1 for _, _, op, first in definitions if op == opcode and arrays.get(first, ("", ""))[1] in wanted)
 
-    return (tuple(count("scatter", dims) for dims in buffer_dims), count("gather", table_dims),
-            gemm_call_bytes(hlo, arrays))
+    return (tuple(count("scatter", dims) for dims in buffer_dims), tuple(count("gather", dims) for dims in buffer_dims),
+            count("gather", table_dims), gemm_call_bytes(hlo, arrays))
 
 
 def _bytes_accessed(fn, *args, donate=()) -> float:
@@ -141,19 +141,35 @@ def row_pick_excess(device, rows: int, vocab: int, dtype=jnp.float32) -> float:
     return max(charged - rows * (2 * jnp.dtype(dtype).itemsize + 4), 0.0)
 
 
-def scatter_excess(device, cache_shape: tuple[int, int, int, int], dtype) -> float:
-    """Bytes charged for writing one token per row into a donated ``[B, KVH, S, Dh]`` cache
-    beyond the token's values read and written."""
-    batch, kv_heads, _, head_dim = cache_shape
+def pool_gather_excess(device, pool_shape: tuple[int, ...], dtype, batch: int) -> float:
+    """Bytes charged for gathering one block per row of ``batch`` from a paged pool
+    ``[devices, blocks, KVH, block, Dh]`` (``attention.paged.gather_column``, the step's read of a key
+    block where no kernel reads the pool) beyond the blocks read and written and the indices."""
+    from llds_jax.models.attention.paged import gather_column
+
+    _, _, kv_heads, block, head_dim = pool_shape
     sharding = jax.sharding.SingleDeviceSharding(device)
-    cache = jax.ShapeDtypeStruct(cache_shape, dtype, sharding=sharding)
+    pool = jax.ShapeDtypeStruct(pool_shape, dtype, sharding=sharding)
+    table = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=sharding)
+    column = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)
+    charged = _bytes_accessed(gather_column, pool, table, column)
+    return max(charged - 2 * batch * kv_heads * block * head_dim * jnp.dtype(dtype).itemsize - batch * 4, 0.0)
+
+
+def scatter_excess(device, pool_shape: tuple[int, ...], dtype, batch: int) -> float:
+    """Bytes charged for writing one token per row of ``batch`` into a donated paged pool
+    ``[devices, blocks, KVH, block, Dh]`` (``attention.paged.paged_write``, the step's own write)
+    beyond the token's values read and written."""
+    from llds_jax.models.attention.paged import paged_write
+
+    kv_heads, head_dim = pool_shape[2], pool_shape[4]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    pool = jax.ShapeDtypeStruct(pool_shape, dtype, sharding=sharding)
     token = jax.ShapeDtypeStruct((batch, 1, kv_heads, head_dim), dtype, sharding=sharding)
+    table = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=sharding)
     slots = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=sharding)
-
-    def write(cache, token, slots):  # attend_cached's write, one token per row
-        return cache.at[jnp.arange(batch)[:, None], :, slots].set(token, mode="drop")
-
-    charged = _bytes_accessed(write, cache, token, slots, donate=(0,))
+    write = jax.ShapeDtypeStruct((batch, 1), jnp.bool_, sharding=sharding)
+    charged = _bytes_accessed(paged_write, pool, token, table, slots, write, donate=(0,))
     return max(charged - 2 * math.prod(token.shape) * jnp.dtype(dtype).itemsize, 0.0)
 
 
@@ -174,22 +190,28 @@ def gemm_call_bytes(hlo: str, arrays: dict | None = None) -> int:
 def decode_charges(hlo_one: str, hlo_two: str, device, decoder_cfg, batch: int,
                    buffer_dims: tuple[tuple[int, ...], ...]) -> tuple[float, float, str]:
     """(bytes charged to one more decode token for gathers and scatters that do not run as
-    charged — one-token-per-row lookups and in-place cache writes —, bytes of its cuBLAS GEMMs
-    that are not charged at all, what they are). ``buffer_dims``: the shapes of the cache's
-    buffers (one per layer, or one per key block on XLA:CPU: ``attention.cache_block``)."""
+    charged — one-token-per-row lookups, one-block-per-row reads of a pool and in-place cache
+    writes —, bytes of its cuBLAS GEMMs
+    that are not charged at all, what they are). ``buffer_dims``: the shapes of the paged cache's
+    pools (a k and a v pool per layer)."""
     dtype = jnp.dtype(decoder_cfg.dtype)
     table_dims = (decoder_cfg.vocab_size, decoder_cfg.hidden_size)
-    (scatters_one, gathers_one, gemms_one) = _inventory(hlo_one, buffer_dims, table_dims)
-    (scatters_two, gathers_two, gemms_two) = _inventory(hlo_two, buffer_dims, table_dims)
+    (scatters_one, blocks_one, gathers_one, gemms_one) = _inventory(hlo_one, buffer_dims, table_dims)
+    (scatters_two, blocks_two, gathers_two, gemms_two) = _inventory(hlo_two, buffer_dims, table_dims)
     gathers, gemms = gathers_two - gathers_one, gemms_two - gemms_one
     total, parts = 0.0, []
     for dims, one, two in zip(buffer_dims, scatters_one, scatters_two, strict=True):
         if two - one > 0:
-            per_scatter = scatter_excess(device, dims, dtype)
+            per_scatter = scatter_excess(device, dims, dtype, batch)
             total += (two - one) * per_scatter
             parts.append(f"{two - one} in-place cache scatters x {per_scatter / 1e6:.3g} MB")
     if not parts:
         parts.append("0 in-place cache scatters")
+    for dims, one, two in zip(buffer_dims, blocks_one, blocks_two, strict=True):
+        if two - one > 0:  # the XLA attention's key-block reads (no decode kernel): one block a row each
+            per_block = pool_gather_excess(device, dims, dtype, batch)
+            total += (two - one) * per_block
+            parts.append(f"{two - one} key-block gathers x {per_block / 1e6:.3g} MB")
     per_gather = gather_excess(device, decoder_cfg.vocab_size, decoder_cfg.hidden_size, dtype, batch) if gathers > 0 else 0.0
     total += max(gathers, 0) * per_gather
     parts.append(f"{gathers} embedding lookups x {per_gather / 1e6:.3g} MB")
@@ -197,4 +219,4 @@ def decode_charges(hlo_one: str, hlo_two: str, device, decoder_cfg, batch: int,
     return total, float(gemms), what
 
 
-__all__ = ["decode_charges", "gather_excess", "gemm_call_bytes", "scatter_excess", "xla_cost"]
+__all__ = ["decode_charges", "gather_excess", "gemm_call_bytes", "pool_gather_excess", "scatter_excess", "xla_cost"]

@@ -9,10 +9,12 @@ XLA:GPU H100 targets that ``--mode=plan`` uses (issue 15, item 2).
 No weights exist: every argument is a ``jax.ShapeDtypeStruct`` on a one-device mesh of the
 target, and each program is the project's own jitted function, lowered and compiled ahead of time:
 
-* decode   — the body of ``sampling.decode_loop.decode``'s loop (sample one token per row,
-  ``Decoder.forward_cached`` it, the loop's bookkeeping), charged per token as the cost of two
-  body steps in a row minus one: the once-per-call set-up (layer weight slices, XLA:TPU's
-  layout copies of the weights) cancels. The weights are in the compute dtype, as the learner
+* decode   — the rollout engine's token step (``decode_loop.token_step``, the body of
+  ``sampling/slots.py::decode_segment``'s loop: sample one token per row, ``Decoder.forward_cached``
+  it over the paged KV cache, the loop's bookkeeping), each row's block table covering ``--slots``
+  cache slots and the pool holding every row's blocks (``_decode_program.py``), charged per token
+  as the cost of two steps in a row minus one: the once-per-call set-up (layer weight slices,
+  XLA:TPU's layout copies of the weights) cancels. The weights are in the compute dtype, as the learner
   hands them to the sampler (``models.params_in_compute_dtype``, once per policy). The sampler
   is fixed at compile time (``--sampling``, ``_decode_program.py``): greedy by default, or the
   rollout's top-p draw, whose cut-off search is a loop (32 trips on CPU, 8 on TPU/GPU);
@@ -33,7 +35,7 @@ runs). The report lists every while loop left in the optimised HLO with its trip
 refuses to call a number exact when a loop would run other than once (full-sequence attention
 pieces run theirs 0–2 times: one key block per piece either way). Decode rows also list what
 XLA charges for work the program does not do (``_xla_charges.py``: embedding lookups charged
-the whole table, in-place cache scatters charged the whole cache), each measured on the
+the whole table, in-place cache scatters charged the whole pool), each measured on the
 target's compiler, and the bytes without it.
 
 Ideal (what the step has to do; N is printed per model):
@@ -85,7 +87,7 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _decode_program import SAMPLING_MODES, decode_arguments, decode_steps  # noqa: E402
+from _decode_program import SAMPLING_MODES, decode_arguments, decode_steps, engine_segment, paged_cache  # noqa: E402
 from _hlo_reading import (  # noqa: E402, F401
     BOOKKEEPING_CALLS,
     attention_loop_trips,
@@ -283,7 +285,7 @@ def build_program(program: str, decoder_cfg: DecoderConfig, device, *, batch: in
 
     from llds_jax.parallel.mesh import make_mesh
     from llds_jax.parallel.rules import DEFAULT as rules
-    from llds_jax.plan.aot import abstract_cache, abstract_train_state
+    from llds_jax.plan.aot import abstract_train_state
     from llds_jax.train.batch import TrainBatch
     from llds_jax.train.step import build_update_fns
 
@@ -292,7 +294,7 @@ def build_program(program: str, decoder_cfg: DecoderConfig, device, *, batch: in
     # Not under set_mesh: building the optimizer runs eager ops, which a compile-only mesh cannot.
     graphdef, state, state_shardings = abstract_train_state(config, decoder_cfg, mesh, rules)
     if program == "decode":
-        cache = abstract_cache(decoder_cfg, batch, slots, mesh, rules)
+        cache = paged_cache(decoder_cfg, batch, slots, mesh)
         args = (graphdef, *decode_arguments(decoder_cfg, state, cache, mesh, batch))
         return mesh, decode_steps, args, dict(tokens=1, sampling_mode=sampling_mode)
     batch_abs = TrainBatch.abstract(batch, length, with_ref=state.ref_params is not None, mesh=mesh, rules=rules)
@@ -337,8 +339,9 @@ class Row:
     compile_seconds: float
     note: str = ""
     largest_ops: list[dict] = dataclasses.field(default_factory=list)
-    # decode only: the real ``decode`` program (its while loop): bytes XLA charges it (set-up + the
-    # body once) and the whole-cache copies inside the body (per token: what issue 15 forbids)
+    # decode only: the engine's real decode program (slots.decode_segment, its while loops): bytes XLA
+    # charges it (set-up + the bodies once) and the whole-pool copies inside the bodies (per token:
+    # what issue 15 forbids)
     loop_bytes: float = 0.0
     loop_cache_copies: list[str] = dataclasses.field(default_factory=list)
     # decode only: bytes XLA charges one more token for work the program does not do (_xla_charges)
@@ -379,7 +382,7 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
     compiled, note = compile_for(jitted, args, kwargs, mesh, device.platform)
     flops, bytes_, how = xla_cost(compiled)
     hlo = compiled.as_text()
-    real_loop = (0.0, [], "")  # decode only: (bytes, whole-cache copies in the body, HLO) of the real while loop
+    real_loop = (0.0, [], "")  # decode only: (bytes, whole-pool copies in the bodies, HLO) of the real program
     charges, hbm = (0.0, 0.0, ""), {}
     if program == "decode":  # per token: two body steps minus one (the per-call set-up cancels)
         twice, _ = compile_for(jitted, args, dict(kwargs, tokens=2), mesh, device.platform)
@@ -439,20 +442,19 @@ def measure_program(model: str, target: str, precision: str, program: str, devic
 
 
 def cache_buffer_dims(cache) -> tuple[tuple[int, ...], ...]:
-    """The distinct shapes of a (abstract) KV cache's k/v buffers: [B, KVH, S, Dh] per layer, or
-    its key blocks' [B, KVH, n, Dh] where the cache is held per key block (XLA:CPU)."""
+    """The distinct shapes of an (abstract) paged KV cache's k/v pools: [1, blocks, KVH, block, Dh]."""
     return tuple(sorted({tuple(leaf.shape) for leaf in jax.tree.leaves((cache.k, cache.v))}))
 
 
 def _real_decode_loop(args, mesh, platform: str, buffers: tuple[tuple[int, ...], ...]):
-    """(bytes, whole-cache copies in the loop body, optimised HLO) of the real decode ``while`` program. Straight-line
-    steps let XLA:TPU move whole caches between memory spaces around each step, which the loop
-    never does; the loop's own body shows what a token really touches."""
-    from llds_jax.sampling.decode_loop import decode
-
-    compiled, _ = compile_for(decode, args, dict(width=64), mesh, platform)
+    """(bytes, whole-pool copies in the loop bodies, optimised HLO) of the engine's real decode program
+    (``slots.decode_segment``, its ``while`` loops). Straight-line steps let XLA:TPU move whole pools
+    between memory spaces around each step, which the loop never does; the loop's own bodies show
+    what a token really touches."""
+    compiled, _ = compile_for(engine_segment, args, dict(width=64), mesh, platform)
     hlo = compiled.as_text()
     shapes = tuple("[" + ",".join(map(str, dims)) + "]" for dims in buffers)
+    shapes += tuple("[" + ",".join(map(str, dims[1:])) + "]" for dims in buffers if dims[0] == 1)  # device axis dropped
     bodies = while_bodies(hlo)
     ops = [f"{op['opcode']} {op['shape']}" for op in largest_ops(hlo, top=10**6)
            if op["computation"] in bodies and op["shape"].endswith(shapes) and op["opcode"].startswith("copy")]

@@ -147,11 +147,11 @@ def test_xla_charges_a_lookup_the_whole_table_and_an_in_place_cache_write_the_wh
     vocab, hidden, batch = 1000, 64, 8
     table, rows, ids = vocab * hidden * 4, batch * hidden * 4, batch * 4
     assert abs(charges.gather_excess(cpu, vocab, hidden, jnp.float32, batch) - table) <= rows + ids
-    cache_dims = (batch, 2, 512, 16)
-    cache, token = math.prod(cache_dims) * 4, batch * 2 * 16 * 4
-    # charged: cache in + cache out, plus the token (read, at most twice) and the indices (at most
+    pool_dims = (1, 16, 2, 128, 16)  # the engine's paged pool: [devices, blocks, KV heads, block, head dim]
+    cache, token = math.prod(pool_dims) * 4, batch * 2 * 16 * 4
+    # charged: pool in + pool out, plus the token (read, at most twice) and the indices (at most
     # four int64 per row); scatter_excess takes the token's one read and one write off that
-    assert abs(charges.scatter_excess(cpu, cache_dims, jnp.float32) - 2 * cache) <= 2 * token + 32 * batch
+    assert abs(charges.scatter_excess(cpu, pool_dims, jnp.float32, batch) - 2 * cache) <= 2 * token + 32 * batch
     # the sampled token's logit picked from each row: charged the whole [batch, vocab] array
     assert abs(charges.row_pick_excess(cpu, batch, vocab) - batch * vocab * 4) <= batch * (2 * 4 + 4)
 
@@ -199,19 +199,22 @@ def _check_report(report, target):
     kv_per_slot = roofline.Shapes(roofline.MODELS["tiny"](
         dtype=roofline.PRECISIONS[rows[0]["precision"]][0])).kv_bytes_per_slot(8)
     assert dep["whole_cache_passes"] == pytest.approx((high["xla_bytes"] - low["xla_bytes"]) / 1536 / kv_per_slot)
-    # the real decode loop: its body copies no whole cache on any target (in-place scatter on
-    # CPU/GPU, the Pallas kernel on TPU), so its cost does not grow with the cache
+    # the engine's real decode loop: its bodies copy no whole pool on any target (in-place scatter on
+    # CPU/GPU, the Pallas kernel on TPU), so its cost does not grow with the pool
     assert dep["loop_cache_copies"] == (0, 0), [r["loop_cache_copies"] for r in rows[:2]]
     assert low["loop_bytes"] > 0 and high["loop_bytes"] > 0
-    # one more token: one embedding lookup, and (scatter path) one in-place write per layer's k and
-    # v buffer: one buffer per layer on GPU, one per 128-slot key block on CPU (attention.cache_block)
+    # one more token: one embedding lookup, and (scatter path) one in-place write into each layer's
+    # k and v pool of the paged cache (on TPU the Pallas kernel writes the token into the pools itself)
     layers = roofline.MODELS["tiny"]().num_layers
-    for row, slots in ((low, 512), (high, 2048)):
-        buffers = slots // CACHED_BLOCK if target == "cpu" else 1
-        scatters = 0 if "tpu_custom_call" in str(low["note"]) else 2 * layers * buffers
+    for row in (low, high):
+        scatters = 0 if "tpu_custom_call" in str(low["note"]) else 2 * layers
         assert f"{scatters} in-place cache scatters" in row["charged_detail"], row["charged_detail"]
         assert "1 embedding lookups" in row["charged_detail"], row["charged_detail"]
         assert 0 < row["charged_not_run"] < row["xla_bytes"], row
+    if target == "cpu":  # XLA's scatters and key-block gathers charged the whole pool taken back: as run,
+        # one more token costs the same at 4x the pool (XLA:GPU compiles the two pool sizes differently:
+        # not claimed there; XLA:TPU's own cost analysis is not this one)
+        assert low["bytes_ratio_run"] == pytest.approx(high["bytes_ratio_run"], rel=0.01), (low, high)
     json.dumps(report)  # --json prints it: it must serialise
     text = roofline.format_report(report)
     assert "whole-cache passes per step" in text and "tiny" in text

@@ -20,7 +20,8 @@ needs_tpu = pytest.mark.skipif(bool(target_installed("tpu")), reason=target_inst
 # One decode-loop body in libtpu's syntax (lines shaped after `compiled.as_text()` of the real
 # program): a weight prefetched into VMEM in two slices and read by a dot from VMEM, an embedding
 # lookup from an HBM table, an in-place token write into an HBM buffer, a VMEM->HBM eviction, a
-# nested loop of 4 trips reading an HBM buffer, and the decode kernel over HBM caches.
+# nested loop of 4 trips reading an HBM buffer, and the paged decode kernel over HBM pools
+# (8 rows, a 4-column block table, 32 blocks of 128 slots).
 MODULE = """HloModule jit_decode_loop, is_scheduled=true
 
 %fused_computation.1 (param_0.1: bf16[8,576], param_1.1: bf16[576,1536]) -> bf16[8,1536] {
@@ -67,8 +68,8 @@ MODULE = """HloModule jit_decode_loop, is_scheduled=true
   ROOT %lt.1 = pred[]{:T(512)} compare(%get-tuple-element.30, %constant.7), direction=LT
 }
 
-%body (arg_tuple.0: (bf16[576,1536], f32[8,64], bf16[8,3,512,64], bf16[8,3,512,64], bf16[49152,576], /*index=5*/s32[8], f32[8,1], s32[], f32[8,256])) -> (bf16[576,1536], f32[8,64], bf16[8,3,512,64], bf16[8,3,512,64], bf16[49152,576], /*index=5*/s32[8], f32[8,1], s32[], f32[8,256]) {
-  %arg_tuple.0 = (bf16[576,1536]{1,0:T(8,128)(2,1)}, f32[8,64]{0,1:T(8,128)}, bf16[8,3,512,64]{3,2,1,0:T(8,128)(2,1)}, bf16[8,3,512,64]{3,2,1,0:T(8,128)(2,1)}, bf16[49152,576]{1,0:T(8,128)(2,1)}, /*index=5*/s32[8]{0:T(128)S(1)}, f32[8,1]{0,1:T(1,128)S(1)}, s32[]{:T(128)S(6)}, f32[8,256]{1,0:T(8,128)S(1)}) parameter(0)
+%body (arg_tuple.0: (bf16[576,1536], f32[8,64], bf16[32,3,128,64], bf16[32,3,128,64], bf16[49152,576], /*index=5*/s32[8], f32[8,1], s32[], f32[8,256])) -> (bf16[576,1536], f32[8,64], bf16[32,3,128,64], bf16[32,3,128,64], bf16[49152,576], /*index=5*/s32[8], f32[8,1], s32[], f32[8,256]) {
+  %arg_tuple.0 = (bf16[576,1536]{1,0:T(8,128)(2,1)}, f32[8,64]{0,1:T(8,128)}, bf16[32,3,128,64]{3,2,1,0:T(8,128)(2,1)}, bf16[32,3,128,64]{3,2,1,0:T(8,128)(2,1)}, bf16[49152,576]{1,0:T(8,128)(2,1)}, /*index=5*/s32[8]{0:T(128)S(1)}, f32[8,1]{0,1:T(1,128)S(1)}, s32[]{:T(128)S(6)}, f32[8,256]{1,0:T(8,128)S(1)}) parameter(0)
   %get-tuple-element.1 = bf16[576,1536]{1,0:T(8,128)(2,1)} get-tuple-element(%arg_tuple.0), index=0
   %slice-start.1 = ((bf16[576,1536]{1,0:T(8,128)(2,1)}), bf16[288,1536]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%get-tuple-element.1), slice={[0:288], [0:1536]}
   %slice-start.2 = ((bf16[576,1536]{1,0:T(8,128)(2,1)}), bf16[288,1536]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%get-tuple-element.1), slice={[288:576], [0:1536]}
@@ -89,14 +90,14 @@ MODULE = """HloModule jit_decode_loop, is_scheduled=true
   %constant.3 = s32[]{:T(128)} constant(0)
   %tuple.3 = (s32[]{:T(128)}, f32[8,256]{1,0:T(8,128)}) tuple(%constant.3, %copy-done.1)
   %while.2 = (s32[]{:T(128)}, f32[8,256]{1,0:T(8,128)}) while(%tuple.3), condition=%inner_cond, body=%inner_body, metadata={op_name="jit(decode)/while/body/while"}
-  %get-tuple-element.3 = bf16[8,3,512,64]{3,2,1,0:T(8,128)(2,1)} get-tuple-element(%arg_tuple.0), index=2
-  %get-tuple-element.4 = bf16[8,3,512,64]{3,2,1,0:T(8,128)(2,1)} get-tuple-element(%arg_tuple.0), index=3
+  %get-tuple-element.3 = bf16[32,3,128,64]{3,2,1,0:T(8,128)(2,1)} get-tuple-element(%arg_tuple.0), index=2
+  %get-tuple-element.4 = bf16[32,3,128,64]{3,2,1,0:T(8,128)(2,1)} get-tuple-element(%arg_tuple.0), index=3
   %fusion.10 = s32[8]{0:T(128)S(1)} fusion(%get-tuple-element.6), kind=kLoop, calls=%fused_computation.4
   %q.1 = bf16[8,3,3,64]{3,2,1,0:T(4,128)(2,1)S(1)} bitcast(%fusion.1)
   %k.1 = bf16[8,3,1,64]{3,2,1,0:T(2,128)(2,1)S(1)} bitcast(%fusion.1)
   %v.1 = bf16[8,3,1,64]{3,2,1,0:T(2,128)(2,1)S(1)} bitcast(%fusion.1)
-  %mask.1 = s32[8,4,128]{2,1,0:T(8,128)} bitcast(%fusion.1)
-  %decode_attention.1 = (bf16[8,3,3,64]{3,2,1,0:T(4,128)(2,1)S(1)}, bf16[8,3,512,64]{3,2,1,0:T(8,128)(2,1)}, bf16[8,3,512,64]{3,2,1,0:T(8,128)(2,1)}) custom-call(%fusion.10, %get-tuple-element.6, %fusion.10, %q.1, %k.1, /*index=5*/%v.1, %mask.1, %get-tuple-element.3, %get-tuple-element.4), custom_call_target="tpu_custom_call", output_to_operand_aliasing={{1}: (7, {}), {2}: (8, {})}
+  %table.1 = s32[32]{0:T(128)S(1)} bitcast(%fusion.1)
+  %paged_decode_attention.1 = (bf16[8,3,3,64]{3,2,1,0:T(4,128)(2,1)S(1)}, bf16[32,3,128,64]{3,2,1,0:T(8,128)(2,1)}, bf16[32,3,128,64]{3,2,1,0:T(8,128)(2,1)}) custom-call(%fusion.10, %get-tuple-element.6, %fusion.10, %fusion.10, %fusion.10, /*index=5*/%fusion.10, %table.1, %q.1, %k.1, %v.1, /*index=10*/%get-tuple-element.3, %get-tuple-element.4), custom_call_target="tpu_custom_call", output_to_operand_aliasing={{1}: (10, {}), {2}: (11, {})}
   ROOT %tuple.1 = (bf16[576,1536]{1,0:T(8,128)(2,1)}, f32[8,64]{0,1:T(8,128)}) tuple(%get-tuple-element.1, %fusion.2)
 }
 
@@ -105,16 +106,16 @@ MODULE = """HloModule jit_decode_loop, is_scheduled=true
   ROOT %negate.1 = s32[8]{0:T(128)S(1)} negate(%param_0.4)
 }
 
-ENTRY %main.1 (cache.1: bf16[8,3,512,64]) -> bf16[8,3,512,64] {
-  %cache.1 = bf16[8,3,512,64]{2,3,1,0:T(8,128)(2,1)} parameter(0)
-  %copy.1 = bf16[8,3,512,64]{3,2,1,0:T(8,128)(2,1)} copy(%cache.1)
-  %tuple.0 = (bf16[8,3,512,64]{3,2,1,0:T(8,128)(2,1)}) tuple(%copy.1)
-  %while.1 = (bf16[8,3,512,64]{3,2,1,0:T(8,128)(2,1)}) while(%tuple.0), condition=%inner_cond, body=%body, metadata={op_name="jit(decode)/while"}
-  ROOT %get-tuple-element.0 = bf16[8,3,512,64]{3,2,1,0:T(8,128)(2,1)} get-tuple-element(%while.1), index=0
+ENTRY %main.1 (cache.1: bf16[32,3,128,64]) -> bf16[32,3,128,64] {
+  %cache.1 = bf16[32,3,128,64]{2,3,1,0:T(8,128)(2,1)} parameter(0)
+  %copy.1 = bf16[32,3,128,64]{3,2,1,0:T(8,128)(2,1)} copy(%cache.1)
+  %tuple.0 = (bf16[32,3,128,64]{3,2,1,0:T(8,128)(2,1)}) tuple(%copy.1)
+  %while.1 = (bf16[32,3,128,64]{3,2,1,0:T(8,128)(2,1)}) while(%tuple.0), condition=%inner_cond, body=%body, metadata={op_name="jit(decode)/while"}
+  ROOT %get-tuple-element.0 = bf16[32,3,128,64]{3,2,1,0:T(8,128)(2,1)} get-tuple-element(%while.1), index=0
 }
 """
 WEIGHT, ROWS, UPDATE, EVICTED = 576 * 1536 * 2, 8 * 576 * 2, 8 * 1 * 4, 8 * 256 * 4
-CACHE = 8 * 3 * 512 * 64 * 2
+CACHE = 32 * 3 * 128 * 64 * 2  # one layer's k pool
 
 
 def test_instructions_parse_with_nested_tuple_shapes_and_memory_spaces():
@@ -129,7 +130,7 @@ def test_instructions_parse_with_nested_tuple_shapes_and_memory_spaces():
     assert [leaf.space for leaf in copy.leaves] == [1, 0, 2]  # (destination in VMEM, source in HBM, context)
     computations, entry = _tpu_hbm.parse_module(MODULE)
     assert entry == "main.1" and _tpu_hbm.decode_loop_body(_tpu_hbm.Reader(MODULE)) == "body"
-    assert set(computations["body"]) >= {"slice-start.1", "decode_attention.1", "while.2"}
+    assert set(computations["body"]) >= {"slice-start.1", "paged_decode_attention.1", "while.2"}
 
 
 def test_an_instruction_running_over_lines_neither_ends_its_computation_nor_is_lost():
@@ -214,29 +215,30 @@ def test_each_rule_charges_the_hbm_side_once_on_a_hand_written_body():
     }, charges  # the dot (fusion.1) reads VMEM only; the kernel is left to kernel_dma_bytes
     assert reader.notes == []
     (kernel,) = reader.kernels
-    assert (kernel.batch, kernel.kv_heads, kernel.slots, kernel.head_dim, kernel.group, kernel.block) == (8, 3, 512, 64, 3, 128)
-    assert (kernel.cache_hbm, kernel.q_hbm, kernel.new_hbm, kernel.mask_hbm, kernel.out_hbm) == (
-        (True, True), False, (False, False), True, False)
+    assert (kernel.batch, kernel.kv_heads, kernel.blocks, kernel.columns, kernel.head_dim, kernel.group,
+            kernel.block) == (8, 3, 32, 4, 64, 3, 128)
+    assert (kernel.pool_hbm, kernel.q_hbm, kernel.new_hbm, kernel.out_hbm) == ((True, True), False, (False, False), False)
 
 
 def test_the_per_call_layout_copy_is_set_up_not_per_token():
     found = _tpu_hbm.hbm_per_token(MODULE, live=256)
-    assert found["setup_per_call"] == 2 * CACHE  # ENTRY's copy reads and writes the cache once per call
+    assert found["setup_per_call"] == 2 * CACHE  # ENTRY's copy reads and writes the pool once per call
     assert found["xla_ops"] == WEIGHT + ROWS + UPDATE + 5 * EVICTED + 4 * (4 + 12)
 
 
 def test_kernel_dmas_follow_the_block_schedule_by_hand():
-    shape = _tpu_hbm.KernelShape(batch=8, kv_heads=3, slots=512, head_dim=64, group=3, block=128, itemsize=2,
-                                 cache_hbm=(True, True), q_hbm=True, new_hbm=(True, True), mask_hbm=True, out_hbm=True)
+    shape = _tpu_hbm.KernelShape(batch=8, kv_heads=3, blocks=32, columns=4, head_dim=64, group=3, block=128,
+                                 itemsize=2, pool_hbm=(True, True), q_hbm=True, new_hbm=(True, True), out_hbm=True)
     row = 64 * 2
-    # per (row, KV head): 2 key + 2 value blocks of 128 slots; the new row's 16-slot tile read and
-    # written back for k and v; 3 query heads in, 3 out; the new k and v in. Per row: the 512-slot mask.
+    # per (row, KV head): 2 key + 2 value blocks of 128 slots; the new slot's 16-slot tile read and
+    # written back for k and v; 3 query heads in, 3 out; the new k and v in
     per_head = 2 * 2 * 128 * row + 2 * 2 * 16 * row + 2 * 3 * row + 2 * row
-    assert _tpu_hbm.kernel_dma_bytes(shape, live=256) == 8 * (3 * per_head + 512 * 4)
+    assert _tpu_hbm.kernel_dma_bytes(shape, live=256) == 8 * 3 * per_head
     assert _tpu_hbm.kernel_dma_bytes(shape, live=129) == _tpu_hbm.kernel_dma_bytes(shape, live=256)
     assert _tpu_hbm.kernel_dma_bytes(shape, live=128) == _tpu_hbm.kernel_dma_bytes(shape, live=256) - 8 * 3 * 2 * 128 * row
-    in_vmem = _tpu_hbm.KernelShape(8, 3, 512, 64, 3, 128, 2, (False, False), False, (False, False), False, False)
-    assert _tpu_hbm.kernel_dma_bytes(in_vmem, live=256) == 0  # a cache XLA keeps in VMEM moves no HBM bytes
+    assert _tpu_hbm.kernel_dma_bytes(shape, live=4096) == _tpu_hbm.kernel_dma_bytes(shape, live=512)  # 4 columns a row
+    in_vmem = _tpu_hbm.KernelShape(8, 3, 32, 4, 64, 3, 128, 2, (False, False), False, (False, False), False)
+    assert _tpu_hbm.kernel_dma_bytes(in_vmem, live=256) == 0  # a pool XLA keeps in VMEM moves no HBM bytes
 
 
 # ------------------------------------------------------------------ real decode loops, compile-only v5e
@@ -253,7 +255,8 @@ def _roofline():
 
 @pytest.fixture(scope="module")
 def loops():
-    """{slots: optimised HLO} of the greedy decode loop at two cache sizes, and the config."""
+    """{slots: optimised HLO} of the engine's greedy decode loop at two pool sizes (every row's table
+    covering ``slots`` cache slots, the pool holding every row's blocks), and the config."""
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: claim no chip
     from llds_jax.models.testing import tiny_config
 
@@ -301,15 +304,16 @@ def test_the_cache_size_moves_no_whole_cache_and_the_kernel_reads_live_blocks(lo
     for slots, text in hlo.items():
         reader = _tpu_hbm.Reader(text)
         body = _tpu_hbm.decode_loop_body(reader)
-        cache = (BATCH, config.num_kv_heads, slots, config.head_dim)
+        pool = (BATCH * slots // 128, config.num_kv_heads, 128, config.head_dim)
         ops = reader.computations[body]
         for charge in reader.charges(body):
             op = ops.get(charge.name)
             touched = [leaf.dims for leaf in (op.leaves if op else [])] + [
                 leaf.dims for name in (op.operands if op else []) for leaf in reader.leaves_of(body, name)]
-            assert cache not in touched, f"{charge.name} ({charge.opcode}) charged {charge.bytes} on a whole cache"
+            assert pool not in touched and (1, *pool) not in touched, \
+                f"{charge.name} ({charge.opcode}) charged {charge.bytes} on a whole pool"
         assert found[slots]["kernels"] == LAYERS and found[slots]["kernel_caches_in_hbm"] > 0
-    # 4x the slots: the per-token bytes move by much less than one more pass over the extra slots
+    # 4x the pool: the per-token bytes move by much less than one more pass over the extra slots
     # (XLA's VMEM residency choices shift a few MB; the kernel's mask grows by 4 bytes a slot a row).
     extra_pass = 2 * LAYERS * BATCH * config.num_kv_heads * config.head_dim * 2 * (LARGE - SMALL)
     assert abs(found[LARGE]["bytes"] - found[SMALL]["bytes"]) < 0.25 * extra_pass, (found[SMALL], found[LARGE])
@@ -323,10 +327,10 @@ def test_the_kernel_dmas_are_its_block_schedule_over_the_hbm_caches(loops):
     reader.charges(_tpu_hbm.decode_loop_body(reader))
     assert len(reader.kernels) == LAYERS
     for kernel in reader.kernels:
-        assert (kernel.batch, kernel.kv_heads, kernel.slots, kernel.head_dim) == (
-            BATCH, config.num_kv_heads, LARGE, config.head_dim)
+        assert (kernel.batch, kernel.kv_heads, kernel.blocks, kernel.columns, kernel.head_dim) == (
+            BATCH, config.num_kv_heads, BATCH * LARGE // 128, LARGE // 128, config.head_dim)
         assert (kernel.group, kernel.block, kernel.itemsize) == (config.num_heads // config.num_kv_heads, 128, 2)
-    in_hbm = sum(k.cache_hbm.count(True) for k in reader.kernels)
+    in_hbm = sum(k.pool_hbm.count(True) for k in reader.kernels)
     block = BATCH * config.num_kv_heads * 128 * config.head_dim * 2  # one 128-slot block, every (row, KV head)
 
     def dma(live):
@@ -341,8 +345,8 @@ def test_a_cache_moved_between_memory_spaces_in_the_body_is_counted_as_cache_tra
     # XLA:TPU keeps a few layer caches in VMEM across the loop and may evict one to HBM per token
     # (seen in SmolLM2's greedy loop at 512 slots, and in Qwen2.5-3B's real decode loop).
     rotating = MODULE.replace("  ROOT %tuple.1 = ", (
-        "  %get-tuple-element.40 = bf16[8,3,512,64]{3,2,1,0:T(8,128)(2,1)S(1)} get-tuple-element(%arg_tuple.0), index=9\n"
-        "  %copy-start.9 = (bf16[8,3,512,64]{3,2,1,0:T(8,128)(2,1)}, bf16[8,3,512,64]{3,2,1,0:T(8,128)(2,1)S(1)}, "
+        "  %get-tuple-element.40 = bf16[32,3,128,64]{3,2,1,0:T(8,128)(2,1)S(1)} get-tuple-element(%arg_tuple.0), index=9\n"
+        "  %copy-start.9 = (bf16[32,3,128,64]{3,2,1,0:T(8,128)(2,1)}, bf16[32,3,128,64]{3,2,1,0:T(8,128)(2,1)S(1)}, "
         "u32[]{:S(2)}) copy-start(%get-tuple-element.40)\n  ROOT %tuple.1 = "))
     still, moved = _tpu_hbm.hbm_per_token(MODULE, live=256), _tpu_hbm.hbm_per_token(rotating, live=256)
     assert still["cache_moves"] == 0
