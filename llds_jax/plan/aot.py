@@ -56,14 +56,3 @@ def abstract_train_state(config, decoder_cfg, mesh, rules):
     with use_rules(rules):
         layout = train_state_layout(model, config, mesh)
     return layout.graphdef, layout.abstract, layout.shardings
-
-
-def abstract_cache(decoder_cfg, batch: int, max_len: int, mesh, rules):
-    """The sampler's KV cache for ``batch`` rows of ``max_len`` slots as sharded ShapeDtypeStructs."""
-    from llds_jax.models import cache_shardings, init_cache  # noqa: PLC0415
-
-    with jax.set_mesh(mesh):
-        shapes = jax.eval_shape(lambda: init_cache(decoder_cfg, batch, max_len))
-    shardings = cache_shardings(decoder_cfg, batch, max_len, mesh, rules)
-    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                        shapes, shardings)
