@@ -128,8 +128,7 @@ def paper_targets() -> dict[str, StepTarget]:
     from llds_jax.plan.config import HARDWARE
     from llds_jax.rollout.kv_plan import engine_memory
     from llds_jax.rollout.scheduler import blocks_for
-    from llds_jax.sampling.generate import MIN_LENGTH_BUCKET, bucket
-    from llds_jax.sampling.slots import cache_slot_limit
+    from llds_jax.sampling.slots import MIN_LENGTH_BUCKET, bucket, cache_slot_limit
 
     config = _paper_rollout()
     rollout = config.rollout

@@ -32,8 +32,7 @@ from llds_jax.rollout.memory import (
     weight_bytes,
 )
 from llds_jax.rollout.scheduler import blocks_for
-from llds_jax.sampling.generate import bucket
-from llds_jax.sampling.slots import cache_slot_limit
+from llds_jax.sampling.slots import bucket, cache_slot_limit
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from llds_jax.errors import InputError
 from llds_jax.models.attention import CACHED_BLOCK
 from llds_jax.rollout.scheduler import blocks_for
-from llds_jax.sampling.generate import MIN_LENGTH_BUCKET, bucket
-from llds_jax.sampling.slots import cache_slot_limit
+from llds_jax.sampling.slots import MIN_LENGTH_BUCKET, bucket, cache_slot_limit
 
 # 4-byte [V] arrays a decode step keeps per row: the carried and the new logits, the scaled
 # copy, its order keys and exp weights (the top-k/top-p cut-off search), one masked pass of

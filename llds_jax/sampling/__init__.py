@@ -21,7 +21,8 @@ segments / cut), whose decode program is ``slots.decode_segment`` over ``decode_
 
 from llds_jax.sampling.decode_loop import DecodeState, FinishReason, SamplingParams
 from llds_jax.sampling.filtering import SamplingMode
-from llds_jax.sampling.generate import GenerateOutput, bucket, generate
+from llds_jax.sampling.generate import GenerateOutput, generate
+from llds_jax.sampling.slots import bucket
 from llds_jax.sampling.stop_strings import StopStringTable, build_stop_table
 from llds_jax.sampling.token_bytes import vocab_bytes
 

@@ -24,16 +24,9 @@ import numpy as np
 from flax import nnx
 
 from llds_jax.sampling import decode_loop
+from llds_jax.sampling.slots import MIN_LENGTH_BUCKET, SlotSession, bucket
 from llds_jax.sampling.stop_strings import StopStringTable, build_stop_table
 from llds_jax.sampling.token_bytes import vocab_bytes
-
-MIN_LENGTH_BUCKET = 16
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """Smallest power of two ≥ ``max(n, minimum)``."""
-    n = max(int(n), minimum, 1)
-    return 1 << (n - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +76,6 @@ def generate(model, input_ids, attention_mask, *, max_new_tokens: int, temperatu
     one prompt token (its first draw follows its last one).
     """
     # imported here: slots.py imports this module's ``bucket`` and ``MIN_LENGTH_BUCKET``
-    from llds_jax.sampling.slots import SlotSession
 
     graphdef, params = nnx.split(model) if isinstance(model, nnx.Module) else model
     config = _config(graphdef, params)

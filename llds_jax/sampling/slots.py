@@ -50,7 +50,15 @@ from llds_jax.models import PagedKVCache, init_paged_pools
 from llds_jax.models.attention import CACHED_BLOCK
 from llds_jax.sampling import decode_loop, placement
 from llds_jax.sampling.decode_loop import DecodeState, FinishReason, SamplingParams
-from llds_jax.sampling.generate import MIN_LENGTH_BUCKET, bucket
+
+MIN_LENGTH_BUCKET = 16  # lengths (prompt, chunk, action buffer) round up to powers of two, at least this
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two ≥ ``max(n, minimum)``."""
+    n = max(int(n), minimum, 1)
+    return 1 << (n - 1).bit_length()
+
 
 # An append is padded to at least this many batch x token positions. The row reductions
 # are batch-invariant (``models.reductions``), but XLA:CPU still switches matmul kernels
