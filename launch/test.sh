@@ -60,7 +60,7 @@ step "tests (second code generator)" env XLA_FLAGS="--xla_force_host_platform_de
   .venv/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder --durations=30 \
   -m "${unit}not default_codegen_only" "$@"
 times > "$cpu/main"
-if [ -z "$unit" ]; then  # --unit: the quick loop stops here (about 25 minutes with this step, 9 without)
+if [ -z "$unit" ]; then  # --unit: the quick loop stops here (about 25 minutes with this step, 6.5 without: decisions.md)
   step "numeric tests (this host's default code generator)" env XLA_FLAGS="--xla_force_host_platform_device_count=8" \
     .venv/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder --durations=10 \
     -m "(codegen_sensitive or default_codegen_only)" "$@"
