@@ -63,10 +63,24 @@ def concatenate(batches: Sequence[RolloutBatch], *, pad_id: int) -> RolloutBatch
     return RolloutBatch(**arrays, **lists, timings=summed_timings(batches))
 
 
-def summed_timings(batches: Sequence[RolloutBatch]) -> dict[str, float]:
-    """Seconds per rollout phase over ``batches`` (several rollouts of one step)."""
-    timings: dict[str, float] = {}
+# Engine counts that add up over several rollouts of a step (the rest describe one engine: its slots,
+# pool, block size, peaks; their largest is kept).
+SUMMED_COUNTS = frozenset({"decode_steps", "decode_tokens", "decode_key_reads", "decode_calls", "appends", "waves",
+                           "retrieval_batches", "preemptions"})
+
+
+def summed_timings(batches: Sequence[RolloutBatch]) -> dict:
+    """``batches``' timings as one step's (several rollouts of it): seconds per phase (``*_s``) and the
+    work counts (:data:`SUMMED_COUNTS`) summed; the engine's sizes and peaks (slots, pool, blocks) at
+    their largest, per-device lists element by element."""
+    timings: dict = {}
     for b in batches:
-        for phase, seconds in b.timings.items():
-            timings[phase] = timings.get(phase, 0.0) + float(seconds)
+        for key, value in b.timings.items():
+            if isinstance(value, (list, tuple)):
+                old = timings.get(key, [])
+                timings[key] = [max(x, y) for x, y in zip(old, value)] + list(value[len(old):]) + old[len(value):]
+            elif key.endswith("_s") or key in SUMMED_COUNTS:
+                timings[key] = timings.get(key, 0) + value
+            else:
+                timings[key] = max(timings.get(key, value), value)
     return timings

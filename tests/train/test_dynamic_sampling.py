@@ -77,6 +77,19 @@ def test_concatenate_pads_to_the_widest_with_the_rollouts_padding_and_sums_timin
     np.testing.assert_array_equal(picked.lengths, both.lengths[[5, 0]])
 
 
+def test_the_engines_counts_add_up_and_its_sizes_stay_one_engines():
+    """Two draws' engine timings (what every model rollout records): seconds and work counts add up, the
+    engine's sizes and peaks stay the largest one engine had, per-device lists go element by element."""
+    engine = dict(decode_s=1.0, decode_steps=10, waves=1, slots=8, peak_kv_blocks=5,
+                  busy_rows_per_device=[3, 1], rows_per_device=[4, 4])
+    a, _ = rollout([[0, 1]], width=8, seed=1, timings=engine)
+    b, _ = rollout([[1, 1]], width=8, seed=2, timings=dict(engine, decode_steps=4, peak_kv_blocks=7,
+                                                           busy_rows_per_device=[2, 4]))
+    assert concatenate([a, b], pad_id=PAD).timings == dict(
+        decode_s=2.0, decode_steps=14, waves=2, slots=8, peak_kv_blocks=7, busy_rows_per_device=[3, 4],
+        rows_per_device=[4, 4])
+
+
 def test_select_keeps_exactly_the_mixed_groups_in_draw_order_with_a_constant_shape():
     draws = [draw([[0, 0], [0, 1], [1, 1]], width=8, seed=1),
              draw([[1, 0], [0, 0], [1, 0]], width=16, seed=2)]
