@@ -231,6 +231,8 @@ def make_plan(config, target: Target | None = None) -> Plan:
                                 packing=packing, with_sampler=config.rl.rollout_correction != "none")
     # the rollout compiles on the engine's paged cache (either policy): its slots, its pool
     engine = _engine_layout(config, section, decoder_cfg, target, devices, trajectories, dp_rows, rollout_rows)
+    if config.rollout.engine == "continuous":  # the note says what the engine runs, not a wave
+        wave_note = _engine_note(engine, trajectories)
     cache = _abstract_paged_cache(decoder_cfg, config.rollout, engine, dp_rows, mesh, rules)
     sampler_rows = {"prefill": min(int(config.rollout.prefill_rows), engine.slots_per_device) * dp_rows,
                     "decode": engine.slots_per_device * dp_rows}
@@ -373,13 +375,14 @@ def _rollout_rows(config, section, decoder_cfg, target, devices, trajectories: i
     waves = -(-trajectories // rows)
     note = (f"the rollout (rollout.engine=waves) decodes {trajectories} trajectories in {waves} wave(s) of "
             f"{rows} rows ({source}); paged KV: each row the blocks of {context} tokens")
-    if config.rollout.engine == "continuous":
-        engine = _engine_layout(config, section, decoder_cfg, target, devices, trajectories, dp, rows)
-        note = (f"the rollout engine (rollout.engine=continuous, paged KV) runs {engine.slots_per_device} slots "
-                f"and a pool of {engine.kv_blocks_per_device} KV blocks of {engine.block_tokens} tokens "
-                f"({engine.kv_tokens_per_device} tokens) per device for {trajectories} trajectories; prefill "
-                f"and decode below compile on that paged cache")
     return rows, note
+
+
+def _engine_note(engine, trajectories: int) -> str:
+    return (f"the rollout engine (rollout.engine=continuous, paged KV) runs {engine.slots_per_device} slots "
+            f"and a pool of {engine.kv_blocks_per_device} KV blocks of {engine.block_tokens} tokens "
+            f"({engine.kv_tokens_per_device} tokens) per device for {trajectories} trajectories; prefill "
+            f"and decode below compile on that paged cache")
 
 
 def _engine_layout(config, section, decoder_cfg, target, devices, trajectories: int, dp: int, wave_rows: int):

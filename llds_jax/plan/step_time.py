@@ -13,9 +13,11 @@ run's ``samples.jsonl``), and turned into seconds at a stated fraction of the ch
   backend's cost (``plan.retrieval``: faiss Flat / IVF / BM25 on the host's CPUs, or the mesh index
   on the chips); the engine runs it on a host thread, so only its waits count there;
 * **logprobs** (π_old, π_ref), **update** (forward + backward + remat), **delta** (the Δ forward,
-  every ``train.delta_every`` steps) — over the batch as the trainer computes it, at ``matmul`` × peak;
-* **checkpoint** — the state's bytes at ``plan.checkpoint_bytes_per_s`` per host, every
-  ``train.save_every`` steps (amortised per step).
+  every ``train.delta_every`` steps) — over the batch as the trainer computes it, the update at
+  ``matmul`` × peak, the no-grad passes at ``forward`` × peak (measured apart on the H100);
+* **checkpoint** — the save is asynchronous, so the loop waits only for the devices' copy of the
+  state to host memory, plus any part of the write (``plan.checkpoint_bytes_per_s`` per host) that
+  outlasts the ``train.save_every`` steps it runs beside (amortised per step).
 
 XLA's ``HloCostAnalysis`` costs a while loop's body once, and the update and decode are loops
 (layers, micro-batches, tokens), so compiled costs under-count by the trip counts; the closed form
@@ -32,15 +34,26 @@ from llds_jax.data.lengths import TrajectoryLengths, load_lengths
 from llds_jax.utils import flops
 
 # Fractions of peak the phases reach, per platform, and why (plan.efficiency_* override them).
+# "forward": the no-grad log-prob passes (π_old, π_ref, Δ); "matmul": the update and the rollout's prefill.
 EFFICIENCY = {
     "gpu": {"matmul": (0.42, "measured: launch/device_check.sh on one H100 ran the Qwen2.5-0.5B update over "
-                              "320 x 4,096 tokens at 0.42 of peak (hardware FLOPs, remat included), its forward at 0.45"),
+                              "320 x 4,096 tokens at 0.42 of peak (hardware FLOPs, remat included); one shape "
+                              "(d=896) only, not yet checked against a second"),
+            "forward": (0.45, "measured: the same device check's log-prob forward over the same 320 x 4,096 tokens "
+                              "ran at 0.45 of peak; one shape (d=896) only, not yet checked against a second"),
             "hbm": (0.60, "assumed (not yet measured after compile): batched decode at ~60 % of HBM bandwidth")},
     "tpu": {"matmul": (0.50, "assumed: MaxText's published dense-model MFU on v5e/v5p is ~50-60 %"),
+            "forward": (0.50, "assumed: as the update (MaxText's published dense-model MFU on v5e/v5p ~50-60 %)"),
             "hbm": (0.70, "assumed: the Pallas decode kernel reads live KV blocks only")},
     "cpu": {"matmul": (0.50, "assumed: half the measured fp32 matmul peak"),
+            "forward": (0.50, "assumed: half the measured fp32 matmul peak"),
             "hbm": (0.50, "assumed: half the measured copy bandwidth")},
 }
+# A checkpoint save blocks the loop only while each device copies its shard of the state to host memory:
+# the trainer's Checkpointer saves asynchronously (train/checkpoint.py, Orbax's async CheckpointManager), the
+# write runs beside the next steps and holds the loop up only if it is still running at the next save.
+HOST_COPY_BYTES_PER_S = (10e9, "assumed, not measured: one device's copy of its state shard to pageable host "
+                               "memory, all devices at once (~1/6 of PCIe Gen5 x16's 64 GB/s)")
 # The rollout's one decode step (the engine's, under either policy: the paged cache; models/attention/decode_gpu.py
 # on GPU, decode_tpu.py on TPU) has no loop or conditional whose predicate the host reads (bench_rollout.py --decode-program: 0 and 0 on
 # h100-0p5b-320, h100-qwen3b, v5e-qwen3b), so its fixed cost is its kernel launches: per layer and per step,
@@ -238,8 +251,9 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     the chips' interconnect.
     """
     section = config.plan
-    efficiency = {kind: EFFICIENCY.get(platform, EFFICIENCY["cpu"])[kind] for kind in ("matmul", "hbm")}
+    efficiency = {kind: EFFICIENCY.get(platform, EFFICIENCY["cpu"])[kind] for kind in ("matmul", "forward", "hbm")}
     matmul = float(section.efficiency_matmul) or efficiency["matmul"][0]
+    forward_rate = float(section.efficiency_matmul) or efficiency["forward"][0]  # the override sets both
     hbm = float(section.efficiency_hbm) or efficiency["hbm"][0]
     trajectories = int(config.train.prompts_per_step) * int(config.rollout.n_samples)
     per_host = -(-trajectories // hosts)
@@ -321,20 +335,24 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     head_chunked = scored_per_row > int(config.model.logprob_chunk_size)
     update_flops = flops.update_hardware_flops(model_cfg, train_rows, train_length, scored_per_row, model_cfg.remat,
                                                pairs_per_row=pairs, opaque_attention=opaque, head_chunked=head_chunked)
-    mesh_rate = peak.flops * matmul * devices
+    mesh_rate, forward_mesh_rate = peak.flops * matmul * devices, peak.flops * forward_rate * devices
     passes = 1 + int(float(config.rl.kl_coef) > 0)
     delta_every = int(config.train.delta_every) if config.train.delta_diagnostics else 0
     save_every = int(config.train.save_every)
-    checkpoint_rate = float(section.checkpoint_bytes_per_s) * hosts
+    copy_rate, copy_why = HOST_COPY_BYTES_PER_S
+    save_copy = state_bytes / (copy_rate * devices)  # every device its shard, at once
+    save_write = state_bytes / (float(section.checkpoint_bytes_per_s) * hosts)  # in the background
     seconds = {
         "rollout_decode": decode_s, "rollout_prefill": prefill_s, "rollout_retrieval": retrieval_s,
-        "logprobs": passes * forward / mesh_rate, "update": update_flops / mesh_rate,
-        "delta": forward / mesh_rate / delta_every if delta_every else 0.0,
-        "checkpoint": state_bytes / checkpoint_rate / save_every if save_every else 0.0,
+        "logprobs": passes * forward / forward_mesh_rate, "update": update_flops / mesh_rate,
+        "delta": forward / forward_mesh_rate / delta_every if delta_every else 0.0,
     }
+
     def totals(part: dict[str, float]) -> dict[str, float]:
         out = {**seconds, **{k: v for k, v in part.items() if k.startswith("rollout_")}}
         out["rollout"] = out["rollout_decode"] + out["rollout_prefill"] + out["rollout_retrieval"]
+        between = sum(v for k, v in out.items() if k != "rollout") * save_every  # the steps a write runs beside
+        out["checkpoint"] = (save_copy + max(0.0, save_write - between)) / save_every if save_every else 0.0
         out["total"] = sum(v for k, v in out.items() if k not in ("rollout", "total"))
         return out
 
@@ -342,16 +360,21 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     seconds = by_schedule[configured][1]
     assumptions = {
         "peak": peak.source,
-        "matmul_efficiency": f"{matmul:.2f} of peak FLOP/s (update, log-probs, Δ, prefill): "
+        "matmul_efficiency": f"{matmul:.2f} of peak FLOP/s (update, prefill): "
                              + ("plan.efficiency_matmul" if section.efficiency_matmul else efficiency["matmul"][1]),
+        "forward_efficiency": f"{forward_rate:.2f} of peak FLOP/s (the log-prob passes: π_old, π_ref, Δ): "
+                              + ("plan.efficiency_matmul" if section.efficiency_matmul else efficiency["forward"][1]),
         "hbm_efficiency": f"{hbm:.2f} of HBM bandwidth (decode): "
                           + ("plan.efficiency_hbm" if section.efficiency_hbm else efficiency["hbm"][1]),
         "decode_step_overhead": f"{overhead * 1e3:.2f} ms per decode step: {overhead_why}",
         "sampler": f"{sampler_reads} reads of each sampled row's fp32 logits a decode step on {platform}: {sampler_why}",
         "retrieval": f"{search['cost'].backend}: {search['cost'].why}; index {search['index'].passages:,} x "
                      f"{search['index'].dim} ({search['index'].source})",
-        "checkpoint": f"{float(section.checkpoint_bytes_per_s) / 1e9:g} GB/s per host "
-                      "(plan.checkpoint_bytes_per_s), every train.save_every steps",
+        "checkpoint": f"every train.save_every={save_every} steps the loop waits while the devices copy the "
+                      f"{state_bytes / 1e9:.1f} GB state to host memory ({save_copy:.2f} s at {copy_rate / 1e9:g} GB/s "
+                      f"a device: {copy_why}); Orbax writes it asynchronously at "
+                      f"{float(section.checkpoint_bytes_per_s) / 1e9:g} GB/s a host (plan.checkpoint_bytes_per_s: "
+                      f"{save_write:.1f} s), beside the next steps, and only a write outlasting them would wait",
         "lengths": f"{len(drawn)} trajectories per host drawn from "
                    f"{length_label or section.length_source or 'Search-R1 3B reference lengths (bundled)'}"
                    ", cut by the rollout caps",

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import time
 
 import jax
@@ -63,9 +64,9 @@ class ModelPolicy:
     pad_id: int = 0
     prefill_chunk: int = 0
 
-    @property
+    @functools.cached_property
     def config(self):
-        """The model's ``DecoderConfig`` (the memory plans size slots from it)."""
+        """The model's ``DecoderConfig`` (the memory plans size slots from it), merged once."""
         return nnx.merge(self.graphdef, self.params).config
 
 

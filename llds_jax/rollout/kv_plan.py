@@ -79,6 +79,14 @@ def engine_memory(model_config, rollout_config, device_bytes: int, trajectories_
     return EngineMemory(int(slots), int(kv_blocks), block, block_bytes, free, prefill)
 
 
+def explicit_rows(rollout_config) -> int:
+    """``rollout.max_concurrent_rows``: a row count, or 0 to derive it from memory; a negative one is refused."""
+    explicit = int(rollout_config.max_concurrent_rows)
+    if explicit < 0:
+        raise RolloutMemoryError(f"rollout.max_concurrent_rows={explicit}: expected 0 (derive) or a row count")
+    return explicit
+
+
 def engine_sizing(rollout_config, trajectories: int, model_config, devices: int) -> tuple[int, int]:
     """``(slots, kv blocks per device)`` the engine runs ``trajectories`` with over ``devices`` sampler devices.
 
@@ -89,7 +97,7 @@ def engine_sizing(rollout_config, trajectories: int, model_config, devices: int)
     host RAM) yields and would otherwise allocate for nothing.
     """
     per_device = -(-int(trajectories) // devices)
-    explicit = int(rollout_config.max_concurrent_rows)
+    explicit = explicit_rows(rollout_config)
     configured = int(rollout_config.kv_blocks)
     if explicit or model_config is None:
         return min(explicit or per_device * devices, per_device * devices), configured
@@ -105,9 +113,7 @@ def rollout_rows_per_wave(model_config, rollout_config, device_bytes: int, n_dat
     ``n_data_devices`` the rows are spread over. Weights are counted in full on every device
     (conservative: the sampler may hold a gathered copy). Raises :class:`RolloutMemoryError` naming
     the fields when not one row fits."""
-    explicit = int(rollout_config.max_concurrent_rows)
-    if explicit < 0:
-        raise RolloutMemoryError(f"rollout.max_concurrent_rows={explicit}: expected 0 (derive) or a row count")
+    explicit = explicit_rows(rollout_config)
     if explicit:
         return explicit
     if n_data_devices < 1 or device_bytes <= 0:
@@ -129,9 +135,7 @@ def wave_plan(rollout_config, trajectories: int, model_config=None) -> tuple[int
     """
     if trajectories < 1:
         raise ValueError(f"a rollout of {trajectories} trajectories")
-    explicit = int(rollout_config.max_concurrent_rows)
-    if explicit < 0:
-        raise RolloutMemoryError(f"rollout.max_concurrent_rows={explicit}: expected 0 (derive) or a row count")
+    explicit = explicit_rows(rollout_config)
     if not explicit and model_config is None:
         return trajectories, bucket(trajectories)
     capacity = explicit or _derived_rows(rollout_config, trajectories, model_config)

@@ -75,8 +75,6 @@ def generate(model, input_ids, attention_mask, *, max_new_tokens: int, temperatu
     is kept, see ``stop_strings.py``), or at ``max_new_tokens``. Every row needs at least
     one prompt token (its first draw follows its last one).
     """
-    # imported here: slots.py imports this module's ``bucket`` and ``MIN_LENGTH_BUCKET``
-
     graphdef, params = nnx.split(model) if isinstance(model, nnx.Module) else model
     config = _config(graphdef, params)
     input_ids = np.asarray(input_ids, np.int32)
