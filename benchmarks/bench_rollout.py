@@ -199,7 +199,7 @@ def paper_schedule(reference: str, segment: int | None, retrieval_steps: int) ->
     from llds_jax.plan.config import HARDWARE
     from llds_jax.plan.step_time import step_lengths
     from llds_jax.rollout.kv_plan import engine_memory, rollout_rows_per_wave
-    from llds_jax.rollout.schedule_sim import simulate_engine_groups, simulate_waves
+    from llds_jax.rollout.schedule_sim import simulate_engine, simulate_engine_groups
 
     out = {}
     for name, (config_file, hardware, devices, hosts) in PAPER_TARGETS.items():
@@ -222,8 +222,9 @@ def paper_schedule(reference: str, segment: int | None, retrieval_steps: int) ->
             max_tokens=int(rollout.max_context), kv_blocks=memory.kv_blocks_per_device, devices=group_devices,
             block_size=memory.block_tokens)
         engine.update(slots_per_device=memory.slots_per_device, kv_blocks_per_device=memory.kv_blocks_per_device)
-        waves = simulate_waves(lengths, rows, prefill_chunk=int(rollout.prefill_chunk),
-                               retrieval_steps=retrieval_steps)
+        waves = simulate_engine(lengths, rows, segment=int(rollout.max_action_tokens),
+                                prefill_chunk=int(rollout.prefill_chunk), retrieval_steps=retrieval_steps,
+                                max_tokens=int(rollout.max_context), waves=True)
         waves["rows_per_device"] = rows // dp
         dense = simulate_engine_groups(  # the engine on today's dense rows (what runs until the cache is paged)
             lengths, hosts, max(1, rows // hosts), segment=segment, prefill_chunk=int(rollout.prefill_chunk),

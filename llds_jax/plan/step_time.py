@@ -5,9 +5,11 @@ trainer's ``throughput/*`` metrics divide) for the step the config describes, wi
 lengths drawn from a length distribution (``data.lengths``: Search-R1 3B's own by default, or a
 run's ``samples.jsonl``), and turned into seconds at a stated fraction of the chip's peak:
 
-* **rollout / decode** — decode steps of the rollout's schedule (today's waves: every turn of a
-  wave lasts as long as its longest action), each reading the weights once and every row's live
-  KV entries, at ``hbm`` × HBM bandwidth (or the matmul bound, if larger);
+* **rollout / decode** — decode steps of the rollout's schedule under each policy of the engine
+  (``rollout.schedule_sim.simulate_engine``, the engine's own scheduler: the waves, every turn of a
+  wave as long as its longest action; the continuous policy, its segments and retrieval waits), each
+  reading the weights once and every row's live KV entries, at ``hbm`` × HBM bandwidth (or the
+  matmul bound, if larger);
 * **rollout / prefill** — prompts and appended feedback through the forward, at ``matmul`` × peak;
 * **rollout / retrieval** — one batched retriever call per turn of a wave, each at the configured
   backend's cost (``plan.retrieval``: faiss Flat / IVF / BM25 on the host's CPUs, or the mesh index
@@ -138,16 +140,23 @@ def step_lengths(config, lengths: list[TrajectoryLengths], count: int, seed: int
     return out
 
 
-def waves_schedule(trajectories: list[TrajectoryLengths], rows_per_wave: int) -> Schedule:
-    """Today's rollout (``rollout.multi_turn``) as ``rollout.schedule_sim.simulate_waves`` counts it:
-    rows in waves of ``rows_per_wave``; every turn of a wave decodes until its longest action ends,
-    then one retriever call serves the wave's searches."""
-    from llds_jax.rollout.schedule_sim import simulate_waves  # noqa: PLC0415
+def waves_schedule(trajectories: list[TrajectoryLengths], rows_per_wave: int, *, max_tokens: int,
+                   action_tokens: int) -> Schedule:
+    """The engine's waves policy (``rollout.schedule_sim.simulate_engine(waves=True)``): rows in waves of
+    ``rows_per_wave`` whole-context slots of ``max_tokens``; every turn of a wave is one decode call of the
+    ``action_tokens`` buffer that lasts until its longest action ends, then one retriever call serves the
+    wave's searches."""
+    from llds_jax.rollout.schedule_sim import simulate_engine  # noqa: PLC0415
 
-    run = simulate_waves(trajectories, rows_per_wave)
-    slots = min(rows_per_wave, len(trajectories))
-    return Schedule("waves", run["decode_steps"], run["lower_bound_steps"], run["decode_tokens"], run["key_reads"],
-                    run["prefill_tokens"], run["prefill_pairs"], run["retrieval_batches"], slots)
+    run = simulate_engine(trajectories, rows_per_wave, segment=action_tokens, prefill_chunk=512, retrieval_steps=0,
+                          max_tokens=max_tokens, waves=True)
+    return _schedule("waves", run, min(rows_per_wave, len(trajectories)))
+
+
+def _schedule(name: str, run: dict, slots: int, extra_steps: int = 0) -> Schedule:
+    return Schedule(name, int(run["decode_steps"]) + extra_steps, int(run["lower_bound_steps"]),
+                    run["decode_tokens"], run["key_reads"], run["prefill_tokens"], run["prefill_pairs"],
+                    int(run["retrieval_batches"]), slots)
 
 
 def engine_schedule(config, model_cfg, trajectories: list[TrajectoryLengths], *, device_bytes: float,
@@ -171,11 +180,8 @@ def engine_schedule(config, model_cfg, trajectories: list[TrajectoryLengths], *,
                           segment=int(rollout.segment_tokens), prefill_chunk=int(rollout.prefill_chunk) or 512,
                           retrieval_steps=retrieval_steps, max_tokens=int(rollout.max_context), kv_blocks=kv_blocks,
                           block_size=block, devices=devices)
-    waves = waves_schedule(trajectories, max(1, len(trajectories)))  # the work, not the order
-    return dataclasses.replace(waves, name="engine, paged plan" if paged else "engine, dense rows",
-                               decode_steps=int(run["decode_steps"]) + int(run["retrieval_wait_steps"]),
-                               lower_bound_steps=int(run["lower_bound_steps"]),
-                               retrieval_calls=int(run["retrieval_batches"]), slots=slots)
+    return _schedule("engine, paged plan" if paged else "engine, dense rows", run, slots,
+                     extra_steps=int(run["retrieval_wait_steps"]))
 
 
 @dataclasses.dataclass
@@ -260,7 +266,8 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     sampler_devices = devices if hosts == 1 else 1
     drawn = step_lengths(config, lengths if lengths is not None else load_lengths(str(section.length_source)),
                          per_host, seed=int(config.seed))
-    schedule = waves_schedule(drawn, max(1, min(rows_per_wave, per_host)))
+    schedule = waves_schedule(drawn, max(1, min(rows_per_wave, per_host)), max_tokens=int(config.rollout.max_context),
+                              action_tokens=int(config.rollout.max_action_tokens))
     search = _retrieval(config, drawn, platform=platform, hardware=hardware, peak=peak, devices=devices,
                         hosts=hosts, matmul=matmul, hbm=hbm, trajectories=trajectories)
 

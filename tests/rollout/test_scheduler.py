@@ -16,7 +16,6 @@ from llds_jax.rollout.schedule_sim import (
     ReferenceTrajectory,
     lower_bound_steps,
     simulate_engine,
-    simulate_waves,
 )
 from llds_jax.rollout.scheduler import Phase, Scheduler, SchedulerError
 
@@ -101,7 +100,8 @@ def test_engine_beats_waves_when_rows_come_in_several_waves_and_never_beats_the_
     for slots in (1, 3, 8, 40):
         engine = simulate_engine(trajectories, slots, segment=4, prefill_chunk=64, retrieval_steps=3,
                                  max_tokens=256, kv_blocks=kv_blocks, block_size=16)
-        waves = simulate_waves(trajectories, slots, prefill_chunk=64, retrieval_steps=3)
+        waves = simulate_engine(trajectories, slots, segment=64, prefill_chunk=64, retrieval_steps=3, max_tokens=256,
+                                waves=True)
         assert lower_bound_steps(trajectories, slots) <= engine["decode_steps"], (slots, engine)
         engine_time = engine["decode_steps"] + engine["retrieval_wait_steps"]
         waves_time = waves["decode_steps"] + waves["retrieval_wait_steps"]
@@ -111,6 +111,29 @@ def test_engine_beats_waves_when_rows_come_in_several_waves_and_never_beats_the_
             assert engine_time <= waves_time + 3 * (4 + 3), (slots, engine, waves)
         if kv_blocks is not None:
             assert engine["peak_kv_blocks"] <= kv_blocks
+
+
+def test_the_waves_policy_is_the_engines_scheduler_with_a_turn_barrier():
+    """Waves of 2 rows, counted by hand: each turn is one decode call as long as its longest action; a
+    turn's searches go as one batch once no slot decodes and its appends (an invalid action's message
+    too) wait for all of them; the next wave is admitted only into an empty engine."""
+    trajectories = [ReferenceTrajectory(prompt=10, actions=(5, 7), feedback=(20,)),
+                    ReferenceTrajectory(prompt=30, actions=(9, 2), feedback=(4,), searched=(False,)),
+                    ReferenceTrajectory(prompt=12, actions=(3,), feedback=())]
+    run = simulate_engine(trajectories, 2, segment=16, prefill_chunk=16, retrieval_steps=6, max_tokens=128,
+                          waves=True)
+    # wave 1: turn 1 lasts 9 steps, waits 6 for the one search, appends max(20, 4) = 20 tokens (2 chunks);
+    # turn 2 lasts 7; wave 2: 3 steps. Prompts: max(10, 30) (2 chunks), then 12 (1 chunk).
+    assert (run["waves"], run["decode_steps"], run["retrieval_wait_steps"]) == (2, 9 + 7 + 3, 6)
+    assert (run["retrieval_batches"], run["prefill_chunks"]) == (1, 2 + 2 + 1)
+    # the continuous policy on the same rows: the invalid action's message is appended at once (row 1 decodes
+    # its 2 tokens while row 0's search is out) and the third trajectory takes the slot row 1 frees; only the
+    # last step before row 0's results is idle: 9 + 2 + 3 + 7 decode steps and 1 wait against 19 and 6
+    engine = simulate_engine(trajectories, 2, segment=16, prefill_chunk=16, retrieval_steps=6, max_tokens=128)
+    assert (engine["decode_steps"], engine["retrieval_wait_steps"]) == (21, 1) and "waves" not in engine
+    for key in ("key_reads", "prefill_pairs", "decode_tokens", "prefill_tokens"):  # the work, not the order
+        assert engine[key] == run[key]
+    assert run["decode_tokens"] == 5 + 7 + 9 + 2 + 3 and run["prefill_tokens"] == 10 + 20 + 30 + 4 + 12
 
 
 def test_a_batch_latency_may_follow_its_query_count():
@@ -163,7 +186,8 @@ def test_paper_schedule_meets_the_issue_targets(shared_dir):
     drawn = step_lengths(config, load_lengths(str(reference)), 2560, seed=int(config.seed))
     assert len(drawn) == 2560
     waves = targets["qwen3b-8xh100"]["waves"]
-    assert waves_schedule(drawn, waves["slots"]).decode_steps == waves["decode_steps"]
+    assert waves_schedule(drawn, waves["slots"], max_tokens=int(config.rollout.max_context),
+                          action_tokens=int(config.rollout.max_action_tokens)).decode_steps == waves["decode_steps"]
 
 
 def _config(name: str):

@@ -31,7 +31,7 @@ def _t(prompt, actions, feedback, searched=None):
 
 def test_waves_wait_for_each_turns_longest_action():
     trajectories = [_t(10, [5, 2], [4]), _t(10, [3, 6], [4]), _t(20, [7], [])]
-    s = waves_schedule(trajectories, rows_per_wave=2)
+    s = waves_schedule(trajectories, rows_per_wave=2, max_tokens=64, action_tokens=16)
     # wave 1: turn 0 max(5, 3) = 5, turn 1 max(2, 6) = 6; wave 2: 7
     assert s.decode_steps == 5 + 6 + 7
     assert s.decode_tokens == 5 + 2 + 3 + 6 + 7
@@ -44,7 +44,7 @@ def test_waves_wait_for_each_turns_longest_action():
 
 
 def test_invalid_action_feedback_calls_no_retriever():
-    s = waves_schedule([_t(10, [5, 2], [4], (False,))], rows_per_wave=1)
+    s = waves_schedule([_t(10, [5, 2], [4], (False,))], rows_per_wave=1, max_tokens=64, action_tokens=16)
     assert s.retrieval_calls == 0 and s.prefill_tokens == 14
 
 
