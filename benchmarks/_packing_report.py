@@ -19,23 +19,22 @@ Two numbers per question:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from llds_jax.data.lengths import TrajectoryLengths, reference_lengths
+
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "data" / "searchr1" / "reference_rollout_lengths.jsonl"
 
 
-def reference_pieces(path: Path = REFERENCE) -> list[dict]:
-    """Per trajectory: prompt tokens, action lengths and feedback lengths, in file order."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [{"prompt": r["first_prompt_tokens"], "actions": list(r["actions"]), "feedback": list(r["feedback"])}
-            for r in rows]
+def reference_pieces(path: Path = REFERENCE) -> list[TrajectoryLengths]:
+    """Every trajectory of the original file, in file order (the project's one length loader, ``data.lengths``)."""
+    return reference_lengths(path)
 
 
-def computed_over_useful(pieces: list[dict], config, shards: int) -> dict:
+def computed_over_useful(pieces: list[TrajectoryLengths], config, shards: int) -> dict:
     """Padded and packed decoder tokens ÷ real tokens for one step of ``config`` on ``pieces``."""
     from llds_jax.train.batch import padded_length, scored_positions_per_row  # noqa: PLC0415
     from llds_jax.train.packing import computed_tokens, packing_sizes, plan_rows  # noqa: PLC0415
@@ -44,8 +43,8 @@ def computed_over_useful(pieces: list[dict], config, shards: int) -> dict:
     if len(pieces) < n:
         raise ValueError(f"{len(pieces)} reference trajectories, the step needs {n}")
     step = pieces[:n]
-    lengths = np.array([p["prompt"] + sum(p["actions"]) + sum(p["feedback"]) for p in step])
-    actions = np.array([sum(p["actions"]) for p in step])
+    lengths = np.array([p.total for p in step])
+    actions = np.array([p.decode_tokens for p in step])
     width = padded_length(config)
     sizes = packing_sizes(config, width, scored_positions_per_row(config, width), shards)
     plan = plan_rows(np.minimum(lengths, width), actions, sizes)
@@ -56,7 +55,7 @@ def computed_over_useful(pieces: list[dict], config, shards: int) -> dict:
             "trajectories": n, "mean_length": float(lengths.mean()), "max_length": int(lengths.max())}
 
 
-def scaled_batch(pieces: list[dict], n: int, context: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+def scaled_batch(pieces: list[TrajectoryLengths], n: int, context: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
     """A rollout-shaped batch of ``n`` reference trajectories drawn at random, every piece scaled by
     ``context`` / 4,096 (at least one token each): prompt, action, feedback, …, action."""
     rng = np.random.default_rng(seed)
@@ -68,13 +67,13 @@ def scaled_batch(pieces: list[dict], n: int, context: int, vocab: int, seed: int
     answer = np.zeros((n, context), np.float32)
     for j, k in enumerate(rng.choice(len(pieces), n, replace=False)):
         p = pieces[k]
-        at = max(1, round(p["prompt"] * scale))
-        for a, act in enumerate(p["actions"]):
+        at = max(1, round(p.prompt * scale))
+        for a, act in enumerate(p.actions):
             size = max(1, round(act * scale))
             action[j, at:at + size], action_index[j, at:at + size] = 1, a
             at += size
-            if a < len(p["feedback"]):
-                at += max(1, round(p["feedback"][a] * scale))
+            if a < len(p.feedback):
+                at += max(1, round(p.feedback[a] * scale))
         answer[j, max(0, at - 3):at] = action[j, max(0, at - 3):at]
         attention[j, :at] = True
     ids[~attention] = 0
