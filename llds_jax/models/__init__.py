@@ -37,10 +37,10 @@ Model (``Decoder(config, rngs=nnx.Rngs(seed))``; ``model.config``)
         positions default to the number of valid slots before each token, i.e. exactly the
         numbering of the uncached forward over the concatenated real tokens.
         Cached logits equal the uncached forward to <= 1e-4 (fp32, tested).
-    KVCache(k, v: per-layer tuples of [B,KVH,S,Dh] — on XLA:CPU each a tuple of key blocks along S —,
-        valid [B,S] bool, end [B] int32) is a registered dataclass pytree; cache.next_positions() -> [B];
-        cache.layer_arrays() -> (k, v) as one array per layer. init_cache(config, batch, max_len,
-        dtype=None, *, block=None) -> empty cache (laid out by the rules table under jax.set_mesh).
+    KVCache(k, v: per-layer tuples of [B,KVH,S,Dh], valid [B,S] bool, end [B] int32) is a registered
+        dataclass pytree, the dense reference of the rollout's PagedKVCache; cache.next_positions() -> [B];
+        cache.layer_arrays() -> (k, v). init_cache(config, batch, max_len,
+        dtype=None) -> empty cache (laid out by the rules table under jax.set_mesh).
         Writes beyond max_len are dropped: size the cache for the longest row.
     cache_logical_axes(cache): a KVCache of logical-axis tuples, one per buffer of cache; cache_shardings(config, batch,
         max_len, mesh, rules=None, dtype=None) -> KVCache of NamedShardings for jit boundaries.

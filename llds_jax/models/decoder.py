@@ -29,10 +29,8 @@ from llds_jax.models.attention import (
     DEFAULT_BLOCK,
     KV_CACHE_AXES,
     AttentionMask,
-    LayerCache,
     attend,
     attend_cached,
-    cache_block,
     resolve_backend,
     resolve_paged_backend,
     target_platform,
@@ -49,21 +47,21 @@ INIT_STD = 0.02  # HF initializer_range default for these families
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Decode state for ``Decoder.forward_cached``.
+    """Decode state for ``Decoder.forward_cached`` over a dense cache: the reference the rollout's
+    paged cache (``PagedKVCache``) and its decode kernels are checked against bit for bit. No
+    sampler or rollout path runs on it (``docs/decisions.md``: one KV layout).
 
     k, v: one entry per layer, each [batch, kv_heads, slots, head_dim] — per layer so a
     step updates and reads each layer's buffer in place (a stacked [layers, ...] array
     is sliced, i.e. copied, per layer), heads-major so attention reads a block of slots
-    without transposing the cache. Where ``attention.cache_block`` says so (XLA:CPU) a
-    layer's entry is a tuple of buffers, one per key block along the slots, which the
-    decode's dots read in place. ``valid`` [batch, slots] marks slots holding real
+    without transposing the cache. ``valid`` [batch, slots] marks slots holding real
     tokens (left padding and holes are False). ``end`` [batch] is the next slot to write
     per row. Slot order is time order: a token sees valid slots at or before its own
     slot. Writes past the last slot are dropped, so size ``max_len`` for the longest row.
     """
 
-    k: tuple[LayerCache, ...]
-    v: tuple[LayerCache, ...]
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     valid: jax.Array
     end: jax.Array
 
@@ -76,53 +74,23 @@ class KVCache:
         return jnp.sum(self.valid, axis=-1, dtype=jnp.int32)
 
     def layer_arrays(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-        """(k, v): each layer's keys and values as one [batch, kv_heads, slots, head_dim] array."""
-        return tuple(map(join_slots, self.k)), tuple(map(join_slots, self.v))
-
-
-def split_slots(x: jax.Array, block: int) -> LayerCache:
-    """A layer's [B, KVH, S, Dh] keys or values held as buffers of ``block`` slots (0: as is)."""
-    if not block:
-        return x
-    return tuple(x[:, :, start:start + block] for start in range(0, x.shape[2], block))
-
-
-def join_slots(layer: LayerCache) -> jax.Array:
-    """A layer's keys or values as one [B, KVH, S, Dh] array, whichever way they are held."""
-    return jnp.concatenate(layer, axis=2) if isinstance(layer, tuple) else layer
-
-
-def cache_layout(config: DecoderConfig) -> int:
-    """Slots per cache buffer for the program being traced (``attention.cache_block``)."""
-    platform = target_platform()
-    return cache_block(resolve_backend(config.attention, platform), platform)
+        """(k, v): each layer's keys and values, [batch, kv_heads, slots, head_dim]."""
+        return self.k, self.v
 
 
 def cache_logical_axes(cache: KVCache) -> KVCache:
     """A KVCache of logical-axis tuples, one per buffer of ``cache`` (arrays or shapes)."""
-    def axes(layer):
-        return tuple(KV_CACHE_AXES for _ in layer) if isinstance(layer, tuple) else KV_CACHE_AXES
-
-    return KVCache(k=tuple(map(axes, cache.k)), v=tuple(map(axes, cache.v)), valid=("batch", "cache_seq"),
-                   end=("batch",))
+    return KVCache(k=tuple(KV_CACHE_AXES for _ in cache.k), v=tuple(KV_CACHE_AXES for _ in cache.v),
+                   valid=("batch", "cache_seq"), end=("batch",))
 
 
-def init_cache(config: DecoderConfig, batch: int, max_len: int, dtype: Any = None, *,
-               block: int | None = None) -> KVCache:
-    """An empty cache; under ``jax.set_mesh`` it is laid out by the rules table. ``block``: slots
-    per buffer (0: one per layer); by default the traced program's (``cache_layout``)."""
+def init_cache(config: DecoderConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+    """An empty cache; under ``jax.set_mesh`` it is laid out by the rules table."""
     dtype = jnp.dtype(dtype or config.dtype)
-    block = cache_layout(config) if block is None else block
     shape = (batch, config.num_kv_heads, max_len, config.head_dim)
 
     def empty():
-        def buffer(slots):
-            return constrain(jnp.zeros((*shape[:2], slots, shape[3]), dtype), KV_CACHE_AXES)
-
-        if not block:
-            return tuple(buffer(max_len) for _ in range(config.num_layers))
-        sizes = [min(block, max_len - start) for start in range(0, max_len, block)]
-        return tuple(tuple(buffer(size) for size in sizes) for _ in range(config.num_layers))
+        return tuple(constrain(jnp.zeros(shape, dtype), KV_CACHE_AXES) for _ in range(config.num_layers))
 
     return KVCache(k=empty(), v=empty(), valid=constrain(jnp.zeros((batch, max_len), bool), ("batch", "cache_seq")),
                    end=jnp.zeros((batch,), jnp.int32))
@@ -130,8 +98,7 @@ def init_cache(config: DecoderConfig, batch: int, max_len: int, dtype: Any = Non
 
 def cache_shardings(config: DecoderConfig, batch: int, max_len: int, mesh: jax.sharding.Mesh,
                     rules: ShardingRules | None = None, dtype: Any = None) -> KVCache:
-    """A KVCache of NamedShardings (for ``jax.jit(in_shardings=/out_shardings=)``), laid out for
-    ``mesh``'s platform (``cache_layout``)."""
+    """A KVCache of NamedShardings (for ``jax.jit(in_shardings=/out_shardings=)``)."""
     with jax.set_mesh(mesh):
         shapes = jax.eval_shape(lambda: init_cache(config, batch, max_len, dtype))
     return jax.tree.map(lambda axes, leaf: logical_to_sharding(axes, mesh, rules, leaf.shape),

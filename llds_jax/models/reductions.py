@@ -45,7 +45,7 @@ def row_max(x: jax.Array) -> jax.Array:
 
     A maximum is exact in any order, but XLA:CPU hands a ``reduce`` to a ynnpack fusion in some
     programs and not in others, by their sizes. With ``jnp.max`` as the online softmax's running
-    maximum over a key-block cache (``block_cache_attention``) the rollout's wave test saw one
+    maximum over a key-block cache (the dense sampler cache of the time) the rollout's wave test saw one
     sampler log-prob one ulp apart between waves of 4 rows and of 10; with this tree, none.
     """
     if target_platform() != "cpu":

@@ -17,7 +17,6 @@ import pytest
 from llds_jax.models.attention import (
     AttentionMask,
     attend,
-    block_cache_attention,
     blockwise_attention,
     naive_attention,
     resolve_backend,
@@ -180,29 +179,6 @@ def test_decode_never_reads_key_blocks_past_the_furthest_query():
     assert np.isnan(np.asarray(naive(poisoned_k, poisoned_v))).any()
     diff = float(jnp.max(jnp.abs(clean - naive(k, v))))
     assert diff <= TOL, f"decode output differs from naive by {diff}"
-
-
-def _key_blocks(x, block):
-    """[B, S, KVH, Dh] keys or values as the heads-major buffers of a key-block cache."""
-    x = x.transpose(0, 2, 1, 3)
-    return tuple(x[:, :, start:start + block] for start in range(0, x.shape[2], block))
-
-
-@pytest.mark.codegen_sensitive
-@pytest.mark.parametrize("length", [1, 5])
-def test_a_key_block_cache_skips_blocks_past_the_furthest_query_and_equals_naive(length):
-    """Decode (and a 5-token append) at slots ≤ 13 of 64 slots held as 8-slot buffers read
-    buffers 0..1 only: NaN in buffers 2.. cannot reach the output."""
-    q, k, v = _qkv(2, length, 64, 4, 2)
-    last = jnp.array([[13], [7]])
-    slots = last - length + 1 + jnp.arange(length)[None, :]
-    mask = AttentionMask.cached(slots, jnp.arange(64)[None, :] <= last)
-    blocked = jax.jit(lambda k, v: block_cache_attention(q, _key_blocks(k, 8), _key_blocks(v, 8), mask))
-    clean = blocked(k, v)
-    poisoned = blocked(k.at[:, 16:].set(jnp.nan), v.at[:, 16:].set(jnp.nan))  # the same program
-    np.testing.assert_array_equal(np.asarray(poisoned), np.asarray(clean))
-    diff = float(jnp.max(jnp.abs(clean - jax.jit(naive_attention)(q, k, v, mask))))
-    assert diff <= TOL, f"key-block cache attention differs from naive by {diff}"
 
 
 @pytest.mark.codegen_sensitive

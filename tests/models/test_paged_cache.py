@@ -1,8 +1,9 @@
-"""The paged KV cache (pool + block table) gives the dense cache's logits bit for bit.
+"""The paged KV cache (pool + block table) gives the dense reference cache's logits bit for bit.
 
 The bound is 0 ulp, not a tolerance: the paged read runs the dense blockwise kernel's ops in its
-order on the same values (``attention/paged.py``), and the blocks one layout visits beyond the
-other's are fully masked, whose online-softmax update is an exact no-op.
+order on the same values (``attention/paged.py``: 128-slot blocks, the dense cache's key block,
+``CACHED_BLOCK``), and the blocks one layout visits beyond the other's are fully masked, whose
+online-softmax update is an exact no-op.
 """
 
 import jax
@@ -76,7 +77,7 @@ def test_paged_cache_gives_the_dense_caches_logits_bit_for_bit():
     feedback = [list(rng.integers(1, 256, n)) for n in (60, 120, 5, 0)]
     decode_masks = [[True, True, step % 3 != 0, True] for step in range(20)]
     calls = [prompts, feedback]
-    dense, dense_cache = _run(model, init_cache(model.config, 4, 384, block=BLOCK), calls, decode_masks)
+    dense, dense_cache = _run(model, init_cache(model.config, 4, 384), calls, decode_masks)
     k, v = init_paged_pools(model.config, 1, 16, BLOCK)
     table = _scattered_tables(4, 3, 16, 1, seed=0)
     paged, paged_cache = _run(model, PagedKVCache(k, v, jnp.asarray(table), jnp.zeros((4,), jnp.int32)), calls,

@@ -6,7 +6,7 @@ one before), two copy streams (as on a two-TensorCore chip), live lengths 0 to a
 whose token is not real, several KV heads and query groups; and, compile-only, that XLA:TPU's
 real compiler lowers it at the paper's v5e decode shape in ``ceil(rows / R)`` programs a layer.
 
-Tolerance: the blockwise kernel's (``test_decode_tpu.TOL``): outputs are convex combinations of
+Tolerance: the blockwise kernel's (``test_attention.TOL``): outputs are convex combinations of
 O(1) values and only the fp32 summation order differs (the new key first); the pools are compared
 exactly (both write the same cast values).
 """

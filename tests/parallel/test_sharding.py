@@ -159,18 +159,16 @@ def test_from_pretrained_places_each_weight_on_its_sharding(tmp_path, single_dev
 
 
 def test_cache_shardings_match_what_init_cache_produces_under_the_mesh():
-    """XLA:CPU holds each layer's cache as key blocks (``attention.cache_block``): 320 slots are
-    two blocks of 128 and one of 64, each laid out like a one-buffer cache."""
+    """The dense reference cache: one [B, KVH, S, Dh] buffer a layer, rows over data, KV heads over tensor."""
     mesh = make_mesh((2, 1, 4))
     cfg = tiny_model("qwen3").config.replace(num_kv_heads=4)
     expected = cache_shardings(cfg, batch=4, max_len=320, mesh=mesh)
     with jax.set_mesh(mesh):
         cache = jax.jit(lambda: init_cache(cfg, 4, 320))()
     assert len(expected.k) == cfg.num_layers
-    assert [block.shape[2] for block in cache.k[0]] == [128, 128, 64]
-    assert all(want.spec == P("data", "tensor", None, None) for want in expected.k[0])
+    assert cache.k[0].shape == (4, 4, 320, cfg.head_dim)
+    assert all(want.spec == P("data", "tensor", None, None) for want in expected.k)
     for name in ("k", "v"):
-        for layer, (arrays, wants) in enumerate(zip(getattr(cache, name), getattr(expected, name), strict=True)):
-            for array, want in zip(arrays, wants, strict=True):
-                assert array.sharding.is_equivalent_to(want, array.ndim), f"{name}[{layer}]: {array.sharding} vs {want}"
+        for layer, (array, want) in enumerate(zip(getattr(cache, name), getattr(expected, name), strict=True)):
+            assert array.sharding.is_equivalent_to(want, array.ndim), f"{name}[{layer}]: {array.sharding} vs {want}"
     assert cache.valid.sharding.is_equivalent_to(expected.valid, 2), f"valid: {cache.valid.sharding} vs {expected.valid}"

@@ -11,13 +11,12 @@
 
 Splash and cuDNN serve the full-sequence forward (training, log-probs); a cached
 forward (prefill into a KV cache, appends) uses the blockwise kernel on every backend,
-which reads only the key blocks below the rows' furthest slot. ``attend_cached`` writes a
-chunk into a KV cache and attends over it; under ``splash`` (i.e. on TPU) a one-token
-decode does both in the Pallas kernel of ``decode_tpu``, since XLA:TPU would copy every
-layer's cache around the scatter that writes it, once per token. A paged cache
-(``paged.attend_paged``) decodes on TPU by ``decode_tpu``'s paged kernel and on GPU by
-``decode_gpu``'s Triton kernel (``resolve_paged_backend``: unless ``xla_blockwise`` is forced). On XLA:CPU the cache is
-held as one buffer per key block (``cache_block``), read in place by ``block_cache_attention``.
+which reads only the key blocks below the rows' furthest slot. The rollout's cache is the
+paged one (``paged.attend_paged``): it decodes on TPU by ``decode_tpu``'s paged kernel and on
+GPU by ``decode_gpu``'s Triton kernel (``resolve_paged_backend``: unless ``xla_blockwise`` is
+forced). ``attend_cached`` writes a chunk into the dense one-buffer-per-layer ``KVCache`` and
+attends over it with the blockwise kernel: the reference the paged cache and its kernels are
+checked against bit for bit (no rollout path runs it).
 
 The choice is resolved at trace time from the platform the program is compiled for
 (the ambient mesh's devices, so a TPU plan from a CPU host picks splash), cached per
@@ -39,7 +38,6 @@ from llds_jax.models.attention.blockwise import (
     KV_RESIDUAL,
     Q_RESIDUAL,
     QUERY_BLOCK,
-    block_cache_attention,
     blockwise_attention,
     query_piece,
 )
@@ -49,13 +47,12 @@ from llds_jax.models.attention.naive import MASKED_SCORE, naive_attention
 from llds_jax.models.attention.splash import splash_attention
 from llds_jax.models.config import ATTENTION_BACKENDS, ConfigError
 from llds_jax.models.reductions import target_platform
-from llds_jax.parallel.rules import constrain, current_rules
+from llds_jax.parallel.rules import constrain
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 __all__ = ["ATTENTION_BACKENDS", "ATTENTION_RESIDUALS", "CACHED_BLOCK", "DEFAULT_BLOCK", "KV_CACHE_AXES", "MASKED_SCORE", "QUERY_BLOCK",
-           "AttentionMask", "LayerCache", "attend", "attend_cached", "block_cache_attention", "cache_block",
-           "blockwise_attention", "cudnn_attention", "naive_attention", "query_piece", "resolve_backend", "resolve_paged_backend",
+           "AttentionMask", "attend", "attend_cached", "blockwise_attention", "cudnn_attention", "naive_attention", "query_piece", "resolve_backend", "resolve_paged_backend",
            "splash_attention", "target_platform"]
 
 
@@ -116,62 +113,20 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, backen
 
 
 KV_CACHE_AXES = ("batch", "act_kv_heads", "cache_seq", None)  # one layer's cached k or v, heads-major
-LayerCache = jax.Array | tuple[jax.Array, ...]  # one layer's k or v: one buffer, or one per key block
 
 
-def cache_block(backend: str, platform: str) -> int:
-    """Slots per KV-cache buffer for ``backend`` on ``platform``; 0: one buffer per layer.
-
-    XLA:CPU's blockwise decode reads a one-buffer cache through per-block copies (its GEMMs read
-    whole buffers), so there the cache is held as one buffer per ``CACHED_BLOCK`` key block
-    (``block_cache_attention``). The TPU decode kernel DMAs blocks out of one buffer, and XLA:GPU's
-    decode is within 1.5x of its ideal bytes with one (the roofline report), so they keep it.
-    """
-    return CACHED_BLOCK if platform == "cpu" and backend == "xla_blockwise" else 0
-
-
-def _write(cache: LayerCache, new: jax.Array, slots: jax.Array) -> LayerCache:
+def _write(cache: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     """``new`` [B, T, KVH, Dh] written at ``slots`` [B, T] of a layer's cache (slots ≥ S dropped)."""
     rows = jnp.arange(new.shape[0])[:, None]
-    if not isinstance(cache, tuple):
-        return constrain(cache.at[rows, :, slots].set(new.astype(cache.dtype), mode="drop"), KV_CACHE_AXES)
-    written, start = [], 0
-    for block in cache:  # each block takes the slots inside it; the others are dropped
-        size = block.shape[2]
-        local = jnp.where((slots >= start) & (slots < start + size), slots - start, size)
-        written.append(constrain(block.at[rows, :, local].set(new.astype(block.dtype), mode="drop"), KV_CACHE_AXES))
-        start += size
-    return tuple(written)
+    return constrain(cache.at[rows, :, slots].set(new.astype(cache.dtype), mode="drop"), KV_CACHE_AXES)
 
 
-def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: LayerCache, v_cache: LayerCache,
-                  mask: AttentionMask, backend: str) -> tuple[jax.Array, LayerCache, LayerCache]:
+def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                  mask: AttentionMask, backend: str) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write a chunk's k, v [B, T, KVH, Dh] into heads-major caches [B, KVH, S, Dh] at slots
     ``mask.query_index`` (slots ≥ S are dropped) and attend q [B, T, H, Dh] over the caches.
-    A cache may be held as a tuple of key blocks along S (``cache_block``); it is returned so.
     ``mask`` is the cache mask after the write. Returns (attention, k_cache, v_cache)."""
-    if isinstance(k_cache, tuple):
-        k_cache, v_cache = _write(k_cache, k, mask.query_index), _write(v_cache, v, mask.query_index)
-        k_read = tuple(block.astype(k.dtype) for block in k_cache)
-        v_read = tuple(block.astype(v.dtype) for block in v_cache)
-        if backend == "xla_blockwise":
-            return block_cache_attention(q, k_read, v_read, mask), k_cache, v_cache
-        attn = attend(q, jnp.concatenate(k_read, axis=2), jnp.concatenate(v_read, axis=2), mask, backend,
-                      CACHED_BLOCK, kv_heads_major=True)
-        return attn, k_cache, v_cache
-    if backend == "splash" and q.shape[1] == 1:
-        from llds_jax.models.attention import decode_tpu  # noqa: PLC0415  (Pallas TPU dialect: TPU programs only)
-
-        tile = decode_tpu.decode_block(k_cache.shape[2], CACHED_BLOCK, k_cache.dtype)
-        if tile is not None and not _slots_sharded(k_cache.shape):
-            return decode_tpu.decode_and_write(q, k, v, k_cache, v_cache, mask, tile)
     k_cache, v_cache = _write(k_cache, k, mask.query_index), _write(v_cache, v, mask.query_index)
     attn = attend(q, k_cache.astype(k.dtype), v_cache.astype(v.dtype), mask, backend, CACHED_BLOCK,
                   kv_heads_major=True)
     return attn, k_cache, v_cache
-
-
-def _slots_sharded(cache_shape: tuple[int, ...]) -> bool:
-    """The ambient rules split the cache's slot axis (the decode kernel reads whole rows)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and current_rules().spec(KV_CACHE_AXES, cache_shape, mesh)[2] is not None

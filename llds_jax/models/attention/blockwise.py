@@ -22,8 +22,8 @@ Layout: the loop works heads-major — q as [B, KVH, G, T, Dh], keys and values 
 [B, KVH, S, Dh] — because that is the layout a batched dot wants (batch dims leading,
 the contracted and the kept axes contiguous). A KV cache is stored heads-major
 (``kv_heads_major=True``), so a key block is one strided read of the live slots and
-no step transposes the cache; a full-sequence forward transposes its k and v once. A cache
-held as one buffer per key block (XLA:CPU) is read by ``block_cache_attention``.
+no step transposes the cache; a full-sequence forward transposes its k and v once. The paged
+cache (``paged.py``) runs the same ops per key block through its block table.
 
 Numerics: scores fp32 (``s / sqrt(Dh)`` as in the oracle), masked scores the oracle's
 finite MASKED_SCORE, so a query with at least one visible key matches the oracle to
@@ -190,41 +190,6 @@ def _forward(grouped, k, v, query_index, key_valid, key_start, block: int):
     carry = jax.lax.fori_loop(first + 1, _num_blocks(query_index, k.shape[2], block),
                               lambda i, carry: _next_block(carry, *visit(i)), carry)
     return _finish(grouped, carry)
-
-
-def block_cache_attention(q: jax.Array, k_blocks: tuple[jax.Array, ...], v_blocks: tuple[jax.Array, ...],
-                          mask: AttentionMask) -> jax.Array:
-    """Cached attention over keys and values held as one buffer per key block (``[B, KVH, n, Dh]``
-    each, in slot order): q [B, T, H, Dh] → [B, T, H, Dh]. Forward only (sampling).
-
-    Why: XLA:CPU's GEMMs read whole buffers, so the key-block loop's ``dynamic_slice`` of a
-    ``[B, KVH, S, Dh]`` cache is a copy of every block it visits (twice its live keys and values
-    moved per token). Here a block's dots read its buffer in place: the loop runs over the blocks
-    below the rows' furthest query slot and ``lax.switch`` picks the block's own branch. The
-    blocks' ops and order are the loop's, so a cache of ``CACHED_BLOCK``-slot blocks gives the
-    one-buffer result bit for bit.
-    """
-    batch, length, heads, head_dim = q.shape
-    kv_heads = k_blocks[0].shape[1]
-    grouped = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim).transpose(0, 2, 3, 1, 4)
-    live = mask.live_keys()
-    starts = [0]
-    for blk in k_blocks[:-1]:
-        starts.append(starts[-1] + blk.shape[2])
-
-    def visit(j):
-        start, size = starts[j], k_blocks[j].shape[2]
-        ids = start + jnp.arange(size, dtype=jnp.int32)
-        valid = mask.key_valid[:, start:start + size]
-        return _masked_scores(grouped, k_blocks[j], ids, valid, mask.query_index), v_blocks[j]
-
-    carry = _first_block(*visit(0))
-    if len(k_blocks) > 1:
-        branches = [lambda carry, j=j: _next_block(carry, *visit(j)) for j in range(1, len(k_blocks))]
-        visited = jnp.sum(jnp.asarray(starts) < live)
-        carry = jax.lax.fori_loop(1, visited, lambda j, carry: jax.lax.switch(j - 1, branches, carry), carry)
-    out = _finish(grouped, carry)[0]  # [B, KVH, G, T, Dh]
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(6,))

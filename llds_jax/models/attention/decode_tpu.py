@@ -14,11 +14,11 @@ A row reads ``ceil(slot / block)`` blocks: its own live length, not the cache's 
 longest row's. The new key is folded in from VMEM (the cache slot it goes to is still stale
 while the blocks are read, so that slot is masked and its DMA runs after the reads).
 
-Grids. Dense rows (``decode_and_write``, the waves' dense cache): (rows, KV heads), one program
-per (row, KV head) with all its G query heads. Paged pool (``paged_decode_and_write``, the slot
-engine's cache): one program per ``ROWS_PER_PROGRAM`` rows and every KV head, the block copies
-of a TensorCore's programs one double-buffered stream across row and program boundaries
-(``_paged_rows_kernel``: 5 programs a layer at the paper's v5e shape, was 80).
+Grid: over the engine's paged pool (``paged_decode_and_write``), one program per
+``ROWS_PER_PROGRAM`` rows and every KV head, the block copies of a TensorCore's programs one
+double-buffered stream across row and program boundaries (``_paged_rows_kernel``: 5 programs a
+layer at the paper's v5e shape; one per (row, KV head) would be 80). The dense cache's kernel
+went with the dense rollout cache: the dense ``KVCache`` is only the reference now.
 
 Numerics are the blockwise kernel's: fp32 scores ``q·k / sqrt(Dh)``, invisible keys at
 ``MASKED_SCORE``, probabilities cast to the value dtype for the second matmul. Only the
@@ -35,7 +35,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from llds_jax.models.attention.mask import AttentionMask
 from llds_jax.models.attention.naive import MASKED_SCORE
 from llds_jax.parallel.rules import current_rules
 
@@ -45,103 +44,9 @@ _READ, _WRITE = 0, 1  # semaphore rows
 ROWS_PER_PROGRAM = 8
 
 
-def decode_block(slots: int, block: int, dtype) -> int | None:
-    """The key tile for a ``slots``-slot cache of ``dtype``, or None when no tile fits the TPU's
-    layout (``slots`` not a multiple of :func:`row_tile`): the caller then uses the blockwise kernel."""
-    rows = row_tile(dtype)
-    block = min(block, slots)
-    while block > rows and slots % block:
-        block //= 2
-    return block if slots % block == 0 and block % rows == 0 else None
-
-
 def row_tile(dtype) -> int:
     """Rows of one (8 sublanes × 128 lanes) TPU memory tile: 8 of 4-byte values, 16 of 2-byte ones."""
     return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
-
-
-def decode_and_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                     mask: AttentionMask, block: int, *, interpret: bool = False
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q [B, 1, H, Dh]; k_new, v_new [B, 1, KVH, Dh]; caches [B, KVH, S, Dh] (heads-major, donated)
-    → (attention [B, 1, H, Dh], k_cache, v_cache with row b's key/value at slot
-    ``mask.query_index[b, 0]``; a slot ≥ S is dropped, as the scatter's ``mode="drop"``).
-
-    ``mask`` is the cache mask after the write (``key_valid`` already flags the new slots).
-    ``block`` must divide S (see :func:`decode_block`). ``interpret=True`` runs the kernel in
-    Pallas' interpreter (any backend; tests)."""
-    batch, length, heads, head_dim = q.shape
-    kv_heads, slots = k_cache.shape[1], k_cache.shape[2]
-    if length != 1 or mask.self_attention:
-        raise ValueError(f"decode_and_write serves one query per row over a cache; got T={length}, "
-                         f"self_attention={mask.self_attention}")
-    if slots % block:
-        raise ValueError(f"decode_and_write: block={block} does not divide the cache's {slots} slots")
-    slot = mask.query_index[:, 0].astype(jnp.int32)
-    in_cache = slot < slots
-    new_visible = in_cache & jnp.take_along_axis(mask.key_valid, jnp.minimum(slot, slots - 1)[:, None], 1)[:, 0]
-    live_blocks = jnp.clip(-(-slot // block), 0, slots // block)  # blocks holding slots before the new one
-    scalars = (live_blocks, slot, new_visible.astype(jnp.int32))
-    grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
-    k_new, v_new = (x.astype(k_cache.dtype).transpose(0, 2, 1, 3) for x in (k_new, v_new))  # [B, KVH, 1, Dh]
-    valid = mask.key_valid.astype(jnp.int32).reshape(batch, slots // block, block)
-    run = functools.partial(_kernel_call, block=block, interpret=interpret)
-    out, k_cache, v_cache = _sharded(run, scalars, grouped, k_new, v_new, valid, k_cache, v_cache)
-    return out.reshape(batch, 1, heads, head_dim), k_cache, v_cache
-
-
-def _kernel(live_ref, slot_ref, new_visible_ref, q_ref, k_new_ref, v_new_ref, valid_ref, k_hbm, v_hbm,
-            o_ref, k_out, v_out, k_buf, v_buf, k_rows, v_rows, sems, *, block: int, scale: float):
-    row, head = pl.program_id(0), pl.program_id(1)
-    slot = slot_ref[row]
-
-    def block_copies(i, buf):
-        start = pl.multiple_of(i * block, block)
-        return (pltpu.make_async_copy(k_hbm.at[row, head, pl.ds(start, block)], k_buf.at[buf], sems.at[_READ, 0, buf]),
-                pltpu.make_async_copy(v_hbm.at[row, head, pl.ds(start, block)], v_buf.at[buf], sems.at[_READ, 1, buf]))
-
-    o_ref[...] = _attend_live_blocks(
-        q_ref[...], k_new_ref, v_new_ref, new_visible_ref[row] != 0, live_ref[row], slot, block_copies, k_buf, v_buf,
-        block_valid=lambda i: valid_ref[pl.ds(i, 1), :] != 0, block=block, scale=scale).astype(o_ref.dtype)
-
-    @pl.when(slot < k_hbm.shape[2])
-    def _write_new_row():
-        # k_out / v_out alias k_hbm / v_hbm (one buffer on TPU; the interpreter copies the input in
-        # and returns the output, so both sides go through the output).
-        _write_row(lambda cache, start, rows: cache.at[row, head, pl.ds(start, rows)], slot,
-                   k_out, v_out, k_rows, v_rows, k_new_ref, v_new_ref, sems)
-
-
-def _attend_live_blocks(q, k_new_ref, v_new_ref, new_visible, live, slot, block_copies, k_buf, v_buf, *,
-                        block_valid, block: int, scale: float):
-    """FlashAttention's online softmax of q [G, Dh] over the new key, then the ``live`` key blocks that
-    ``block_copies(i, buf)`` DMAs into ``k_buf`` / ``v_buf`` (double-buffered: block i + 1 loads while
-    block i is folded); a key is visible if ``block_valid(i)`` flags it (None: every key) and its slot is
-    before ``slot``. Returns fp32 [G, Dh]. The dense-row kernel's loop; the paged kernel walks several
-    rows with the same :func:`_new_key_state` and :func:`_fold_block`."""
-    @pl.when(live > 0)
-    def _prefetch_first():
-        for copy in block_copies(0, 0):
-            copy.start()
-
-    def fold(i, carry):
-        buf = i % 2
-
-        @pl.when(i + 1 < live)
-        def _prefetch_next():
-            for copy in block_copies(i + 1, 1 - buf):
-                copy.start()
-
-        for copy in block_copies(i, buf):
-            copy.wait()
-        visible = i * block + jax.lax.broadcasted_iota(jnp.int32, (q.shape[0], block), 1) < slot
-        if block_valid is not None:
-            visible = visible & block_valid(i)
-        return _fold_block(q, carry, k_buf[buf], v_buf[buf], visible, scale)
-
-    m, total, acc = jax.lax.fori_loop(0, live, fold, _new_key_state(q, k_new_ref[...], v_new_ref[...], new_visible,
-                                                                      scale))
-    return acc / total
 
 
 def _new_key_state(q, k_new, v_new, new_visible, scale: float):
@@ -172,76 +77,6 @@ def _fold_block(q, carry, keys, values, visible, scale: float):
     return m_new, total, rescale * acc + weighted
 
 
-def _write_row(tile_at, offset, k_out, v_out, k_rows, v_rows, k_new_ref, v_new_ref, sems):
-    """Write the new key/value at row ``offset`` of the cache region ``tile_at(cache, start, rows)``
-    names. Runs after every read, so the slot's old content (masked there) is never raced. A DMA
-    offset must be tile-aligned, so the row's whole tile of sublanes is read, patched and written back."""
-    group = k_rows.shape[0]
-    start = pl.multiple_of((offset // group) * group, group)
-    pairs = ((k_out, k_rows, k_new_ref, 0), (v_out, v_rows, v_new_ref, 1))
-    tiles = [pltpu.make_async_copy(tile_at(cache, start, group), rows, sems.at[_WRITE, which, 0])
-             for cache, rows, _, which in pairs]
-    for copy in tiles:
-        copy.start()
-    for copy in tiles:
-        copy.wait()
-    for _, rows, new, _ in pairs:
-        here = jax.lax.broadcasted_iota(jnp.int32, rows.shape, 0) == offset - start
-        rows[...] = jnp.where(here, new[...], rows[...])
-    writes = [pltpu.make_async_copy(rows, tile_at(cache, start, group), sems.at[_WRITE, which, 1])
-              for cache, rows, _, which in pairs]
-    for copy in writes:
-        copy.start()
-    for copy in writes:
-        copy.wait()
-
-
-def _kernel_call(scalars, grouped, k_new, v_new, valid, k_cache, v_cache, *, block: int, interpret: bool):
-    """Per-shard: grouped [b, kvh, G, Dh], k/v_new [b, kvh, 1, Dh], valid [b, S / block, block],
-    caches [b, kvh, S, Dh]."""
-    batch, kv_heads, group, head_dim = grouped.shape
-    blocks = valid.shape[1]
-    group = row_tile(k_cache.dtype)
-    per_head = lambda rows: pl.BlockSpec((None, None, rows, head_dim), lambda b, h, *_: (b, h, 0, 0))  # noqa: E731
-    in_hbm = pl.BlockSpec(memory_space=pl.ANY)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=len(scalars),
-        grid=(batch, kv_heads),
-        in_specs=[per_head(group), per_head(1), per_head(1),
-                  pl.BlockSpec((None, blocks, block), lambda b, h, *_: (b, 0, 0)), in_hbm, in_hbm],
-        out_specs=[per_head(group), in_hbm, in_hbm],
-        scratch_shapes=[pltpu.VMEM((2, block, head_dim), k_cache.dtype), pltpu.VMEM((2, block, head_dim), v_cache.dtype),
-                        pltpu.VMEM((group, head_dim), k_cache.dtype), pltpu.VMEM((group, head_dim), v_cache.dtype),
-                        pltpu.SemaphoreType.DMA((2, 2, 2))],
-    )
-    first_cache = len(scalars) + 4  # operand index of k_cache (scalar prefetch operands count)
-    kernel = functools.partial(_kernel, block=block, scale=1.0 / math.sqrt(head_dim))
-    return pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=(jax.ShapeDtypeStruct(grouped.shape, grouped.dtype),
-                   jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
-        input_output_aliases={first_cache: 1, first_cache + 1: 2},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        interpret=interpret,
-        name="decode_attention",
-    )(*scalars, grouped, k_new, v_new, valid, k_cache, v_cache)
-
-
-def _sharded(run, scalars, grouped, k_new, v_new, valid, k_cache, v_cache):
-    """``run`` inside shard_map over the ambient mesh's batch and KV-head axes (plain call without one)."""
-    args = (scalars, grouped, k_new, v_new, valid, k_cache, v_cache)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return run(*args)
-    spec = current_rules().spec(("batch", "act_kv_heads", None, None), k_cache.shape, mesh)
-    rows = jax.P(spec[0])
-    return jax.shard_map(run, mesh=mesh, in_specs=((rows,) * len(scalars), spec, spec, spec, jax.P(spec[0], None, None),
-                                                   spec, spec),
-                         out_specs=(spec, spec, spec), check_vma=False)(*args)
-
-
 def paged_decode_and_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            table: jax.Array, slot: jax.Array, real: jax.Array, *,
                            rows_per_program: int = ROWS_PER_PROGRAM, streams: int | None = None,
@@ -253,8 +88,8 @@ def paged_decode_and_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_p
     nothing and its output, unused, is its new value). A real row reads blocks
     ``table[b, :ceil(slot / block)]`` by DMA — only its own live blocks, every KV head in one copy —
     and writes the new key/value into block ``table[b, slot // block]``; a slot past the table is
-    dropped and not attended (as ``paged_write`` drops it). Same arithmetic per row and head as
-    :func:`decode_and_write` (the new key first, then the blocks in order).
+    dropped and not attended (as ``paged_write`` drops it). Per row and head: the new key first,
+    then the blocks in order.
 
     One program serves ``rows_per_program`` rows (the rows are padded to a multiple with rows
     that read nothing), and the programs form ``streams`` sequences of block copies, each loading

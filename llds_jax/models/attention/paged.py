@@ -13,8 +13,8 @@ the same axis XLA's partitioner keeps each device's gather local (no collective;
 Reads: the loop runs over block-table columns ``0 .. ceil(live / block) - 1``, ``live`` the
 furthest slot any *real* query of the call reaches, and gathers each row's block of that
 column; keys past a query's own slot are masked per row. The ops and their order are the
-dense blockwise kernel's (``blockwise.block_cache_attention`` with ``CACHED_BLOCK``-slot
-blocks): the same fp32 scores, the same online-softmax update per block, the same first block
+dense blockwise kernel's (``blockwise_attention`` over a one-buffer cache with ``CACHED_BLOCK``-slot
+key blocks): the same fp32 scores, the same online-softmax update per block, the same first block
 peeled. A key block that a row has not reached scores ``MASKED_SCORE`` everywhere, whose
 update is an exact no-op (``exp(MASKED_SCORE - m) = 0``, rescale ``exp(0) = 1``), so a row's
 result does not depend on how many blocks the call visits, and equals the dense cache's bit
