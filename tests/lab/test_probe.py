@@ -87,6 +87,10 @@ def probed(shared_dir, tmp_path_factory):
     tokenizer_dir = str(shared_dir / "assets" / "qwen2_tokenizer")
     config = group_config(tiny_loop_config(str(tmp_path_factory.mktemp("probe")), tokenizer_dir))
     config.rollout.n_samples, config.rollout.max_action_tokens = 4, 8
+    # Rows of 64, not the tiny job's 256: the prompt's last 16 tokens and 8 + 32 + 8 response tokens fit. The
+    # cost is the ~152k-word LM head at every position (the per-response gradients, the SGD probe's passes,
+    # the updates), so it shrinks with the rows; no check reads the length (a random model reads no question).
+    config.rollout.max_prompt_tokens, config.rollout.max_context, config.rollout.pad_to_multiple = 16, 64, 64
     config.train.mini_batch_size = config.train.micro_batch_size = config.train.logprob_batch_size = 4
     mesh = make_mesh((1, 1, 1))
     model, tokenizer, retriever = load_policy_and_retriever(config, mesh)

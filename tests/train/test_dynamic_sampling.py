@@ -162,6 +162,9 @@ def dynamic_job(tmp_path_factory, shared_dir):
                              dynamic_sampling=True, dynamic_sampling_max_draws=3))
     config.monitor.enabled = False
     config.rollout.max_action_tokens = 8
+    # Rows of 128, not the tiny job's 256: the prompt's last 64 tokens and the 8 + 32 + 8 response tokens fit,
+    # and every rollout, log-prob pass and update computes the ~152k-word LM head at each position.
+    config.rollout.max_prompt_tokens, config.rollout.max_context = 64, 128
     _, mesh, model, tokenizer, retriever, writer = _setup(config)
     learner = Learner.create(model, config, mesh)
     prompts = PromptIterator(load_questions(config.data.train), config.train.prompts_per_step, seed=0)

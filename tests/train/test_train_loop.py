@@ -31,6 +31,9 @@ ROW_FIELDS = {"step", "phase", "wall_time"}
 def loop_config(tmp_path_factory, shared_dir):
     config = tiny_loop_config(str(tmp_path_factory.mktemp("run")), str(shared_dir / "assets" / "qwen2_tokenizer"))
     config.train.peak_flops, config.train.peak_bytes_per_s = 1e12, 1e11  # known peaks: MFU checkable by hand
+    # Rows of 128, not 256: the prompt's last 64 tokens and a 16 + 32 + 16-token response fit; every rollout,
+    # log-prob pass and update (and the resumed job's) computes the ~152k-word LM head at each position.
+    config.rollout.max_prompt_tokens, config.rollout.max_context = 64, 128
     return config
 
 
