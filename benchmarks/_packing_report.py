@@ -4,7 +4,8 @@ Two numbers per question:
 
 * **Computed over useful tokens** for the paper config (``configs/qwen3b.py`` shapes: 2,560
   trajectories per step, mini-batches of 256, rows of ``rollout.max_context`` = 4,096) on the
-  lengths of Search-R1's released 3B policy (``../shared/data/searchr1/reference_rollout_lengths.jsonl``;
+  lengths of Search-R1's released 3B policy (``data.lengths.reference_lengths``: the bundled copy of
+  ``../shared/data/searchr1/reference_rollout_lengths.jsonl``, the same 3,250 trajectories in its order;
   length = first prompt + actions + feedback, action targets = action tokens). "Computed" is what
   the decoder stack runs per training pass — π_old, π_ref, the update's forward and backward and
   the Δ pass all read the same rows: padded, every trajectory × 4,096; packed, every row of every
@@ -19,19 +20,10 @@ Two numbers per question:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import numpy as np
 
-from llds_jax.data.lengths import TrajectoryLengths, reference_lengths
-
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "data" / "searchr1" / "reference_rollout_lengths.jsonl"
-
-
-def reference_pieces(path: Path = REFERENCE) -> list[TrajectoryLengths]:
-    """Every trajectory of the original file, in file order (the project's one length loader, ``data.lengths``)."""
-    return reference_lengths(path)
+from llds_jax.data.lengths import TrajectoryLengths
 
 
 def computed_over_useful(pieces: list[TrajectoryLengths], config, shards: int) -> dict:

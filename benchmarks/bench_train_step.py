@@ -212,10 +212,11 @@ def packing_report(session, args) -> None:
     import _packing_report as report
 
     from llds_jax.app.sweep import load_config_file
+    from llds_jax.data.lengths import reference_lengths
     from llds_jax.train.batch import padded_length
 
     paper = load_config_file(str(_harness.REPO / "configs" / "qwen3b.py"))
-    pieces = report.reference_pieces()
+    pieces = reference_lengths()
     shards = {"8xH100 (fsdp 8)": 8, "one device": 1, "v5e:8x8 (fsdp 64)": 64}
     ratios = {name: report.computed_over_useful(pieces, paper, n) for name, n in shards.items()}
     finest = paper.copy_and_resolve_references()  # micro-batches of one row per shard: the least rounding
