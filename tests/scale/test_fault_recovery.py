@@ -48,7 +48,7 @@ def train_command(workdir: Path, shared_dir: Path) -> list[str]:
         "train.prompts_per_step": 2, "rollout.n_samples": 2, "train.mini_batch_size": 2,
         "train.micro_batch_size": 2, "train.logprob_batch_size": 4, "rollout.max_turns": 1,
         "rollout.max_action_tokens": 8, "rollout.max_obs_tokens": 32, "rollout.max_prompt_tokens": 256,
-        "rollout.max_context": 384, **MONITOR,
+        "rollout.max_context": 384, "rollout.top_p": 1.0, **MONITOR,
     }
     return [sys.executable, "-m", "llds_jax.main", "--config=configs/cpu_smoke.py",
             *(f"--config.{k}={v}" for k, v in overrides.items())]

@@ -32,7 +32,7 @@ def tiny_run_overrides(workdir, shared_dir) -> dict:
         "train.prompts_per_step": 4, "rollout.n_samples": 4, "train.mini_batch_size": 8,
         "train.micro_batch_size": 8, "train.logprob_batch_size": 8,
         "rollout.max_turns": 1, "rollout.max_action_tokens": 8, "rollout.max_obs_tokens": 32,
-        "rollout.max_prompt_tokens": 256, "rollout.max_context": 384,
+        "rollout.max_prompt_tokens": 256, "rollout.max_context": 384, "rollout.top_p": 1.0,
     }
 
 
