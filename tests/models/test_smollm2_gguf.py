@@ -7,13 +7,11 @@ see identical weights; the Llama q/k un-permutation is what this test pins down.
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from flax import nnx
 
-from llds_jax.models import init_cache
 from tests.models import smollm2_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -63,16 +61,23 @@ def test_logits_match_transformers_on_real_weights(ours, reference):
     assert diff <= 1e-3, f"SmolLM2 GGUF: max |ours - transformers| logit diff {diff:.3g} > 1e-3"
 
 
-def test_greedy_decoding_names_paris(ours, reference):
-    tokenizer, _ = reference
-    prompt = np.asarray([tokenizer("The capital of France is")["input_ids"]], np.int32)
-    graphdef, state = nnx.split(ours)
-    step = jax.jit(lambda s, t, c: nnx.merge(graphdef, s).forward_cached(t, c))
-    logits, cache = step(state, prompt, init_cache(ours.config, 1, prompt.shape[1] + 4))
-    generated = []
-    for _ in range(3):
-        token = jnp.argmax(logits, -1).astype(jnp.int32)
-        generated.append(int(token[0]))
-        logits, cache = step(state, token[:, None], cache)
-    text = tokenizer.decode(generated)
-    assert text.startswith(" Paris"), f"greedy continuation was {text!r}"
+def test_generate_matches_transformers_greedy_for_32_tokens_and_names_paris(ours, reference):
+    """The sampler's ``generate`` (the engine's decode programs) on real weights, token for token against
+    transformers' greedy decoding of the same file, from a left-padded batch of two prompts."""
+    from llds_jax.sampling import generate
+    from tests.sampling.hf_reference import hf_greedy
+
+    tokenizer, hf_model = reference
+    prompts = ["The capital of France is", "Search engines answer questions by"]
+    rows = [tokenizer.encode(p) for p in prompts]
+    width = max(len(r) for r in rows)
+    ids = np.zeros((2, width), np.int32)
+    mask = np.zeros((2, width), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    expected = hf_greedy(hf_model, ids, mask, 32)
+    out = generate(ours, ids, mask, max_new_tokens=32, temperature=0.0, key=jax.random.key(0))
+    assert tokenizer.decode(out.tokens[0][:3]).strip().startswith("Paris"), tokenizer.decode(out.tokens[0])
+    mismatch = np.argwhere(out.tokens != expected)
+    assert mismatch.size == 0, (f"first mismatches (row, step) {mismatch[:5].tolist()}:\n"
+                                f"ours {tokenizer.batch_decode(out.tokens)}\nhf   {tokenizer.batch_decode(expected)}")

@@ -146,27 +146,3 @@ def test_one_compiled_program_per_bucket_across_repeated_calls(model):
     generate(model, *left_padded((40, 3), vocab=256), max_new_tokens=9, key=jax.random.key(0))
     grown = sizes()
     assert grown == (before[0] + 1, before[1]), f"a new prompt bucket should add one append program: {before} -> {grown}"
-
-
-@pytest.mark.integration
-@pytest.mark.slow
-def test_greedy_matches_transformers_on_smollm2_for_32_tokens():
-    from tests.models import smollm2_reference
-
-    # transformers' tokenizer and float32 model from the GGUF file, ours from the same file; loaded
-    # once per process (tests/models/test_smollm2_gguf.py compares the same three).
-    tokenizer, hf_model = smollm2_reference.transformers_tokenizer(), smollm2_reference.transformers_model()
-    prompts = ["The capital of France is", "Search engines answer questions by"]
-    rows = [tokenizer.encode(p) for p in prompts]
-    width = max(len(r) for r in rows)
-    ids = np.zeros((2, width), np.int32)
-    mask = np.zeros((2, width), np.int32)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
-    expected = hf_greedy(hf_model, ids, mask, 32)
-    out = generate(smollm2_reference.our_model(), ids, mask, max_new_tokens=32, temperature=0.0,
-                   key=jax.random.key(0))
-    assert tokenizer.decode(out.tokens[0][:3]).strip().startswith("Paris"), tokenizer.decode(out.tokens[0])
-    mismatch = np.argwhere(out.tokens != expected)
-    assert mismatch.size == 0, (f"first mismatches (row, step) {mismatch[:5].tolist()}:\n"
-                                f"ours {tokenizer.batch_decode(out.tokens)}\nhf   {tokenizer.batch_decode(expected)}")
