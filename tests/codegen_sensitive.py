@@ -33,9 +33,11 @@ def child_xla_flags(devices: int | None = None, *, min_llvm_level: int | None = 
 
     Children compile as the test process does: in paired runs under the second code generator, level 0 was
     faster for the CLI-mode and fault-recovery children (``--mode=plan`` of the default job most of all) and
-    within run-to-run noise for the two-process training ones; only the device check's dry run, which runs
-    each part of the GPU check over Qwen's 151,936-token vocabulary, and the mesh-index training run of
-    ``tests/retrieval/test_mesh_training.py`` (70 warm-up steps) came out clearly faster at level 1.
+    about even for the two-process training ones once they sample without top-p (150 vs 143 CPU-s; with
+    top-p 0.95, 209 vs 155: level 0's slow code is the vocabulary-wide sampler); only the device check's dry
+    run, which runs each part of the GPU check over Qwen's 151,936-token vocabulary (137 → 115 CPU-s), and the
+    mesh-index training run of ``tests/retrieval/test_mesh_training.py`` (70 warm-up steps; 432 → 238) came
+    out clearly faster at level 1 (docs/decisions.md, CI and harness).
     """
     prefix = "--xla_backend_optimization_level="
     flags = []
