@@ -74,10 +74,13 @@ def _assert_new_value_only(out, case):
     np.testing.assert_array_equal(np.asarray(out[~real]), np.asarray(expected[~real]))
 
 
-@pytest.mark.codegen_sensitive
+# The row counts around a program's ROWS_PER_PROGRAM are bookkeeping (which rows a program holds), the same
+# under either code generator; the arithmetic is the same kernel body in every case, so one fp32 and the bf16
+# case carry the numeric re-run under the host's default code generator (tests/codegen_sensitive.py).
 @pytest.mark.parametrize("rows,heads,kv_heads,dtype,streams", [
     (1, 6, 2, jnp.float32, 1), (ROWS_PER_PROGRAM - 1, 6, 2, jnp.float32, 1), (ROWS_PER_PROGRAM, 4, 4, jnp.float32, 1),
-    (ROWS_PER_PROGRAM + 3, 6, 2, jnp.float32, 1), (ROWS_PER_PROGRAM + 3, 4, 1, jnp.bfloat16, 1),
+    pytest.param(ROWS_PER_PROGRAM + 3, 6, 2, jnp.float32, 1, marks=pytest.mark.codegen_sensitive),
+    pytest.param(ROWS_PER_PROGRAM + 3, 4, 1, jnp.bfloat16, 1, marks=pytest.mark.codegen_sensitive),
     (3 * ROWS_PER_PROGRAM + 3, 6, 2, jnp.float32, 2)])
 def test_the_rows_kernel_attends_and_writes_what_the_xla_paged_path_does(rows, heads, kv_heads, dtype, streams):
     case = _rows_case(rows, heads, kv_heads, dtype)
