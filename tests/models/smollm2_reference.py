@@ -4,8 +4,9 @@ Two modules read the same file: ``test_smollm2_gguf.py`` (the model's logits and
 transformers) and ``test_gguf_tokenizer.py``. transformers' GGUF path parses the file's metadata in Python,
 twice per model (≈12 s of CPU for the model, ≈3 s for the tokenizer) and ours takes ≈6 s, so a pytest
 worker (``--dist loadscope``) that runs both modules loads the tokenizer once, not once per module; the
-model's real-weight checks live in one module, so its two loads happen in one worker whatever the split. Each is the plain result of one load; the tests only read it (forwards, ``generate``,
-tokenising, attributes) and must not change it.
+model's real-weight checks live in one module, so its two loads happen in one worker whatever the split.
+Each is the plain result of one load; the tests only read it (forwards, ``generate``, tokenising,
+attributes) and must not change it.
 """
 
 from __future__ import annotations

@@ -27,6 +27,16 @@ def reference():
     return smollm2_reference.transformers_tokenizer(), smollm2_reference.transformers_model()
 
 
+def left_padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token rows as one left-padded batch (ids, attention mask), as the sampler lays prompts out."""
+    width = max(map(len, rows))
+    ids = np.zeros((len(rows), width), np.int32)
+    mask = np.zeros((len(rows), width), np.int32)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    return ids, mask
+
+
 def test_gguf_config_is_read_from_metadata(ours):
     cfg = ours.config
     assert (cfg.family, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
@@ -45,12 +55,7 @@ def test_the_planner_reads_the_same_shapes_without_loading_weights(ours):
 def test_logits_match_transformers_on_real_weights(ours, reference):
     tokenizer, hf_model = reference
     texts = ["The capital of France is", "Search engines answer questions about"]
-    rows = [tokenizer(t)["input_ids"] for t in texts]
-    width = max(map(len, rows))
-    ids = np.zeros((2, width), np.int32)
-    mask = np.zeros((2, width), np.int32)
-    for i, row in enumerate(rows):  # left padding, as the sampler uses
-        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    ids, mask = left_padded([tokenizer(t)["input_ids"] for t in texts])
     graphdef, state = nnx.split(ours)
     got = np.asarray(jax.jit(lambda s, a, m: nnx.merge(graphdef, s)(a, m))(state, ids, mask))
     positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
@@ -69,12 +74,7 @@ def test_generate_matches_transformers_greedy_for_32_tokens_and_names_paris(ours
 
     tokenizer, hf_model = reference
     prompts = ["The capital of France is", "Search engines answer questions by"]
-    rows = [tokenizer.encode(p) for p in prompts]
-    width = max(len(r) for r in rows)
-    ids = np.zeros((2, width), np.int32)
-    mask = np.zeros((2, width), np.int32)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    ids, mask = left_padded([tokenizer.encode(p) for p in prompts])
     expected = hf_greedy(hf_model, ids, mask, 32)
     out = generate(ours, ids, mask, max_new_tokens=32, temperature=0.0, key=jax.random.key(0))
     assert tokenizer.decode(out.tokens[0][:3]).strip().startswith("Paris"), tokenizer.decode(out.tokens[0])
