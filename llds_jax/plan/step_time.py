@@ -69,14 +69,16 @@ LAUNCH_S = {
     "cpu": (0.0, "assumed: none")}
 # The sampler's traffic over each sampled row's [vocab] fp32 logits a decode step, in reads of that row, per platform.
 # The cut-off search is a Pallas kernel on both accelerators (sampling/filtering_tpu.py, filtering_gpu.py).
-# GPU: bench_rollout.py --decode-program's h100-qwen3b step at 2b37ded, its ops on the fp32 [320, 151,936] logits
-# beyond the LM head's write: the Triton cut-off kernel's 9 reads (filtering_gpu.reads) and the draw's 1 = 10. (The
-# engine's frozen-row select, 3 more, went at 813c247; picking the sampled logit reads one a row.)
+# GPU: bench_rollout.py --decode-program's h100-qwen3b step, its ops on the fp32 [320, 151,936] logits beyond the
+# LM head's write: the Triton cut-off kernel's 8 reads (filtering_gpu.reads: its first pass finds the maximum too)
+# and the draw's 1 = 9. (The engine's frozen-row select, 3 more, went at 813c247; picking the sampled logit reads one
+# a row.)
 # TPU: counted in HBM bytes, not XLA's cost analysis, which charges XLA:TPU's prefetches into VMEM as if they
 # were HBM reads (docs/performance.md).
 SAMPLER_ROW_READS = {
-    "gpu": (10, "bench_rollout.py --decode-program at 2b37ded, h100-qwen3b: the Triton cut-off kernel's 9 reads of the "
-                "fp32 [320, 151,936] logits and the draw's 1 (per-kernel costs of the step's optimised HLO)"),
+    "gpu": (9, "bench_rollout.py --decode-program, h100-qwen3b: the Triton cut-off kernel's 8 reads of the fp32 "
+               "[320, 151,936] logits (filtering_gpu.reads; the first pass finds the row's maximum too) and the draw's "
+               "1 (per-kernel costs of the step's optimised HLO)"),
     "tpu": (4, "the v5e-qwen3b step of bench_rollout.py --decode-program at f0a532e (40 rows; the Pallas cut-off "
                "kernel), its ops touching fp32 [40, 151,936] beyond the LM head charged their HBM operands and results "
                "(tools/roofline/_tpu_hbm.Reader.charges): the kernel's read 1, the logits' eviction to HBM and the "

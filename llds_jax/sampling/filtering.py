@@ -29,15 +29,16 @@ top-p set can differ from XLA's only where the boundary is within that rounding 
 
 Reads of the ``[rows, V]`` logits per token; TPU: a block of 8 rows copied into VMEM once, the
 searches bisect there (``filtering_tpu``); GPU: a Triton program per row, ``p`` = 8 passes of 16
-ways, each reading the row once (a 608 KB row does not fit shared memory; ``filtering_gpu``)::
+ways, each reading the row once, the first finding the row's maximum too (a 608 KB row does not
+fit shared memory; ``filtering_gpu``)::
 
                     GPU                                                 TPU
     greedy          argmax, normaliser                           2      2
     temperature     max, draw, normaliser                        3      3
-    top-k           max, p counts, kept mass, draw     3 + p   = 11     kernel, draw   2
-    top-p           max, p masses (carrying the kept   2 + p   = 10     kernel, draw   2
-                    mass), draw
-    top-k + top-p   max, p counts, p masses, draw      2 + 2p  = 18     kernel, draw   2
+    top-k           p counts, kept mass, draw          2 + p   = 10     kernel, draw   2
+    top-p           p masses (carrying the kept mass),  1 + p   =  9     kernel, draw   2
+                    draw
+    top-k + top-p   p counts, p masses, draw           1 + 2p  = 17     kernel, draw   2
 
 Both kernels return the row maximum, the kept floor (an :func:`_ordered_key`) and the kept mass,
 the draw's log-prob normaliser; the draw stays XLA's and tests the floor on keys it derives from

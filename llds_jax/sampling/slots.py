@@ -393,7 +393,17 @@ def _put_rows(logits: jax.Array, local: jax.Array, new: jax.Array) -> jax.Array:
                                 new.reshape(devices, per_device, vocab)).reshape(batch, vocab)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("state",))
+# XLA:GPU without autotuning (the planner's compile-only programs; a device autotunes among configs
+# that respect it) splits the K of the step's skinny GEMMs (320 rows) two to four ways and writes fp32
+# partials that a reduction fusion reads back: 1.86 GB of qwen3b's 15.13 a token on an H100 once the
+# fusions they split apart are counted (bench_rollout.py --decode-program, with and without). A decode
+# GEMM streams its weights once either way; the partials are traffic the bandwidth bound never needed.
+# The one XLA option that keeps K whole; CPU and XLA:TPU accept it and change nothing.
+DECODE_COMPILER_OPTIONS = {"xla_gpu_experimental_force_split_k": 1}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("state",),
+                   compiler_options=DECODE_COMPILER_OPTIONS)
 def decode_segment(graphdef: nnx.GraphDef, params: nnx.State, layer_weights, state: DecodeState, started: jax.Array,
                    idle: jax.Array, budget: jax.Array, sampling: SamplingParams, *, steps: int,
                    pad_id: jax.Array | int = 0) -> DecodeState:

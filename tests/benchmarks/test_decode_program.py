@@ -65,7 +65,7 @@ def test_the_tpu_step_prices_the_pallas_kernel_and_the_gpu_step_its_pool_reads_a
     rows, vocab = tpu["rows"], 256  # the tiny qwen2's vocabulary (see the ideal's test)
     assert tpu["bytes_detail"]["custom_calls"]["pallas cost_estimate"] == rows * vocab * 4 + 6 * rows * 128 * 4
     # H100: the Triton cut-off kernel (sampling/filtering_gpu.py), the reads its name states: top-p's
-    # maximum and 8 search passes over the logits, and six [rows] fp32 columns (knobs in, results out)
+    # 8 search passes over the logits (the first finds the maximum too), and six [rows] fp32 columns (knobs in, results out)
     from llds_jax.sampling.filtering_gpu import reads
 
     assert gpu["bytes_detail"]["custom_calls"]["pallas sampler reads"] == (
