@@ -138,6 +138,19 @@ def test_read_bytes_count_live_slots_only():
     assert got == 4 * idle + kv_heads * (4 * 4 + (2 * BLOCK + 2) * slot)
 
 
+def test_one_split_writes_a_power_of_two_group_without_its_padding():
+    """G = 8 (qwen2.5-3b): the 16-row tile's output is written as its 8 query heads, so the read bytes
+    count 8 rows out and no XLA slice copies them; G = 7 and several splits keep the padded tile."""
+    kv_heads, head_dim, itemsize = 2, 128, 2
+    assert decode_gpu.output_rows(16, kv_heads, 1) == 8
+    assert decode_gpu.output_rows(14, kv_heads, 1) == decode_gpu.output_rows(16, kv_heads, 4) == 16
+    idle = decode_gpu.decode_read_bytes([0], kv_heads, head_dim, BLOCK, itemsize, 16)
+    assert idle == kv_heads * (4 + (16 + 8) * head_dim * itemsize)  # its length, the padded q in, 8 rows out
+    q, (k_nan, v_nan), (k_pool, v_pool), table, lengths = _case(16, kv_heads, head_dim, jnp.float32, 1, seed=4)
+    out = decode_gpu.paged_decode_attention(q, k_nan, v_nan, table, lengths, splits=1, interpret=True)
+    _check(out, _reference(q, k_pool, v_pool, table, lengths), lengths, jnp.float32)
+
+
 def test_the_paged_backend_rule():
     """GPU: the Triton kernel unless the XLA loop is asked for by name (benchmarks compare the two)."""
     assert resolve_paged_backend("auto", "gpu") == "triton"

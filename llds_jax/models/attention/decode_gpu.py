@@ -65,6 +65,15 @@ def padded_group(heads: int, kv_heads: int) -> int:
     return max(MIN_DOT_ROWS, 1 << (group - 1).bit_length())
 
 
+def output_rows(heads: int, kv_heads: int, splits: int) -> int:
+    """Rows of a program's output tile: G itself where the padded tile splits into whole copies of it
+    (G a power of two) and the kernel writes the normalised output (one split), so no XLA slice
+    copies the output off the padding (0.14 GB a token at qwen3b's 320 rows, G = 8); else the
+    padded tile (G = 7: the slice stays; several splits: it fuses into the combine)."""
+    group = heads // kv_heads
+    return group if splits == 1 and _pow2(group) else padded_group(heads, kv_heads)
+
+
 def supported(block: int, head_dim: int) -> bool:
     """Whether the kernel takes a pool of ``block``-slot blocks with ``head_dim`` (Triton's tiles)."""
     return _pow2(block) and _pow2(head_dim) and block >= MIN_DOT_ROWS and head_dim >= MIN_DOT_ROWS
@@ -81,8 +90,8 @@ def decode_read_bytes(lengths, kv_heads: int, head_dim: int, block: int, itemsiz
     """Bytes the kernel moves at the given live ``lengths`` (one per row, keys visible; pure Python).
 
     Per program (row, KV head, split): its length (4 B) and its padded query tile read, its output
-    tile written (``itemsize`` each with one split; fp32 partials plus fp32 max and sum with
-    more); per live block of the row, its table entry (4 B); per live slot, its key and value
+    tile written (:func:`output_rows` of ``itemsize`` with one split; fp32 partials plus fp32 max and
+    sum of the padded tile with more); per live block of the row, its table entry (4 B); per live slot, its key and value
     (``head_dim x itemsize`` each: the last block's loads are masked to the row's slots). A row of
     length 0 reads no block. ``itemsize`` is the pools', the queries' and the output's (the same
     dtype in the decoder)."""
@@ -90,7 +99,8 @@ def decode_read_bytes(lengths, kv_heads: int, head_dim: int, block: int, itemsiz
     group = padded_group(heads, kv_heads)
     tile = group * head_dim
     programs = len(lengths) * kv_heads * splits
-    per_program = 4 + tile * itemsize + (tile * itemsize if splits == 1 else tile * 4 + 2 * group * 4)
+    written = output_rows(heads, kv_heads, splits) * head_dim * itemsize if splits == 1 else tile * 4 + 2 * group * 4
+    per_program = 4 + tile * itemsize + written
     live_blocks = sum(-(-n // block) for n in lengths if n > 0)
     live_slots = sum(n for n in lengths if n > 0)
     return programs * per_program + kv_heads * (4 * live_blocks + 2 * live_slots * head_dim * itemsize)
@@ -135,7 +145,8 @@ def _per_device(q, k_pool, v_pool, table, lengths, *, splits: int | None, interp
     grouped = q.reshape(batch, kv_heads, group, head_dim)
     grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, padded - group), (0, 0)))
     pools = [p.reshape(devices * blocks, kv_heads, block, head_dim) for p in (k_pool, v_pool)]
-    out = _kernel_call(lengths, physical, grouped, *pools, splits=splits, interpret=interpret)
+    out = _kernel_call(lengths, physical, grouped, *pools, splits=splits, out_rows=output_rows(heads, kv_heads, splits),
+                       interpret=interpret)
     if splits > 1:
         out = _combine(*out).astype(q.dtype)
     return out[:, :, :group].reshape(batch, heads, head_dim)
@@ -177,7 +188,11 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, block: int, 
              jnp.zeros(q.shape, jnp.float32))
     m, total, acc = jax.lax.fori_loop(first, jnp.maximum(first, last), fold, start)
     if len(out_refs) == 1:  # one split: the normalised output (a row that read nothing: 0)
-        out_refs[0][...] = (acc / jnp.where(total > 0, total, 1.0)[:, None]).astype(out_refs[0].dtype)
+        out = (acc / jnp.where(total > 0, total, 1.0)[:, None]).astype(out_refs[0].dtype)
+        kept = out_refs[0].shape[0]
+        if kept < rows:  # the query heads only, off the padding (output_rows): the first of equal parts
+            out = jnp.split(out, rows // kept, axis=0)[0]
+        out_refs[0][...] = out
     else:
         o_ref, m_ref, total_ref = out_refs
         o_ref[...] = acc
@@ -185,8 +200,9 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, block: int, 
         total_ref[...] = total
 
 
-def _kernel_call(lengths, physical, grouped, k_pool, v_pool, *, splits: int, interpret: bool):
-    """lengths [b], physical [b, C] (-1: reads zeros), grouped [b, KVH, G', Dh], pools [P, KVH, block, Dh]."""
+def _kernel_call(lengths, physical, grouped, k_pool, v_pool, *, splits: int, out_rows: int, interpret: bool):
+    """lengths [b], physical [b, C] (-1: reads zeros), grouped [b, KVH, G', Dh], pools [P, KVH, block, Dh];
+    with one split the output is [b, KVH, out_rows, Dh] (:func:`output_rows`)."""
     batch, kv_heads, padded, head_dim = grouped.shape
     pages, _, block, _ = k_pool.shape
     columns = physical.shape[1]
@@ -196,8 +212,8 @@ def _kernel_call(lengths, physical, grouped, k_pool, v_pool, *, splits: int, int
     in_specs = [pl.BlockSpec(lengths.shape, lambda b, h, s: (0,)),
                 pl.BlockSpec((None, columns), lambda b, h, s: (b, 0)), tile, pool, pool]
     if splits == 1:
-        out_shape = jax.ShapeDtypeStruct(grouped.shape, grouped.dtype)
-        out_specs = tile
+        out_shape = jax.ShapeDtypeStruct((batch, kv_heads, out_rows, head_dim), grouped.dtype)
+        out_specs = pl.BlockSpec((None, None, out_rows, head_dim), lambda b, h, s: (b, h, 0, 0))
     else:
         partial = (splits, batch, kv_heads, padded)
         out_shape = (jax.ShapeDtypeStruct((*partial, head_dim), jnp.float32),
@@ -208,7 +224,7 @@ def _kernel_call(lengths, physical, grouped, k_pool, v_pool, *, splits: int, int
     # The bytes at full tables (a static upper bound; the real read follows the live lengths).
     itemsize = jnp.dtype(k_pool.dtype).itemsize
     full = decode_read_bytes([columns * block] * batch, kv_heads, head_dim, block, itemsize,
-                             kv_heads * padded, splits=splits)
+                             kv_heads * (out_rows if splits == 1 else padded), splits=splits)
     cost = pl.CostEstimate(flops=4 * batch * kv_heads * padded * columns * block * head_dim,
                            transcendentals=batch * kv_heads * padded * columns * block, bytes_accessed=full)
     kernel = functools.partial(_kernel, block=block, columns=columns, per_split=per_split)
