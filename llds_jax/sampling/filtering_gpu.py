@@ -122,16 +122,16 @@ def _kernel(x_ref, inv_t_ref, top_k_ref, top_p_ref, top_out, floor_out, kept_out
         x = plgpu.load(x_ref.at[pl.ds(i * BLOCK, BLOCK)], mask=index < vocab, other=-jnp.inf)
         return x.astype(jnp.float32) * inv_t
 
-    def over_row(per_block, first: bool, top, *, weighted: bool):
+    def over_row(per_block, top, *, weighted: bool):
         """Σ over blocks of ``per_block(keys, x, reference)`` → [WAYS], blocks in order (weights
-        ``exp(x − reference)`` where ``weighted``). ``first``: the row's first pass, which also finds
-        its maximum: the reference is the running maximum, and weighted sums so far are rescaled
-        when it rises (online softmax), so no pass is spent on the maximum alone. Returns
-        ``(sums, maximum)``."""
+        ``exp(x − reference)`` where ``weighted``), and the row's maximum. ``top`` None: the row's
+        first pass, which finds the maximum as it goes: the reference is the running maximum, and
+        weighted sums so far are rescaled when it rises (online softmax), so no pass is spent on the
+        maximum alone."""
         def step(i, carry):
             acc, m = carry
             x = scaled(i)
-            if not first:
+            if top is not None:
                 return acc + per_block(_signed_key(x), x, top), m
             m_new = jnp.maximum(m, jnp.max(x))
             if not weighted:
@@ -139,63 +139,54 @@ def _kernel(x_ref, inv_t_ref, top_k_ref, top_p_ref, top_out, floor_out, kept_out
             reference = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row all -inf so far: weights 0, not NaN
             return acc * jnp.exp(m - reference) + per_block(_signed_key(x), x, reference), m_new
 
-        start = (jnp.zeros((WAYS,), jnp.float32), jnp.float32(-jnp.inf) if first else top)
+        start = (jnp.zeros((WAYS,), jnp.float32), jnp.float32(-jnp.inf) if top is None else top)
         return jax.lax.fori_loop(0, blocks, step, start)
 
     def search(statistic, decide, lo, hi, top):
         """XLA's ``_search_with_mass`` with ``WAYS`` candidates: the largest t in [lo, hi) with
-        ``decide(statistic(t), total)``; ``total`` = the first pass's statistic at ``lo``.
-        ``top`` None: the row's maximum is not known yet, and the first pass finds it. Returns
-        ``(t, statistic(t), total, top)``."""
+        ``decide(statistic(t), total)``; ``total`` = the first pass's statistic at ``lo``, the first
+        pass also finding the row's maximum where ``top`` is None. Returns ``(t, statistic(t), total,
+        top)``."""
         offsets = jnp.arange(WAYS, dtype=jnp.uint32)  # 0: the lower edge itself
 
-        def narrow(lo, hi, stat, total):
+        def cuts_of(lo, hi):
+            stride = (hi - lo - 1) // WAYS + 1  # ⌈(hi − lo) / ways⌉: never overflows uint32
+            return jnp.minimum(lo + stride * offsets, hi)
+
+        def narrow(lo, hi, stat, total):  # the sub-range holding the answer, and the statistic at its lower edge
             cuts = cuts_of(lo, hi)
             holds = decide(stat, total) & (cuts < hi) & (offsets > 0)
             holding = jnp.sum(holds.astype(jnp.int32))
             new_hi = jnp.where(holding + 1 < WAYS, jnp.max(jnp.where(offsets == holding + 1, cuts, 0)), hi)
             return jnp.max(jnp.where(offsets == holding, cuts, 0)), new_hi, _pick(stat, holding)
 
-        def cuts_of(lo, hi):
-            stride = (hi - lo - 1) // WAYS + 1  # ⌈(hi − lo) / ways⌉: never overflows uint32
-            return jnp.minimum(lo + stride * offsets, hi)
+        stat, top = statistic(_signed(cuts_of(lo, hi)), top)
+        total = _pick(stat, 0)
 
-        first = top is None
-        stat, top = statistic(_signed(cuts_of(lo, hi)), True, None) if first else (None, top)
-        passes = PASSES
-        if first:
-            total = _pick(stat, 0)
-            lo, hi, at_lo = narrow(lo, hi, stat, total)
-            passes -= 1
+        def step(_, carry):
+            lo, hi, _ = carry
+            stat, _ = statistic(_signed(cuts_of(lo, hi)), top)
+            return narrow(lo, hi, stat, total)
 
-        def step(i, carry):
-            lo, hi, at_lo, total = carry
-            stat, _ = statistic(_signed(cuts_of(lo, hi)), False, top)
-            total = jnp.where((i == 0) & (not first), _pick(stat, 0), total)
-            lo, hi, at_lo = narrow(lo, hi, stat, total)
-            return lo, hi, at_lo, total
-
-        zero = jnp.float32(0)
-        start = (lo, hi, at_lo, total) if first else (lo, hi, zero, zero)
-        lo, _, at_lo, total = jax.lax.fori_loop(0, passes, step, start)
+        lo, _, at_lo = jax.lax.fori_loop(0, PASSES - 1, step, narrow(lo, hi, stat, total))
         return lo, at_lo, total, top
 
     floor, top = jnp.uint32(1), None  # floor 1 keeps every logit; the maximum comes with the first pass
     if top_k_on:
         k = top_k_ref[0]
 
-        def counts(cuts, first, top):  # tokens at or above each cut-off (exact in fp32: V < 2²⁴)
+        def counts(cuts, top):  # tokens at or above each cut-off (exact in fp32: V < 2²⁴)
             return over_row(lambda keys, x, _: jnp.sum(jnp.where(keys[None, :] >= cuts[:, None], 1.0, 0.0), axis=1),
-                            first, top, weighted=False)
+                            top, weighted=False)
 
         kth, _, _, top = search(counts, lambda stat, total: stat >= k, floor - 1, everything, top)
         floor = jnp.where((k > 0) & (k < vocab), kth, floor)
     if top_p_on:
         p = top_p_ref[0]
 
-        def masses(cuts, first, top):  # the mass strictly above each cut-off (cuts start at floor − 1: top-k's set)
+        def masses(cuts, top):  # the mass strictly above each cut-off (cuts start at floor − 1: top-k's set)
             return over_row(lambda keys, x, reference: jnp.sum(
-                jnp.where(keys[None, :] > cuts[:, None], jnp.exp(x - reference)[None, :], 0.0), axis=1), first, top,
+                jnp.where(keys[None, :] > cuts[:, None], jnp.exp(x - reference)[None, :], 0.0), axis=1), top,
                 weighted=True)
 
         last, at_last, total, top = search(masses, lambda stat, total: stat >= p * total, floor - 1, everything, top)
