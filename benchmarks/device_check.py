@@ -215,7 +215,7 @@ def run_decode(out: Path, tokenizer: str, dry_run: bool) -> dict:
     command = [sys.executable, str(REPO / "benchmarks" / "device_decode_step.py"), f"--out={out / 'decode'}",
                f"--tokenizer={tokenizer}", "--profile", "--trace-dir=/tmp/device_check_traces",
                # the dry run pins the wiring on one variant (the CPU compiles each path's programs anew)
-               "--variants=" + ("paged_kernel" if dry_run else "paged_kernel,paged_kernel@8,paged_xla"),
+               "--variants=" + ("paged_kernel" if dry_run else "paged_kernel,paged_kernel@8,paged_kernel_split_k,paged_xla"),
                *(["--dry-run"] if dry_run else [])]
     subprocess.run(command, cwd=REPO, check=True)
     result = json.loads((out / "decode" / "decode_step.json").read_text())

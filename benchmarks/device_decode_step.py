@@ -10,7 +10,10 @@ T = 1, the protocol's real stop-string table over the Qwen2 vocabulary):
 * ``paged_xla`` — the slot engine (``SlotSession.decode``) with ``model.attention="xla_blockwise"``:
   the XLA loop over key blocks;
 * ``paged_kernel`` — the slot engine with ``model.attention="auto"``: the backend's decode kernel
-  (``models/attention/decode_gpu.py`` on GPU).
+  (``models/attention/decode_gpu.py`` on GPU);
+* ``paged_kernel_split_k`` — the same, its decode program compiled without the engine's
+  ``slots.DECODE_COMPILER_OPTIONS`` (K kept whole in the GEMMs, chosen on compile-only bytes): XLA:GPU
+  free to split K as its autotuner likes, so the run says which is faster on the device.
 
 Both rollout policies decode on this one engine (``rollout.engine="waves"`` is its turn-synchronous
 policy: ``rollout/engine.py``), so there is no other session to compare: the dense-cache
@@ -41,7 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-VARIANTS = ("paged_xla", "paged_kernel")
+VARIANTS = ("paged_xla", "paged_kernel", "paged_kernel_split_k")
 
 
 def live_lengths(rows: int, cap: int) -> list[int]:
@@ -115,8 +118,9 @@ def build(variant: str, args):
     return random_model(decoder_config(args, "xla_blockwise" if variant == "paged_xla" else "auto"), None, seed=0)
 
 
-def run_variant(name: str, args, lengths: list[int], sampling, out: Path) -> dict:
-    """``name``: a variant, or ``variant@steps`` to time it at another call length (the engine's segment)."""
+def run_variant(name: str, args, lengths: list[int], sampling, out: Path, label: str = "") -> dict:
+    """``name``: a variant, or ``variant@steps`` to time it at another call length (the engine's segment);
+    ``label``: the variant its profile is filed under (default: ``name``'s)."""
     import jax
     import numpy as np
 
@@ -125,8 +129,17 @@ def run_variant(name: str, args, lengths: list[int], sampling, out: Path) -> dic
         raise ValueError(f"--variants: {variant!r} is not one of {VARIANTS}")
     args = argparse.Namespace(**{**vars(args), "steps": int(steps or args.steps)})
 
-    from llds_jax.sampling.slots import SlotSession
+    from llds_jax.sampling import slots
 
+    if variant == "paged_kernel_split_k":  # this variant's calls only: the engine's program without the options
+        engine_program = slots.decode_segment
+        slots.decode_segment = jax.jit(engine_program.__wrapped__, static_argnames=("graphdef", "steps"),
+                                       donate_argnames=("state",))
+        try:
+            return run_variant(f"paged_kernel@{args.steps}", args, lengths, sampling, out, label=variant) | {
+                "variant": name}
+        finally:
+            slots.decode_segment = engine_program
     model = build(variant, args)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
@@ -135,7 +148,7 @@ def run_variant(name: str, args, lengths: list[int], sampling, out: Path) -> dic
     key = jax.random.key(0)
     t0 = time.perf_counter()
     restarted: list[int] = []
-    session = SlotSession(model, sampling, slots=len(prompts), max_action_tokens=budget, key=key, max_tokens=args.slots)
+    session = slots.SlotSession(model, sampling, slots=len(prompts), max_action_tokens=budget, key=key, max_tokens=args.slots)
     per_row = session.columns
     for slot, _ in enumerate(prompts):
         session.reset(slot, slot, 0)
@@ -167,7 +180,7 @@ def run_variant(name: str, args, lengths: list[int], sampling, out: Path) -> dic
               "ms_per_step": round(1e3 * statistics.median(times), 3),
               "ms_per_step_all": [round(1e3 * t, 3) for t in times]}
     if args.profile:
-        trace_dir = str(Path(args.trace_dir or out) / f"trace_{variant}_{args.steps}")
+        trace_dir = str(Path(args.trace_dir or out) / f"trace_{label or variant}_{args.steps}")
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             one_call()
         result["profile"] = kernel_summary(trace_dir)
