@@ -21,6 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from llds_jax.sampling.slots import DECODE_COMPILER_OPTIONS
+
 # Greedy: what evaluation and ``bench_sampler.py`` run. top-p: the training rollout's sampler
 # (``rollout.temperature`` 1, ``rollout.top_p`` 0.95, the paper's setting).
 SAMPLING_MODES = {"greedy": (0.0, 0, 1.0), "top-p": (1.0, 0, 0.95)}
@@ -57,7 +59,8 @@ def engine_step(graphdef, params, logits, cache, done, budget, keys, drawn, samp
     return state, token_step(model, layer_weights, sampling, budget, pad_id)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "tokens", "sampling_mode"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "tokens", "sampling_mode"), donate_argnames=("cache",),
+                   compiler_options=DECODE_COMPILER_OPTIONS)
 def decode_steps(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, *, tokens: int,
                  sampling_mode: str):
     """``tokens`` engine token steps in a row, no while loop, after the once-per-call set-up:
@@ -69,18 +72,21 @@ def decode_steps(graphdef, params, logits, cache, done, budget, keys, drawn, sam
     return state
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "width"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "width"), donate_argnames=("cache",),
+                   compiler_options=DECODE_COMPILER_OPTIONS)
 def engine_segment(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, *, width: int):
     """The engine's real decode program: ``slots.decode_segment`` (traced knobs, its segment loop
-    and chunks of ``STOP_CHECK_EVERY`` tokens) for one action of up to ``width`` tokens per row."""
+    and chunks of ``STOP_CHECK_EVERY`` tokens) for one action of up to ``width`` tokens per row, its
+    body traced inside this program (jax takes compiler options at the top-level jit only: this one
+    carries the engine's)."""
     from flax import nnx
 
     from llds_jax.sampling.slots import decode_segment
 
     state, _ = engine_step(graphdef, params, logits, cache, done, budget, keys, drawn, sampling, width=width)
     layer_weights = nnx.merge(graphdef, params).layer_weights()
-    return decode_segment(graphdef, params, layer_weights, state, jnp.ones_like(done), done, budget, sampling,
-                          steps=width)
+    return decode_segment.__wrapped__(graphdef, params, layer_weights, state, jnp.ones_like(done), done, budget,
+                                      sampling, steps=width)
 
 
 def paged_cache(decoder_cfg, batch: int, slots: int, mesh):
