@@ -59,9 +59,10 @@ HOST_COPY_BYTES_PER_S = (10e9, "assumed, not measured: one device's copy of its 
 # The rollout's one decode step (the engine's, under either policy: the paged cache; models/attention/decode_gpu.py
 # on GPU, decode_tpu.py on TPU) has no loop or conditional whose predicate the host reads (bench_rollout.py --decode-program: 0 and 0 on
 # h100-0p5b-320, h100-qwen3b, v5e-qwen3b), so its fixed cost is its kernel launches: per layer and per step,
-# read off that report's compiled steps (0cef5cd: XLA:GPU 433 launches a token at 24 layers, 565 at 36;
-# XLA:TPU 1,518 at 36 — one shape, so its split into per layer and per step is GPU's proportion), each at LAUNCH_S.
-ENGINE_LAUNCHES = {"gpu": (11, 169), "tpu": (38, 150), "cpu": (0, 0)}  # (per layer, per step)
+# read off that report's compiled steps (26dc498: XLA:GPU 324 launches a token at 24 layers, 438 at 36 — the 24-layer
+# shape keeps one slice a layer that G = 8 drops, so the fit's 9.5 a layer is between the two; XLA:TPU 1,518 at 36
+# (0cef5cd) — one shape, so its split into per layer and per step is GPU's proportion then), each at LAUNCH_S.
+ENGINE_LAUNCHES = {"gpu": (9.5, 96), "tpu": (38, 150), "cpu": (0, 0)}  # (per layer, per step)
 LAUNCH_S = {
     "gpu": (3e-6, "assumed, not yet measured: one kernel launch and its gap on a Hopper GPU without CUDA graphs "
                   "(benchmarks/device_decode_step.py measures it on the next lent GPU)"),
@@ -279,7 +280,7 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     launch_s, launch_why = LAUNCH_S.get(platform, LAUNCH_S["cpu"])
     overhead = (launches_per_layer * model_cfg.num_layers + launches_per_step) * launch_s
     overhead_why = (f"the engine's step (either policy): {launches_per_layer} x {model_cfg.num_layers} layers + "
-                    f"{launches_per_step} kernel launches (bench_rollout.py --decode-program, 0cef5cd) x "
+                    f"{launches_per_step} kernel launches (bench_rollout.py --decode-program, 26dc498) x "
                     f"{launch_s * 1e6:g} µs ({launch_why})")
     if float(section.decode_step_overhead_s) >= 0:  # one fixed cost for every schedule
         overhead, overhead_why = float(section.decode_step_overhead_s), "plan.decode_step_overhead_s"
