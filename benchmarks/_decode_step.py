@@ -544,6 +544,7 @@ def decode_program_report(targets: dict[str, StepTarget]) -> dict:
     from flax import nnx
 
     from llds_jax.models import Decoder
+    from llds_jax.sampling.slots import DECODE_COMPILER_OPTIONS
 
     out = {}
     for name, target in targets.items():
@@ -571,5 +572,6 @@ def decode_program_report(targets: dict[str, StepTarget]) -> dict:
     return dict(targets=out, settings=dict(
         program="sampling/slots.py::decode_segment, compiled whole; the step = the body of its token loop "
                 "(inside the segment loop's chunk of STOP_CHECK_EVERY tokens)",
+        compiler_options=dict(DECODE_COMPILER_OPTIONS),  # the program's own (slots.DECODE_COMPILER_OPTIONS)
         live_lengths=LENGTHS_POINT, sampling="traced knobs in the top-p mode, as the engine runs them (rollout: T 1, top-p 0.95)",
         ideal="weights once (bf16) + live k,v all layers + new token's k,v + fp32 logits row written and read"))

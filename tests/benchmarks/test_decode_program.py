@@ -40,7 +40,8 @@ def report() -> dict:
 @needs_both
 def test_the_report_has_every_field_for_each_target_compiler(report):
     assert set(report["targets"]) == {"h100-tiny", "v5e-tiny"}
-    assert {"program", "live_lengths", "ideal"} <= set(report["settings"])
+    assert {"program", "live_lengths", "ideal", "compiler_options"} <= set(report["settings"])
+    assert report["settings"]["compiler_options"] == {"xla_gpu_experimental_force_split_k": 1}  # K whole (slots)
     for name, target in report["targets"].items():
         assert FIELDS <= set(target), name
         assert all(isinstance(target[f], int) and target[f] >= 0 for f in FIELDS), target
