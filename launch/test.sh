@@ -30,15 +30,10 @@ step() {  # step NAME CMD...: run it, remember a failure (pytest's 5 = "nothing 
 }
 
 step lint .venv/bin/ruff check llds_jax tests benchmarks tools configs
-# One persistent XLA compilation cache for this run, empty at the start: a program one test, worker or child
-# process compiled (the CLI-mode, multi-process and planner tests build the same tiny programs many times) is
-# loaded by the next that builds the very same program, instead of compiled again. The cache key is the
-# optimised program, the compiler flags and the jax version, so nothing a test checks can differ.
-# A size limit turns on the cache's file lock (filelock, which transformers installs), so two workers never read
-# an entry the other is half-way through writing.
-JAX_COMPILATION_CACHE_DIR=$(mktemp -d) && export JAX_COMPILATION_CACHE_DIR JAX_COMPILATION_CACHE_MAX_SIZE=$((16 * 2**30))
+# No persistent XLA compilation cache: measured in a pair, it cost CPU seconds rather than saving them
+# (docs/decisions.md, CI and harness).
 cpu=$(mktemp -d)
-trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR" "$cpu"' EXIT
+trap 'rm -rf "$cpu"' EXIT
 # Two XLA:CPU code generators (tests/codegen_sensitive.py). Every test, slow ones included, runs once under the
 # second: AVX2, 128-bit vectors, one Eigen thread, XLA's element-wise fusion emitters, no LLVM optimisation (the
 # processes a test starts too, but the device check's dry run: level 1); it compiles about 4x faster (compiling
