@@ -39,8 +39,10 @@ are added at their declared cost: cuBLAS GEMMs their operands and result
 (``_xla_charges.gemm_call_bytes``' rule), a Pallas paged-decode kernel its module's
 ``decode_read_bytes`` at the stated lengths, any other Pallas TPU kernel the bytes of the
 ``pl.CostEstimate`` it declares (the sampler's cut-off search, ``sampling/filtering_tpu.py``:
-one read of the rows), the GPU sampler kernel (``sampling/filtering_gpu.py``) the reads of the
-logits its name states; any other is listed in ``uncosted_calls``.
+one read of the rows), a GPU sampler kernel (``sampling/filtering_gpu.py``) the reads of the
+logits its name states (the top-p sampler: its fast path's two, and its candidate scratch at
+capacity; the rows whose boundary bin overflows it read 9 more, a rate of the model's distributions
+that no compile can see: docs/performance.md); any other is listed in ``uncosted_calls``.
 
 What XLA's analysis charges but the step does not move is taken back, each rule measured on the
 target's compiler with a program of the step's own shapes (``charged_not_run``): a scatter of one
@@ -329,9 +331,10 @@ def _declared_kernel_cost(platform: str, name: str, attrs: str):
 # the bytes a Pallas TPU kernel declares (pl.CostEstimate), as they appear in its backend_config
 _COST_ESTIMATE = re.compile(r'cost_estimate\\?"\s*:\s*\{[^}]*?bytes_accessed\\?"\s*:\s*\\?"?(\d+)')
 
-# the GPU sampler kernel (sampling/filtering_gpu.py) names the reads of its logits operand it makes
-# (Pallas Triton drops the CostEstimate); its knobs and results: six [rows] fp32 columns
-_GPU_SAMPLER = re.compile(r'name = \\?"sampler_cut_off_gpu_(\d+)_reads')
+# the GPU sampler kernels (sampling/filtering_gpu.py) name the reads of their logits operand they make
+# (Pallas Triton drops the CostEstimate), the top-p sampler also its candidate scratch; knobs and
+# results: a few [rows] columns (six fp32 for the cut-off search, eleven 4-byte ones for the sampler)
+_GPU_SAMPLER = re.compile(r'name = \\?"sampler_(?:cut_off|top_p)_gpu_(\d+)_reads(?:_(\d+)_candidates)?')
 
 
 def _call_bytes(reader: Reader, computation: str, name: str, platform: str, decoder_cfg, lengths) -> tuple[float, str]:
@@ -345,7 +348,14 @@ def _call_bytes(reader: Reader, computation: str, name: str, platform: str, deco
         return float(estimate[1]), "pallas cost_estimate"  # a kernel whose bytes do not depend on the lengths
     if target == "__gpu$xla.gpu.triton" and (named := _GPU_SAMPLER.search(op.attrs)):
         logits = max((leaf for o in op.operands for leaf in reader.leaves_of(computation, o)), key=lambda x: x.bytes)
-        return float(int(named[1]) * logits.bytes + 6 * logits.dims[0] * 4), "pallas sampler reads"
+        rows = logits.dims[0]
+        if named[2] is None:
+            return float(int(named[1]) * logits.bytes + 6 * rows * 4), "pallas sampler reads"
+        from llds_jax.sampling import filtering_gpu  # noqa: PLC0415
+
+        assert int(named[2]) == filtering_gpu.CANDIDATES, named[0]  # the scratch this checkout's kernel declares
+        return (float(int(named[1]) * logits.bytes + 11 * rows * 4 + rows * filtering_gpu.sampler_scratch_bytes(logits.dims[1])),
+                "pallas sampler reads")
     if (declared := _declared_kernel_cost(platform, op.name, op.attrs)) is not None:
         c = decoder_cfg
         return float(declared(lengths, c.num_kv_heads, c.head_dim, _pool_block(op, reader, computation),

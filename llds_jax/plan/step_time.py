@@ -59,10 +59,11 @@ HOST_COPY_BYTES_PER_S = (10e9, "assumed, not measured: one device's copy of its 
 # The rollout's one decode step (the engine's, under either policy: the paged cache; models/attention/decode_gpu.py
 # on GPU, decode_tpu.py on TPU) has no loop or conditional whose predicate the host reads (bench_rollout.py --decode-program: 0 and 0 on
 # h100-0p5b-320, h100-qwen3b, v5e-qwen3b), so its fixed cost is its kernel launches: per layer and per step,
-# read off that report's compiled steps (26dc498: XLA:GPU 324 launches a token at 24 layers, 438 at 36 — the 24-layer
-# shape keeps one slice a layer that G = 8 drops, so the fit's 9.5 a layer is between the two; XLA:TPU 1,518 at 36
-# (0cef5cd) — one shape, so its split into per layer and per step is GPU's proportion then), each at LAUNCH_S.
-ENGINE_LAUNCHES = {"gpu": (9.5, 96), "tpu": (38, 150), "cpu": (0, 0)}  # (per layer, per step)
+# read off that report's compiled steps (XLA:GPU with the top-p sampler kernel, sampling/filtering_gpu.sample_top_p:
+# 317 launches a token at 24 layers, 431 at 36 — the 24-layer shape keeps one slice a layer that G = 8 drops, so the
+# fit's 9.5 a layer is between the two; XLA:TPU 1,518 at 36 (0cef5cd) — one shape, so its split into per layer and
+# per step is GPU's proportion then), each at LAUNCH_S.
+ENGINE_LAUNCHES = {"gpu": (9.5, 89), "tpu": (38, 150), "cpu": (0, 0)}  # (per layer, per step)
 LAUNCH_S = {
     "gpu": (3e-6, "assumed, not yet measured: one kernel launch and its gap on a Hopper GPU without CUDA graphs "
                   "(benchmarks/device_decode_step.py measures it on the next lent GPU)"),
@@ -70,16 +71,17 @@ LAUNCH_S = {
     "cpu": (0.0, "assumed: none")}
 # The sampler's traffic over each sampled row's [vocab] fp32 logits a decode step, in reads of that row, per platform.
 # The cut-off search is a Pallas kernel on both accelerators (sampling/filtering_tpu.py, filtering_gpu.py).
-# GPU: bench_rollout.py --decode-program's h100-qwen3b step, its ops on the fp32 [320, 151,936] logits beyond the
-# LM head's write: the Triton cut-off kernel's 8 reads (filtering_gpu.reads: its first pass finds the maximum too)
-# and the draw's 1 = 9. (The engine's frozen-row select, 3 more, went at 813c247; picking the sampled logit reads one
-# a row.)
+# GPU (the paper's top-p mode): the top-p sampler kernel (sampling/filtering_gpu.sample_top_p) searches and draws
+# in 2 reads where the boundary's one-nat bin fits its scratch, plus the scratch (2,048 candidates x 48 B at most:
+# 0.16 of a 151,936-wide row), and a row whose bin overflows 9 more (the full-row search and draw): 0.27 % of rows
+# on real weights (SmolLM2-135M, docs/performance.md), so 2 + 0.16 + 0.0027 x 9 ≈ 2.2. (The engine's frozen-row
+# select, 3 more, went at 813c247; picking the sampled logit reads one a row.)
 # TPU: counted in HBM bytes, not XLA's cost analysis, which charges XLA:TPU's prefetches into VMEM as if they
 # were HBM reads (docs/performance.md).
 SAMPLER_ROW_READS = {
-    "gpu": (9, "bench_rollout.py --decode-program, h100-qwen3b: the Triton cut-off kernel's 8 reads of the fp32 "
-               "[320, 151,936] logits (filtering_gpu.reads; the first pass finds the row's maximum too) and the draw's "
-               "1 (per-kernel costs of the step's optimised HLO)"),
+    "gpu": (2.2, "the Triton top-p sampler's 2 reads of the fp32 [rows, V] logits, its candidate scratch at capacity "
+                 "(0.16 of a Qwen row) and the full-row fallback's 9 on the 0.27 % of rows whose boundary bin overflows "
+                 "it (SmolLM2-135M's real weights, 6,400 draws at T 1, top-p 0.95; not yet measured on Qwen)"),
     "tpu": (4, "the v5e-qwen3b step of bench_rollout.py --decode-program at f0a532e (40 rows; the Pallas cut-off "
                "kernel), its ops touching fp32 [40, 151,936] beyond the LM head charged their HBM operands and results "
                "(tools/roofline/_tpu_hbm.Reader.charges): the kernel's read 1, the logits' eviction to HBM and the "
@@ -280,7 +282,7 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     launch_s, launch_why = LAUNCH_S.get(platform, LAUNCH_S["cpu"])
     overhead = (launches_per_layer * model_cfg.num_layers + launches_per_step) * launch_s
     overhead_why = (f"the engine's step (either policy): {launches_per_layer} x {model_cfg.num_layers} layers + "
-                    f"{launches_per_step} kernel launches (bench_rollout.py --decode-program, 26dc498) x "
+                    f"{launches_per_step} kernel launches (bench_rollout.py --decode-program) x "
                     f"{launch_s * 1e6:g} µs ({launch_why})")
     if float(section.decode_step_overhead_s) >= 0:  # one fixed cost for every schedule
         overhead, overhead_why = float(section.decode_step_overhead_s), "plan.decode_step_overhead_s"

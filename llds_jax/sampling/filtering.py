@@ -30,18 +30,21 @@ top-p set can differ from XLA's only where the boundary is within that rounding 
 Reads of the ``[rows, V]`` logits per token; TPU: a block of 8 rows copied into VMEM once, the
 searches bisect there (``filtering_tpu``); GPU: a Triton program per row, ``p`` = 8 passes of 16
 ways, each reading the row once, the first finding the row's maximum too (a 608 KB row does not
-fit shared memory; ``filtering_gpu``)::
+fit shared memory; ``filtering_gpu``); GPU top-p alone: one kernel that brackets the boundary in
+a first pass, sets the bracket's tokens aside in a second and searches and draws among them there
+(``filtering_gpu.sample_top_p``; a row whose bracket overflows: the search and draw below)::
 
                     GPU                                                 TPU
     greedy          argmax, normaliser                           2      2
     temperature     max, draw, normaliser                        3      3
     top-k           p counts, kept mass, draw          2 + p   = 10     kernel, draw   2
-    top-p           p masses (carrying the kept mass),  1 + p   =  9     kernel, draw   2
-                    draw
+    top-p           bracket, set aside + draw                   2     kernel, draw   2
+                    (a bracket too full: + p masses, draw)
     top-k + top-p   p counts, p masses, draw           1 + 2p  = 17     kernel, draw   2
 
-Both kernels return the row maximum, the kept floor (an :func:`_ordered_key`) and the kept mass,
-the draw's log-prob normaliser; the draw stays XLA's and tests the floor on keys it derives from
+The cut-off kernels return the row maximum, the kept floor (an :func:`_ordered_key`) and the kept mass,
+the draw's log-prob normaliser (the GPU top-p sampler the token and its log-prob too, drawn with the
+noise XLA's draw would add); the draw stays XLA's and tests the floor on keys it derives from
 the logits (:func:`_signed_key`), so it reads the logits alone and draws the tokens the XLA search
 would for the same key and the same floor. XLA:CPU keeps its own sums and its bisection (32
 passes), bit for bit.
@@ -336,6 +339,19 @@ def _cut_off_kernel():
     return None
 
 
+def _threefry_bits_of(key: jax.Array) -> jax.Array | None:
+    """A key's two threefry words (uint32 ``[2]``) when its random bits are threefry's counter-based
+    ones (jax's default: the ``threefry2x32`` implementation, ``jax_threefry_partitionable``), which
+    the GPU sampler kernel reproduces per token; else None."""
+    if not jax.config.jax_threefry_partitionable:
+        return None
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if "threefry" not in str(jax.random.key_impl(key)):
+            return None
+        return jax.random.key_data(key)
+    return key if jax.config.jax_default_prng_impl == "threefry2x32" and key.shape == (2,) else None
+
+
 def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k, top_p,
                   mode: SamplingMode | None = None) -> tuple[jax.Array, jax.Array]:
     """One token per row and its log-prob under the distribution it came from. ``[B]``, ``[B]``.
@@ -347,9 +363,15 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k, top_p,
     logits = logits.astype(jnp.float32)
     if mode is SamplingMode.GREEDY:
         return _greedy(logits)
+    kernel = _cut_off_kernel() if mode.top_k or mode.top_p else None
+    key_bits = _threefry_bits_of(key) if mode is SamplingMode.TOP_P and hasattr(kernel, "sample_top_p") else None
+    if key_bits is not None and logits.shape[:-1] == (1,):  # one row per key: its tokens' counters are their indices
+        # GPU top-p: search and draw in one kernel, two reads of the row where the boundary's bin fits
+        # its scratch (filtering_gpu.sample_top_p); the same token as the draw below for the same floor
+        _, _, _, tokens, logprobs, _ = kernel.sample_top_p(logits, _inverse_temperature(temperature), top_p, key_bits)
+        return tokens[..., 0], logprobs[..., 0]
     scaled = _scale(logits, temperature)
     filtered, kept_mass = scaled, None
-    kernel = _cut_off_kernel() if mode.top_k or mode.top_p else None
     if kernel is not None:  # TPU/GPU: the search in a Pallas kernel (filtering_tpu, filtering_gpu)
         top, floor, kept_mass = kernel.kept_floor_and_mass(logits, _inverse_temperature(temperature), top_k, top_p,
                                                            top_k_on=mode.top_k, top_p_on=mode.top_p)

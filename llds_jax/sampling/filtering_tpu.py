@@ -81,37 +81,37 @@ def _batched(top_k_on: bool, top_p_on: bool, interpret: bool):
     return batched_rows(functools.partial(_one_shard, top_k_on=top_k_on, top_p_on=top_p_on, interpret=interpret))
 
 
-def batched_rows(one_shard):
-    """``one_shard(logits [N, V], inv_t [N], top_k [N], top_p [N]) → (top, floor, kept) [N]`` as a
-    call on ``[..., N, V]`` logits and scalar knobs, with a vmap rule that folds the mapped axis into
-    the rows (one kernel over all rows instead of Pallas' default: a grid axis over the mapped rows,
-    one row per program), inside ``shard_map`` over the rows' batch axes under a mesh (a custom
-    call is not partitioned by XLA: it would gather every row to every device). Shared with the
-    GPU kernel (``filtering_gpu``)."""
-    def run(logits, inv_t, top_k, top_p):
+def batched_rows(one_shard, outputs: int = 3):
+    """``one_shard(logits [N, V], *knobs [N]) → outputs × [N]`` (the cut-off searches: knobs ``inv_t,
+    top_k, top_p`` → ``top, floor, kept``) as a call on ``[..., N, V]`` logits and scalar knobs, with a
+    vmap rule that folds the mapped axis into the rows (one kernel over all rows instead of Pallas'
+    default: a grid axis over the mapped rows, one row per program), inside ``shard_map`` over the
+    rows' batch axes under a mesh (a custom call is not partitioned by XLA: it would gather every row
+    to every device). Shared with the GPU kernels (``filtering_gpu``)."""
+    def run(logits, *knobs):
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
-            return one_shard(logits, inv_t, top_k, top_p)
+            return one_shard(logits, *knobs)
         rows = jax.P(current_rules().spec(("batch",), logits.shape[:1], mesh)[0])
-        return jax.shard_map(one_shard, mesh=mesh, in_specs=(jax.P(rows[0], None), rows, rows, rows),
-                             out_specs=(rows,) * 3, check_vma=False)(logits, inv_t, top_k, top_p)
+        return jax.shard_map(one_shard, mesh=mesh, in_specs=(jax.P(rows[0], None), *(rows,) * len(knobs)),
+                             out_specs=(rows,) * outputs, check_vma=False)(logits, *knobs)
 
     @jax.custom_batching.custom_vmap
-    def call(logits, inv_t, top_k, top_p):
+    def call(logits, *knobs):
         lead = logits.shape[:-1]
         flat = logits.reshape(-1, logits.shape[-1])
-        knobs = [jnp.broadcast_to(k, flat.shape[:1]) for k in (inv_t, top_k, top_p)]
+        knobs = [jnp.broadcast_to(k, flat.shape[:1]) for k in knobs]
         return tuple(x.reshape(*lead, 1) for x in run(flat, *knobs))
 
     @call.def_vmap
-    def _rule(axis_size, in_batched, logits, inv_t, top_k, top_p):
+    def _rule(axis_size, in_batched, logits, *knobs):
         if not in_batched[0]:
             logits = jnp.broadcast_to(logits, (axis_size, *logits.shape))
         per_map = math.prod(logits.shape[1:-1])  # rows in one mapped instance
         knobs = [jnp.repeat(k, per_map) if batched else jnp.broadcast_to(k, (axis_size * per_map,))
-                 for k, batched in zip((inv_t, top_k, top_p), in_batched[1:], strict=True)]
+                 for k, batched in zip(knobs, in_batched[1:], strict=True)]
         outs = run(logits.reshape(-1, logits.shape[-1]), *knobs)
-        return tuple(x.reshape(*logits.shape[:-1], 1) for x in outs), (True, True, True)
+        return tuple(x.reshape(*logits.shape[:-1], 1) for x in outs), (True,) * outputs
 
     return call
 

@@ -60,17 +60,17 @@ def test_the_tpu_step_prices_the_pallas_kernel_and_the_gpu_step_its_pool_reads_a
     the sampler's cut-off kernel (sampling/filtering_tpu.py) its pl.CostEstimate: one read of the
     fp32 [rows, vocab] logits, three [rows, 128] knob tiles in and three result tiles out;
     H100 (today: XLA gathers and scatters on the pool): XLA's whole-pool charges are taken back, and
-    the sampler's Triton kernel is charged the reads its name states."""
+    the sampler's Triton kernel is charged the reads and the scratch its name states."""
     tpu, gpu = report["targets"]["v5e-tiny"], report["targets"]["h100-tiny"]
     assert tpu["bytes_detail"]["custom_calls"]["pallas decode_read_bytes"] > 0
     rows, vocab = tpu["rows"], 256  # the tiny qwen2's vocabulary (see the ideal's test)
     assert tpu["bytes_detail"]["custom_calls"]["pallas cost_estimate"] == rows * vocab * 4 + 6 * rows * 128 * 4
-    # H100: the Triton cut-off kernel (sampling/filtering_gpu.py), the reads its name states: top-p's
-    # 8 search passes over the logits (the first finds the maximum too), and six [rows] fp32 columns (knobs in, results out)
-    from llds_jax.sampling.filtering_gpu import reads
+    # H100: the Triton top-p sampler (sampling/filtering_gpu.py), the reads its name states: its fast
+    # path's 2 over the logits, eleven [rows] 4-byte columns (knobs in, results out) and its candidate scratch
+    from llds_jax.sampling.filtering_gpu import FAST_READS, sampler_scratch_bytes
 
     assert gpu["bytes_detail"]["custom_calls"]["pallas sampler reads"] == (
-        reads(False, True) * gpu["rows"] * vocab * 4 + 6 * gpu["rows"] * 4)
+        FAST_READS * gpu["rows"] * vocab * 4 + 11 * gpu["rows"] * 4 + gpu["rows"] * sampler_scratch_bytes(vocab))
     detail = gpu["bytes_detail"]
     assert detail["xla_body_once"] + detail["loop_trips_added"] + detail["charged_not_run"] + sum(
         detail["custom_calls"].values()) == gpu["bytes"]

@@ -181,6 +181,9 @@ def test_the_kernel_sampler_draws_the_xla_paths_tokens_per_row(monkeypatch, kern
     monkeypatch.setattr(filtering, "target_platform", lambda: platform)
     batched = kernel._batched
     monkeypatch.setattr(kernel, "_batched", lambda top_k_on, top_p_on, interpret: batched(top_k_on, top_p_on, True))
+    if hasattr(kernel, "_sampler"):  # GPU top-p: the search and the draw in one kernel (filtering_gpu.sample_top_p)
+        sampler = kernel._sampler
+        monkeypatch.setattr(kernel, "_sampler", lambda interpret: sampler(True))
 
     def draw():
         run = jax.jit(jax.vmap(lambda row, key: filtering.sample_tokens(row[None], key, temperature, top_k, top_p,
@@ -196,6 +199,55 @@ def test_the_kernel_sampler_draws_the_xla_paths_tokens_per_row(monkeypatch, kern
     normalisers = gamma(kernel.summation_depth(2048)) + gamma(math.ceil(math.log2(2048)) + 1)
     bound = 2 * normalisers + 2 * np.spacing(np.maximum(np.abs(want_logprobs), 1).astype(np.float32))
     assert np.all(np.abs(logprobs - want_logprobs) <= bound), np.abs(logprobs - want_logprobs) / bound
+
+
+def test_the_gpu_samplers_noise_is_jax_randoms_bit_for_bit():
+    """The kernel's threefry bits and Gumbel noise per token index are ``jax.random.bits`` and
+    ``jax.random.gumbel`` of the row's key over ``(1, V)`` (partitionable threefry, jax's default)."""
+    key = jax.random.fold_in(jax.random.key(11), 5)
+    k1, k2 = jax.random.key_data(key)
+    index = jnp.arange(3000)
+    np.testing.assert_array_equal(filtering_gpu._threefry_bits(k1, k2, index.astype(jnp.uint32)),
+                                  jax.random.bits(key, (1, 3000), jnp.uint32)[0])
+    np.testing.assert_array_equal(filtering_gpu._gumbel_at(k1, k2, index), jax.random.gumbel(key, (1, 3000))[0])
+
+
+@pytest.mark.codegen_sensitive
+@pytest.mark.parametrize("top_p", [0.9, 0.95, 1e-6, 1.0])
+@pytest.mark.parametrize("vocab, count", [(1000, 11), (4096, 12)])
+def test_the_gpu_top_p_sampler_keeps_the_searchs_set_and_draws_xlas_token(vocab, count, top_p):
+    """``filtering_gpu.sample_top_p`` in the interpreter: its floor is the XLA search's wherever the
+    boundary is decided (every row here), its kept mass within its sums' rounding, and its token the
+    one ``jax.random.categorical`` draws from the row filtered at that floor with the same key. Rows
+    whose boundary bin fits the scratch take the two-read path, the others (4,096 equal logits: more
+    than ``CANDIDATES`` in one bin; top-p 1) the full-row search: both are taken."""
+    logits = jnp.asarray(_rows(vocab, count))
+    keys = jax.random.split(jax.random.key(3), count)
+    run = jax.jit(lambda x, k: filtering_gpu.sample_top_p(x, 1.0, top_p, jax.vmap(jax.random.key_data)(k),
+                                                          interpret=True))
+    top, floor, kept, token, logprob, fast = [np.asarray(a)[:, 0] for a in run(logits, keys)]
+    np.testing.assert_array_equal(top, np.asarray(logits).max(-1))
+    ref_floor, _ = _reference(logits, 0, top_p, filtering.SamplingMode.TOP_P)
+    floor_k = np.ones_like(ref_floor)
+    total, margin = _exact(np.asarray(logits), floor_k, top_p)
+    bound = 2 * gamma(filtering_gpu.summation_depth(vocab) + 1) * total
+    if top_p < 1:
+        assert (margin > bound).all(), "these cases decide every row"
+        assert fast.any() and (vocab <= filtering_gpu.CANDIDATES or not fast.all()), fast  # both, where one can overflow
+    else:
+        assert not fast.any()  # top-p 1 keeps every token: the full-row path
+    np.testing.assert_array_equal(floor, ref_floor[:, 0])
+    keys_of = np.asarray(filtering._ordered_key(logits))
+    weights = np.exp(np.asarray(logits, np.float64) - np.asarray(logits).max(-1, keepdims=True))
+    exact_kept = np.where(keys_of >= floor[:, None], weights, 0.0).sum(-1)
+    assert np.all(np.abs(kept - exact_kept) <= gamma(filtering_gpu.summation_depth(vocab)) * total)
+    filtered = jnp.where(jnp.asarray(keys_of) >= jnp.asarray(floor)[:, None], logits, -jnp.inf)
+    want = jax.vmap(lambda k, row: jax.random.categorical(k, row[None])[0])(keys, filtered)
+    np.testing.assert_array_equal(token, want)
+    chosen = np.take_along_axis(np.asarray(logits), token[:, None], -1)[:, 0]
+    want_logprob = np.minimum(chosen - top - np.log(exact_kept), 0)
+    assert np.all(np.abs(logprob - want_logprob) <= 2 * gamma(filtering_gpu.summation_depth(vocab))
+                  + 2 * np.spacing(np.maximum(np.abs(want_logprob), 1).astype(np.float32)))
 
 
 @pytest.mark.integration
@@ -234,8 +286,9 @@ def test_the_v5e_sampler_reads_the_rows_once_in_one_kernel(mode):
 def test_the_h100_sampler_is_one_triton_kernel_named_by_its_reads(mode):
     """``sample_tokens`` vmapped over 320 rows of Qwen's vocabulary, compiled by XLA:GPU for an H100
     (compile-only): the search is one Triton call over all rows, whose name states the reads the
-    bench charges (8 passes a search, the first finding the maximum too; top-k alone a kept-mass pass); no while loop
-    and no conditional (XLA:GPU would read their predicates back to the host)."""
+    bench charges (8 passes a search, the first finding the maximum too; top-k alone a kept-mass pass;
+    top-p alone: the sampler kernel's two and its scratch, the draw inside it); no while loop and no
+    conditional (XLA:GPU would read their predicates back to the host)."""
     from llds_jax.parallel.mesh import make_mesh
     from llds_jax.plan.targets import gpu_target
 
@@ -252,7 +305,11 @@ def test_the_h100_sampler_is_one_triton_kernel_named_by_its_reads(mode):
         hlo = jax.jit(sample).lower(logits, keys, *knobs).compile().as_text()
     calls = [line for line in hlo.splitlines() if "__gpu$xla.gpu.triton" in line]
     assert len(calls) == 1 and f"f32[{rows},{vocab}]" in calls[0]
-    want = {filtering.SamplingMode.TOP_K: 9, filtering.SamplingMode.TOP_P: 8, filtering.SamplingMode.TOP_K_TOP_P: 16}
-    assert f'sampler_cut_off_gpu_{want[mode]}_reads' in calls[0]
-    assert filtering_gpu.reads(mode.top_k, mode.top_p) == want[mode]
+    if mode is filtering.SamplingMode.TOP_P:  # search and draw in one kernel: no XLA fusion reads the logits
+        assert f'sampler_top_p_gpu_2_reads_{filtering_gpu.CANDIDATES}_candidates' in calls[0]
+        assert not [line for line in hlo.splitlines() if f"f32[{rows},{vocab}]" in line and " fusion(" in line]
+    else:
+        want = {filtering.SamplingMode.TOP_K: 9, filtering.SamplingMode.TOP_K_TOP_P: 16}
+        assert f'sampler_cut_off_gpu_{want[mode]}_reads' in calls[0]
+        assert filtering_gpu.reads(mode.top_k, mode.top_p) == want[mode]
     assert " while(" not in hlo and not re.search(r"\bconditional\(", hlo)
