@@ -213,40 +213,44 @@ def test_the_gpu_samplers_noise_is_jax_randoms_bit_for_bit():
 
 
 @pytest.mark.codegen_sensitive
-@pytest.mark.parametrize("top_p", [0.9, 0.95, 1e-6, 1.0])
 @pytest.mark.parametrize("vocab, count", [(1000, 11), (4096, 12)])
-def test_the_gpu_top_p_sampler_keeps_the_searchs_set_and_draws_xlas_token(vocab, count, top_p):
-    """``filtering_gpu.sample_top_p`` in the interpreter: its floor is the XLA search's wherever the
-    boundary is decided (every row here), its kept mass within its sums' rounding, and its token the
-    one ``jax.random.categorical`` draws from the row filtered at that floor with the same key. Rows
+def test_the_gpu_top_p_sampler_keeps_the_searchs_set_and_draws_xlas_token(vocab, count):
+    """``filtering_gpu.sample_top_p`` in the interpreter, one call over the rows at top-p 0.9, 0.95,
+    1e-6 and 1 (a knob per row): its floor is the XLA search's wherever the boundary is decided
+    (every row here), its kept mass within its sums' rounding, and its token the one
+    ``jax.random.categorical`` draws from the row filtered at that floor with the same key. Rows
     whose boundary bin fits the scratch take the two-read path, the others (4,096 equal logits: more
     than ``CANDIDATES`` in one bin; top-p 1) the full-row search: both are taken."""
-    logits = jnp.asarray(_rows(vocab, count))
-    keys = jax.random.split(jax.random.key(3), count)
-    run = jax.jit(lambda x, k: filtering_gpu.sample_top_p(x, 1.0, top_p, jax.vmap(jax.random.key_data)(k),
-                                                          interpret=True))
-    top, floor, kept, token, logprob, fast = [np.asarray(a)[:, 0] for a in run(logits, keys)]
+    top_ps = (0.9, 0.95, 1e-6, 1.0)
+    rows = _rows(vocab, count)
+    logits = jnp.asarray(np.concatenate([rows] * len(top_ps)))
+    top_p = jnp.repeat(jnp.asarray(top_ps, jnp.float32), count)
+    keys = jax.random.split(jax.random.key(3), logits.shape[0])
+    run = jax.jit(lambda x, p, k: filtering_gpu.sample_top_p(x, 1.0, p, jax.vmap(jax.random.key_data)(k),
+                                                             interpret=True))
+    top, floor, kept, token, logprob, fast = [np.asarray(a)[:, 0] for a in run(logits, top_p, keys)]
     np.testing.assert_array_equal(top, np.asarray(logits).max(-1))
-    ref_floor, _ = _reference(logits, 0, top_p, filtering.SamplingMode.TOP_P)
-    floor_k = np.ones_like(ref_floor)
-    total, margin = _exact(np.asarray(logits), floor_k, top_p)
-    bound = 2 * gamma(filtering_gpu.summation_depth(vocab) + 1) * total
-    if top_p < 1:
-        assert (margin > bound).all(), "these cases decide every row"
-        assert fast.any() and (vocab <= filtering_gpu.CANDIDATES or not fast.all()), fast  # both, where one can overflow
-    else:
-        assert not fast.any()  # top-p 1 keeps every token: the full-row path
-    np.testing.assert_array_equal(floor, ref_floor[:, 0])
+    depth = filtering_gpu.summation_depth(vocab)
+    for group, p in enumerate(top_ps):
+        part = slice(group * count, (group + 1) * count)
+        ref_floor, _ = _reference(jnp.asarray(rows), 0, p, filtering.SamplingMode.TOP_P)
+        total, margin = _exact(rows, np.ones_like(ref_floor), p)
+        if p < 1:
+            assert (margin > 2 * gamma(depth + 1) * total).all(), "these cases decide every row"
+            assert fast[part].any() and (vocab <= filtering_gpu.CANDIDATES or not fast[part].all()), fast[part]
+        else:
+            assert not fast[part].any()  # top-p 1 keeps every token: the full-row path
+        np.testing.assert_array_equal(floor[part], ref_floor[:, 0], err_msg=f"top-p {p}")
     keys_of = np.asarray(filtering._ordered_key(logits))
     weights = np.exp(np.asarray(logits, np.float64) - np.asarray(logits).max(-1, keepdims=True))
     exact_kept = np.where(keys_of >= floor[:, None], weights, 0.0).sum(-1)
-    assert np.all(np.abs(kept - exact_kept) <= gamma(filtering_gpu.summation_depth(vocab)) * total)
+    assert np.all(np.abs(kept - exact_kept) <= gamma(depth) * weights.sum(-1))
     filtered = jnp.where(jnp.asarray(keys_of) >= jnp.asarray(floor)[:, None], logits, -jnp.inf)
     want = jax.vmap(lambda k, row: jax.random.categorical(k, row[None])[0])(keys, filtered)
     np.testing.assert_array_equal(token, want)
     chosen = np.take_along_axis(np.asarray(logits), token[:, None], -1)[:, 0]
     want_logprob = np.minimum(chosen - top - np.log(exact_kept), 0)
-    assert np.all(np.abs(logprob - want_logprob) <= 2 * gamma(filtering_gpu.summation_depth(vocab))
+    assert np.all(np.abs(logprob - want_logprob) <= 2 * gamma(depth)
                   + 2 * np.spacing(np.maximum(np.abs(want_logprob), 1).astype(np.float32)))
 
 
