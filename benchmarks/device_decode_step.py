@@ -15,6 +15,10 @@ T = 1, the protocol's real stop-string table over the Qwen2 vocabulary):
   ``slots.DECODE_COMPILER_OPTIONS`` (K kept whole in the GEMMs, chosen on compile-only bytes): XLA:GPU
   free to split K as its autotuner likes, so the run says which is faster on the device.
 
+Random weights give near-flat logits, so the top-p sampler (``sampling/filtering_gpu.sample_top_p``)
+takes its full-row path on every row here: these steps time its worst case (a trained model's rows
+take its two-read path; docs/performance.md).
+
 Both rollout policies decode on this one engine (``rollout.engine="waves"`` is its turn-synchronous
 policy: ``rollout/engine.py``), so there is no other session to compare: the dense-cache
 ``DecodeSession`` the waves ran on is gone.

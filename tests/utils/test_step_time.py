@@ -13,6 +13,7 @@ from llds_jax.models.testing import tiny_config
 from llds_jax.plan.step_time import (
     ENGINE_LAUNCHES,
     LAUNCH_S,
+    RANDOM_WEIGHTS_GPU_SAMPLER_READS,
     SAMPLER_ROW_READS,
     predict_step_time,
     step_lengths,
@@ -138,6 +139,26 @@ def test_the_sampler_reads_are_the_platforms_count():
     assert steps["gpu"].details["decode_bytes"] - steps["tpu"].details["decode_bytes"] == pytest.approx(more / 2)
     for platform, step in steps.items():
         assert step.assumptions["sampler"].startswith(f"{SAMPLER_ROW_READS[platform][0]} reads")
+
+
+def test_random_weights_pay_the_gpu_samplers_fallback():
+    """A ``random:`` model (the device check's) has near-flat logits, so the GPU top-p sampler takes its
+    full-row path for every row: its decode bytes carry those reads, a trained model's the fast path's."""
+    config = base_config()
+    config.rollout.max_turns, config.train.prompts_per_step, config.rollout.n_samples = 1, 2, 2
+    cfg, peak = tiny_config("qwen2", dtype="bfloat16"), flops.Peak(1e12, 1e11, "test")
+    lengths = [_t(10, [5, 2], [4]), _t(10, [3, 6], [4])]
+
+    def step(source):
+        config.model.source = source
+        return predict_step_time(config, cfg, platform="gpu", peak=peak, devices=2, hosts=1, rows_per_wave=4,
+                                 train_rows=4, train_length=64, scored_per_row=16, state_bytes=8e9, lengths=lengths)
+
+    trained, random = step("smollm2"), step("random:Qwen2.5-0.5B")
+    s = trained.schedule
+    more = (RANDOM_WEIGHTS_GPU_SAMPLER_READS[0] - SAMPLER_ROW_READS["gpu"][0]) * cfg.vocab_size * 4 * s.decode_steps * s.slots
+    assert random.details["decode_bytes"] - trained.details["decode_bytes"] == pytest.approx(more / 2)
+    assert random.assumptions["sampler"].startswith(f"{RANDOM_WEIGHTS_GPU_SAMPLER_READS[0]} reads")
 
 
 def test_both_policies_carry_the_engines_launches_and_the_override_wins():
