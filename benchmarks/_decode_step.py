@@ -333,7 +333,7 @@ _COST_ESTIMATE = re.compile(r'cost_estimate\\?"\s*:\s*\{[^}]*?bytes_accessed\\?"
 
 # the GPU sampler kernels (sampling/filtering_gpu.py) name the reads of their logits operand they make
 # (Pallas Triton drops the CostEstimate), the top-p sampler also its candidate scratch; knobs and
-# results: a few [rows] columns (six fp32 for the cut-off search, eleven 4-byte ones for the sampler)
+# results: a few [rows] columns (six fp32 for the cut-off search, SAMPLER_COLUMNS 4-byte ones for the sampler)
 _GPU_SAMPLER = re.compile(r'name = \\?"sampler_(?:cut_off|top_p)_gpu_(\d+)_reads(?:_(\d+)_candidates)?')
 
 
@@ -354,7 +354,8 @@ def _call_bytes(reader: Reader, computation: str, name: str, platform: str, deco
         from llds_jax.sampling import filtering_gpu  # noqa: PLC0415
 
         assert int(named[2]) == filtering_gpu.CANDIDATES, named[0]  # the scratch this checkout's kernel declares
-        return (float(int(named[1]) * logits.bytes + 11 * rows * 4 + rows * filtering_gpu.sampler_scratch_bytes(logits.dims[1])),
+        return (float(int(named[1]) * logits.bytes + filtering_gpu.SAMPLER_COLUMNS * rows * 4
+                       + rows * filtering_gpu.sampler_scratch_bytes(logits.dims[1])),
                 "pallas sampler reads")
     if (declared := _declared_kernel_cost(platform, op.name, op.attrs)) is not None:
         c = decoder_cfg

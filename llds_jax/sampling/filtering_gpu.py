@@ -58,6 +58,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from llds_jax.sampling.filtering import _ordered_key
 from llds_jax.sampling.filtering_tpu import batched_rows
 
 BLOCK = 1024   # logits a loop step loads (a power of two, as Triton needs)
@@ -245,6 +246,7 @@ BIN_WIDTH = 1.0      # nats: the boundary bin's width, so the tokens the second 
 CANDIDATES = 2048    # slots for the boundary bin's tokens a row (scratch); a fuller bin takes the full-row path
 FAST_READS = 2
 SAMPLER_NAME = "sampler_top_p_gpu"
+SAMPLER_COLUMNS = 4 + 6  # [rows] 4-byte columns: inv_t, top_p, the key's two words in; six results out
 
 
 def sample_top_p(logits: jax.Array, inv_temperature, top_p, key_data: jax.Array, *, interpret: bool = False
@@ -319,12 +321,6 @@ def _gumbel_at(k1, k2, index):
     tiny = np.float32(np.finfo(np.float32).tiny)
     uniform = jnp.maximum(tiny, floats * (np.float32(1.0) - tiny) + tiny)
     return -jnp.log(-jnp.log(uniform))
-
-
-def _ordered(x):
-    """:func:`filtering._ordered_key` of a float scalar (uint32, -0.0 as +0.0)."""
-    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
-    return jnp.where(bits >> np.uint32(31) == 1, ~bits, bits | np.uint32(_SIGN))
 
 
 def _draw(keep, x, index, k1, k2, best):
@@ -407,28 +403,27 @@ def _sampler_kernel(x_ref, inv_t_ref, top_p_ref, k1_ref, k2_ref, top_out, floor_
     fast = (first < BINS) & (count <= CANDIDATES) & (p < 1.0) & (above < needed) & (above + inside >= needed)
 
     def candidates(c):
-        slot = c * BLOCK + jnp.arange(BLOCK)
-        valid = slot < count
+        valid = c * BLOCK + jnp.arange(BLOCK) < count
         x = plgpu.load(values_ref.at[pl.ds(c * BLOCK, BLOCK)], mask=valid, other=-jnp.inf)
-        return x, valid, slot
+        return x, valid
 
     def from_scratch():
         chunks = (count + BLOCK - 1) // BLOCK
 
         def masses(cuts, top):  # the mass above the bin plus the bin's tokens strictly above each cut-off
             def step(c, acc):
-                x, _, _ = candidates(c)
+                x, _ = candidates(c)
                 weights = jnp.exp(x - safe_top)
                 return acc + jnp.sum(jnp.where(_signed_key(x)[None, :] > cuts[:, None], weights[None, :], 0.0), axis=1)
             return above + jax.lax.fori_loop(0, chunks, step, jnp.zeros((WAYS,), jnp.float32)), top
 
-        hi = jnp.where(first == 0, _EVERYTHING, _ordered(hi_edge))
-        last, kept, _, _ = _search(masses, lambda stat, total: stat >= p * total, _ordered(lo_edge) - 1, hi, top,
+        hi = jnp.where(first == 0, _EVERYTHING, _ordered_key(hi_edge))
+        last, kept, _, _ = _search(masses, lambda stat, total: stat >= p * total, _ordered_key(lo_edge) - 1, hi, top,
                                    total)
         floor = last + 1
 
         def draw(c, best):
-            x, valid, slot = candidates(c)
+            x, valid = candidates(c)
             index = plgpu.load(indices_ref.at[pl.ds(c * BLOCK, BLOCK)], mask=valid, other=0)
             keep = valid & (_signed_key(x) >= _signed(floor))
             return _draw(keep, x, index, k1, k2, best)  # the bin's tokens follow the ones above in value only

@@ -66,11 +66,12 @@ def test_the_tpu_step_prices_the_pallas_kernel_and_the_gpu_step_its_pool_reads_a
     rows, vocab = tpu["rows"], 256  # the tiny qwen2's vocabulary (see the ideal's test)
     assert tpu["bytes_detail"]["custom_calls"]["pallas cost_estimate"] == rows * vocab * 4 + 6 * rows * 128 * 4
     # H100: the Triton top-p sampler (sampling/filtering_gpu.py), the reads its name states: its fast
-    # path's 2 over the logits, eleven [rows] 4-byte columns (knobs in, results out) and its candidate scratch
-    from llds_jax.sampling.filtering_gpu import FAST_READS, sampler_scratch_bytes
+    # path's 2 over the logits, its [rows] 4-byte columns (knobs in, results out) and its candidate scratch
+    from llds_jax.sampling.filtering_gpu import FAST_READS, SAMPLER_COLUMNS, sampler_scratch_bytes
 
     assert gpu["bytes_detail"]["custom_calls"]["pallas sampler reads"] == (
-        FAST_READS * gpu["rows"] * vocab * 4 + 11 * gpu["rows"] * 4 + gpu["rows"] * sampler_scratch_bytes(vocab))
+        FAST_READS * gpu["rows"] * vocab * 4 + SAMPLER_COLUMNS * gpu["rows"] * 4
+        + gpu["rows"] * sampler_scratch_bytes(vocab))
     detail = gpu["bytes_detail"]
     assert detail["xla_body_once"] + detail["loop_trips_added"] + detail["charged_not_run"] + sum(
         detail["custom_calls"].values()) == gpu["bytes"]
