@@ -58,7 +58,6 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from llds_jax.sampling.filtering import _ordered_key
 from llds_jax.sampling.filtering_tpu import batched_rows
 
 BLOCK = 1024   # logits a loop step loads (a power of two, as Triton needs)
@@ -131,6 +130,11 @@ def _signed_key(x):
 
 def _signed(ordered):
     return jax.lax.bitcast_convert_type(ordered ^ jnp.uint32(_SIGN), jnp.int32)
+
+
+def _ordered(x):
+    """``filtering._ordered_key(x)``: :func:`_signed_key`'s order as uint32 (the inverse of :func:`_signed`)."""
+    return jax.lax.bitcast_convert_type(_signed_key(x), jnp.uint32) ^ np.uint32(_SIGN)
 
 
 def _pick(values, index):
@@ -417,8 +421,8 @@ def _sampler_kernel(x_ref, inv_t_ref, top_p_ref, k1_ref, k2_ref, top_out, floor_
                 return acc + jnp.sum(jnp.where(_signed_key(x)[None, :] > cuts[:, None], weights[None, :], 0.0), axis=1)
             return above + jax.lax.fori_loop(0, chunks, step, jnp.zeros((WAYS,), jnp.float32)), top
 
-        hi = jnp.where(first == 0, _EVERYTHING, _ordered_key(hi_edge))
-        last, kept, _, _ = _search(masses, lambda stat, total: stat >= p * total, _ordered_key(lo_edge) - 1, hi, top,
+        hi = jnp.where(first == 0, _EVERYTHING, _ordered(hi_edge))
+        last, kept, _, _ = _search(masses, lambda stat, total: stat >= p * total, _ordered(lo_edge) - 1, hi, top,
                                    total)
         floor = last + 1
 
