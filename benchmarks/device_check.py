@@ -16,7 +16,8 @@ held by one process at a time); this orchestrating process never starts a JAX ba
 3. ``decode`` — one decode step of the rollout at the job's shape (``benchmarks/device_decode_step.py``:
    the slot engine with the backend's decode kernel and with the XLA key-block loop; the waves run
    this same engine, ``rollout.engine="waves"``), ms a step against its bytes bound, with a profile
-   of the top kernels.
+   of the top kernels; its logits at a trained model's spread (the top-p sampler's two-read path) and,
+   ``paged_kernel_flat_logits``, at the random init's (its full-row fallback on every row).
 4. ``passes`` (``--with-passes``) — π_old + π_ref, the update and the Δ forward alone on a
    rollout-shaped batch, timed after their compile (the steady state the step's first, compiling
    step hides).
@@ -215,7 +216,7 @@ def run_decode(out: Path, tokenizer: str, dry_run: bool) -> dict:
     command = [sys.executable, str(REPO / "benchmarks" / "device_decode_step.py"), f"--out={out / 'decode'}",
                f"--tokenizer={tokenizer}", "--profile", "--trace-dir=/tmp/device_check_traces",
                # the dry run pins the wiring on one variant (the CPU compiles each path's programs anew)
-               "--variants=" + ("paged_kernel" if dry_run else "paged_kernel,paged_kernel@8,paged_kernel_split_k,paged_xla"),
+               "--variants=" + ("paged_kernel" if dry_run else "paged_kernel,paged_kernel@8,paged_kernel_split_k,paged_xla,paged_kernel_flat_logits"),
                *(["--dry-run"] if dry_run else [])]
     subprocess.run(command, cwd=REPO, check=True)
     result = json.loads((out / "decode" / "decode_step.json").read_text())

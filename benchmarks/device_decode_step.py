@@ -1,6 +1,6 @@
 """One decode step of the rollout, timed and profiled on a device: the engine's attention paths side by side.
 
-    python benchmarks/device_decode_step.py --out OUT                 # on the GPU (≈ 3 min on one H200)
+    python benchmarks/device_decode_step.py --out OUT                 # on the GPU (≈ 4 min on one H200)
     python benchmarks/device_decode_step.py --dry-run --out OUT       # CPU, tiny model: wiring only
 
 What it times, at the device check's shape (Qwen2.5-0.5B shapes, random bf16 weights, 320 rows whose
@@ -15,9 +15,13 @@ T = 1, the protocol's real stop-string table over the Qwen2 vocabulary):
   ``slots.DECODE_COMPILER_OPTIONS`` (K kept whole in the GEMMs, chosen on compile-only bytes): XLA:GPU
   free to split K as its autotuner likes, so the run says which is faster on the device.
 
-Random weights give near-flat logits, so the top-p sampler (``sampling/filtering_gpu.sample_top_p``)
-takes its full-row path on every row here: these steps time its worst case (a trained model's rows
-take its two-read path; docs/performance.md).
+* ``paged_kernel_flat_logits`` — ``paged_kernel`` at the random init's own logits (``--logit-std 0``).
+
+The random weights' final norm is scaled so every logit row spreads ``--logit-std`` nats (default
+``plan.step_time.TRAINED_LIKE_LOGIT_STD``, ``model.random_logit_std``): there the top-p sampler
+(``sampling/filtering_gpu.sample_top_p``) takes its two-read path on nearly every row, as on a trained
+model's logits. The init's own spread (0.6 nats) is near-flat: every row's boundary bin overflows and
+takes the full-row search and draw, the sampler's worst case, which ``paged_kernel_flat_logits`` times.
 
 Both rollout policies decode on this one engine (``rollout.engine="waves"`` is its turn-synchronous
 policy: ``rollout/engine.py``), so there is no other session to compare: the dense-cache
@@ -48,7 +52,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-VARIANTS = ("paged_xla", "paged_kernel", "paged_kernel_split_k")
+VARIANTS = ("paged_xla", "paged_kernel", "paged_kernel_split_k", "paged_kernel_flat_logits")
 
 
 def live_lengths(rows: int, cap: int) -> list[int]:
@@ -116,10 +120,13 @@ def decoder_config(args, attention: str = "auto"):
 
 
 def build(variant: str, args):
-    """``variant``'s model: random weights; ``paged_xla`` forces the XLA attention loop."""
+    """``variant``'s model: random weights whose logits spread ``--logit-std`` nats (the init's own for
+    ``paged_kernel_flat_logits``); ``paged_xla`` forces the XLA attention loop."""
     from llds_jax.models.loading import random_model
 
-    return random_model(decoder_config(args, "xla_blockwise" if variant == "paged_xla" else "auto"), None, seed=0)
+    logit_std = 0.0 if variant == "paged_kernel_flat_logits" else args.logit_std
+    return random_model(decoder_config(args, "xla_blockwise" if variant == "paged_xla" else "auto"), None, seed=0,
+                        logit_std=logit_std)
 
 
 def run_variant(name: str, args, lengths: list[int], sampling, out: Path, label: str = "") -> dict:
@@ -206,7 +213,15 @@ def main() -> int:
     parser.add_argument("--tokenizer", default="", help="Qwen2 tokenizer dir: the protocol's real stop table")
     parser.add_argument("--dry-run", action="store_true", help="tiny model, few rows, on whatever backend")
     parser.add_argument("--vocab", type=int, default=512, help="--dry-run's vocabulary")
+    parser.add_argument("--logit-std", type=float, default=None,
+                        help="nats the random logits spread (default plan.step_time.TRAINED_LIKE_LOGIT_STD; 0: the init's)")
     args = parser.parse_args()
+    if args.logit_std is None:
+        from llds_jax.plan.step_time import TRAINED_LIKE_LOGIT_STD
+
+        args.logit_std = TRAINED_LIKE_LOGIT_STD
+    if not 0 <= args.logit_std < float("inf"):
+        parser.error(f"--logit-std {args.logit_std}: expected a finite number >= 0")
     if args.dry_run:
         args.rows, args.slots, args.steps, args.calls = min(args.rows, 4), min(args.slots, 512), min(args.steps, 8), 2
     out = Path(args.out)
@@ -244,7 +259,8 @@ def main() -> int:
     bandwidth = copy_bandwidth(jax, jnp, 64 << 20 if args.dry_run else 4 << 30)
     header = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
               "model": "tiny:qwen2" if args.dry_run else args.model, "rows": args.rows, "slots": args.slots,
-              "steps_per_call": args.steps, "mean_live_tokens": round(float(np.mean(lengths)), 1),
+              "steps_per_call": args.steps, "logit_std": args.logit_std,
+              "mean_live_tokens": round(float(np.mean(lengths)), 1),
               "weight_bytes": weights, "live_kv_bytes_mid": live_kv,
               "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
               "bytes_bound_ms": round(1e3 * (weights + live_kv) / bandwidth, 3)}

@@ -7,7 +7,9 @@ Qwen2.5-0.5B's shapes with random weights (``model.source="random:Qwen2.5-0.5B"`
 download), the paper's step structure and caps (SPEC §4: max_turns 3, 500-token actions and
 observations, max_context 4,096, top-p 0.95 at T = 1, π_ref in bf16, full remat, LLDS λ 0.1 with the
 A-gate) at 64 prompts × 5 samples, BM25 over the bundled corpus. A random policy never closes a tag,
-so every action runs to its 500-token cap: the rollout's worst case. ``dry_run`` keeps the
+so every action runs to its 500-token cap: the rollout's worst case. Its logits are scaled to a trained
+model's spread (``model.random_logit_std``, 5 nats), so the top-p sampler takes the path the paper's
+job takes, not the full-row fallback the init's near-flat rows force on every row. ``dry_run`` keeps the
 structure at a size a 2-core CPU runs in a minute (the test suite runs it so the check cannot rot).
 """
 
@@ -18,9 +20,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _paper import paper_config  # noqa: E402
 
+from llds_jax.plan.step_time import TRAINED_LIKE_LOGIT_STD  # noqa: E402
+
 
 def get_config(variant: str = ""):
     c = paper_config("random:Qwen2.5-0.5B", mesh_shape=(-1, 1, 1), micro_batch_size=16, logprob_batch_size=64)
+    c.model.random_logit_std = TRAINED_LIKE_LOGIT_STD
     c.workdir = "runs/device_check"
     c.data.train = ("bundled:nq_train", "bundled:hotpotqa_train")
     c.retrieval.method = "bm25"
@@ -36,6 +41,7 @@ def get_config(variant: str = ""):
     c.eval.data = ""
     if variant == "dry_run":
         c.model.source = "tiny:qwen2"
+        c.model.random_logit_std = 0.0  # random: sources only
         c.model.dtype = "float32"
         c.model.ref_dtype = "float32"
         c.train.total_steps = 2

@@ -64,6 +64,9 @@ def base_config() -> ml_collections.ConfigDict:
         scan_layers=True,      # one scanned block (compiles once per program) or the layers unrolled (models/config.py)
         attention="auto",      # auto (splash on TPU, cuDNN on GPU, blockwise XLA elsewhere) | xla_blockwise | splash | cudnn | naive
         logprob_chunk_size=128,  # positions per chunk of the vocab projection (never [B,T,V] fp32)
+        # random:<name> only: the final norm scaled so the initial logits spread this many nats (std over the
+        # vocabulary), a trained model's peaked rows; 0 = the init's own (≈ 0.6 at Qwen's widths: near-flat rows)
+        random_logit_std=0.0,
     ))
     c.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1, 1)))  # (data, fsdp, tensor)
     c.data = ml_collections.ConfigDict(dict(
@@ -204,6 +207,12 @@ def _check_model(config) -> None:
     if m.attention not in ATTENTION_BACKENDS:
         raise TrainConfigError(f"model.attention={m.attention!r}: expected one of {ATTENTION_BACKENDS}")
     _positive(config, "model.logprob_chunk_size")
+    std = m.random_logit_std
+    if not isinstance(std, (int, float)) or isinstance(std, bool) or not 0 <= std < float("inf"):
+        raise TrainConfigError(f"model.random_logit_std={std!r}: expected a finite number >= 0")
+    if std and not m.source.startswith("random:"):
+        raise TrainConfigError(f"model.random_logit_std={std!r} scales random weights only; model.source={m.source!r} "
+                               "is not 'random:<name>' (set it to 0)")
 
 
 def _check_mesh(config) -> None:

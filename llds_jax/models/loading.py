@@ -123,8 +123,8 @@ def load_model_and_tokenizer(model_cfg, mesh=None):
             return shard_model(model, mesh), tokenizer
     if source.startswith("random:"):
         model_seed = int(model_cfg.get("seed", 0))
-        return random_model(decoder_config(model_cfg, _platform(mesh)), mesh, seed=model_seed), \
-            load_tokenizer(model_cfg)
+        return random_model(decoder_config(model_cfg, _platform(mesh)), mesh, seed=model_seed,
+                            logit_std=float(model_cfg.random_logit_std)), load_tokenizer(model_cfg)
     path = resolve_model_path(source)
     # from_pretrained's dtype sets both dtypes; the param_dtype/remat overrides then win.
     if mesh is None:
@@ -175,21 +175,34 @@ def known_config(name: str, **overrides) -> DecoderConfig:
     raise KeyError(name)
 
 
-def random_model(config: DecoderConfig, mesh=None, seed: int = 0):
+def random_model(config: DecoderConfig, mesh=None, seed: int = 0, logit_std: float = 0.0):
     """A ``Decoder`` with random weights (N(0, 0.02), norms 1), made where it will live.
 
     One jitted initialiser whose outputs carry the rules-table shardings: each device draws its
     own shards, so a 7B model never passes through host memory (the tiny models of the tests use
     numpy instead, ``models.testing``).
+
+    ``logit_std > 0`` (``model.random_logit_std``) scales the final norm so every logit row spreads
+    that many nats: the normed hidden state has RMS 1 and the output table's entries are
+    N(0, INIT_STD²), so a row's logits are N(0, (INIT_STD · scale)² · D) over the vocabulary. The
+    init's own spread (0.6 nats at Qwen2.5-0.5B's D = 896) puts the top-p 0.95 nucleus at ≈ 85 % of
+    the vocabulary, a worst case no trained policy shows; at 5 nats random:Qwen2.5-0.5B's boundary
+    bin holds a median 108 tokens (``plan.step_time.TRAINED_LIKE_LOGIT_STD``), so a timing run's
+    sampler takes the path a trained model's does.
     """
+    import math
+
     import jax
     from flax import nnx
 
-    from llds_jax.models.decoder import Decoder
+    from llds_jax.models.decoder import INIT_STD, Decoder
     from llds_jax.parallel.rules import current_rules
 
     def make():
-        return nnx.split(Decoder(config, rngs=nnx.Rngs(seed)))
+        model = Decoder(config, rngs=nnx.Rngs(seed))
+        if logit_std:
+            model.final_norm[...] = model.final_norm[...] * (logit_std / (INIT_STD * math.sqrt(config.hidden_size)))
+        return nnx.split(model)
 
     graphdef, abstract = jax.eval_shape(make)[0], jax.eval_shape(lambda: make()[1])
     if mesh is None:

@@ -89,12 +89,17 @@ SAMPLER_ROW_READS = {
                "(XLA:TPU kept its keys and weights in VMEM at 40 rows): 5 (XLA's cost analysis: 64)"),
     "cpu": (23, "not measured on XLA:CPU (its own bisection): the XLA search's count on an H100 (9a28e06) assumed"),
 }
-# The GPU top-p sampler's fallback rate is the model's: random weights (model.source "random:...", the device
-# check's) give near-flat logits, the top-p 0.95 nucleus ≈ 129,600 of 151,936 tokens and the boundary's bin 41k–84k
-# (measured on random:Qwen2.5-0.5B's logits, 32 rows), so every row takes the full-row search and draw.
+# The GPU top-p sampler's fallback rate is the model's: random weights at the init's spread (model.source "random:...",
+# model.random_logit_std below TRAINED_LIKE_LOGIT_STD) give near-flat logits, the top-p 0.95 nucleus ≈ 129,600 of
+# 151,936 tokens and the boundary's bin 41k–84k (measured on random:Qwen2.5-0.5B's logits, 32 rows), so every row
+# takes the full-row search and draw.
 RANDOM_WEIGHTS_GPU_SAMPLER_READS = (11.2, "random weights: every row's boundary bin overflows the top-p sampler's "
                                           "scratch (near-flat logits), so 2 reads, the scratch (0.16) and the full-row "
                                           "search and draw's 9")
+# model.random_logit_std at or above which random weights sample like a trained model: at 5 nats a top-p 0.95 row of
+# random:Qwen2.5-0.5B holds a median 174 tokens, its boundary bin a median 108 (p90 294, max 482 of 64 rows; at 4 nats
+# 1,091, max 2,288: 1.6 % overflow), so the sampler takes its fast path as on SmolLM2's real weights.
+TRAINED_LIKE_LOGIT_STD = 5.0
 # Published step times of the paper's job elsewhere (seconds per step), for the table.
 ANCHORS = (
     ("Search-R1 Qwen2.5-3B, 8xH100 (maintainers: 200 steps in 2-3 h)", "36-54 s"),
@@ -285,7 +290,8 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     compute_bytes = 2 if model_cfg.dtype in ("bfloat16", "float16") else 4
     launches_per_layer, launches_per_step = ENGINE_LAUNCHES.get(platform, ENGINE_LAUNCHES["cpu"])
     sampler_reads, sampler_why = SAMPLER_ROW_READS.get(platform, SAMPLER_ROW_READS["cpu"])
-    if platform == "gpu" and str(config.model.source).startswith("random:"):
+    if (platform == "gpu" and str(config.model.source).startswith("random:")
+            and config.model.random_logit_std < TRAINED_LIKE_LOGIT_STD):
         sampler_reads, sampler_why = RANDOM_WEIGHTS_GPU_SAMPLER_READS
     launch_s, launch_why = LAUNCH_S.get(platform, LAUNCH_S["cpu"])
     overhead = (launches_per_layer * model_cfg.num_layers + launches_per_step) * launch_s

@@ -107,3 +107,15 @@ def test_one_mesh_shape_resolver_serves_the_config_and_make_mesh():
     assert mesh_shape(c, 8) == (1, 2, 4)
     with pytest.raises(MeshShapeError, match=re.escape("mesh.shape=(3, -1, 1) does not divide the 8 devices")):
         make_mesh((3, -1, 1))
+
+
+@pytest.mark.parametrize("source, value, message", [
+    (MISSING_MODEL, 5.0, "model.random_logit_std=5.0 scales random weights only"),
+    ("random:Qwen2.5-0.5B", -1.0, "model.random_logit_std=-1.0: expected a finite number >= 0"),
+    ("random:Qwen2.5-0.5B", float("inf"), "model.random_logit_std=inf: expected a finite number >= 0"),
+])
+def test_random_logit_std_is_a_spread_of_random_weights_only(tmp_path, source, value, message):
+    config = config_with("model.random_logit_std", value, tmp_path)
+    config.model.source = source
+    with pytest.raises(InputError, match=re.escape(message)):
+        validate_sections(config)

@@ -145,3 +145,25 @@ def test_config_is_hashable_for_jit_static_use():
 def test_invalid_config_values_are_named(overrides, message):
     with pytest.raises(ValueError, match=message):
         tiny_config("qwen2").replace(**overrides)
+
+
+def test_random_weights_spread_their_logits_by_the_asked_nats():
+    """``model.random_logit_std``: the final norm is the only weight that changes, and every row's logits
+    spread the asked nats over the vocabulary. Given a row's normed hidden state (RMS 1), its logits are
+    V draws of N(0, (INIT_STD · scale)² · D), so a row's sample std is within a few 1/sqrt(2V) of the
+    asked value (6 of them here)."""
+    from llds_jax.models.decoder import INIT_STD
+    from llds_jax.models.loading import random_model
+
+    cfg = tiny_config("qwen2", vocab_size=4096)
+    flat, spread = random_model(cfg, seed=0), random_model(cfg, seed=0, logit_std=5.0)
+    flat_state, spread_state = nnx.to_flat_state(nnx.state(flat)), nnx.to_flat_state(nnx.state(spread))
+    changed = [path for (path, a), (_, b) in zip(flat_state, spread_state, strict=True)
+               if not np.array_equal(np.asarray(a[...]), np.asarray(b[...]))]
+    assert changed == [("final_norm",)]
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 8)), jnp.int32)
+    mask = jnp.ones(ids.shape, bool)
+    bound = 6 / math.sqrt(2 * cfg.vocab_size)
+    for model, std in ((spread, 5.0), (flat, INIT_STD * math.sqrt(cfg.hidden_size))):
+        row_std = np.asarray(model(ids, mask), np.float64).reshape(-1, cfg.vocab_size).std(axis=1)
+        np.testing.assert_array_less(np.abs(row_std / std - 1), bound)

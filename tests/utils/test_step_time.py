@@ -15,6 +15,7 @@ from llds_jax.plan.step_time import (
     LAUNCH_S,
     RANDOM_WEIGHTS_GPU_SAMPLER_READS,
     SAMPLER_ROW_READS,
+    TRAINED_LIKE_LOGIT_STD,
     predict_step_time,
     step_lengths,
     waves_schedule,
@@ -141,9 +142,10 @@ def test_the_sampler_reads_are_the_platforms_count():
         assert step.assumptions["sampler"].startswith(f"{SAMPLER_ROW_READS[platform][0]} reads")
 
 
-def test_random_weights_pay_the_gpu_samplers_fallback():
-    """A ``random:`` model (the device check's) has near-flat logits, so the GPU top-p sampler takes its
-    full-row path for every row: its decode bytes carry those reads, a trained model's the fast path's."""
+def test_random_weights_pay_the_gpu_samplers_fallback_unless_their_logits_spread_like_a_trained_models():
+    """A ``random:`` model at the init's spread has near-flat logits, so the GPU top-p sampler takes its
+    full-row path for every row: its decode bytes carry those reads, a trained model's the fast path's.
+    Scaled to ``TRAINED_LIKE_LOGIT_STD`` (the device check's ``model.random_logit_std``) it pays a trained model's."""
     config = base_config()
     config.rollout.max_turns, config.train.prompts_per_step, config.rollout.n_samples = 1, 2, 2
     cfg, peak = tiny_config("qwen2", dtype="bfloat16"), flops.Peak(1e12, 1e11, "test")
@@ -159,6 +161,10 @@ def test_random_weights_pay_the_gpu_samplers_fallback():
     more = (RANDOM_WEIGHTS_GPU_SAMPLER_READS[0] - SAMPLER_ROW_READS["gpu"][0]) * cfg.vocab_size * 4 * s.decode_steps * s.slots
     assert random.details["decode_bytes"] - trained.details["decode_bytes"] == pytest.approx(more / 2)
     assert random.assumptions["sampler"].startswith(f"{RANDOM_WEIGHTS_GPU_SAMPLER_READS[0]} reads")
+    config.model.random_logit_std = TRAINED_LIKE_LOGIT_STD
+    spread = step("random:Qwen2.5-0.5B")
+    assert spread.details["decode_bytes"] == trained.details["decode_bytes"]
+    assert spread.assumptions["sampler"] == trained.assumptions["sampler"]
 
 
 def test_both_policies_carry_the_engines_launches_and_the_override_wins():
