@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -140,30 +141,63 @@ def job_config(dry_run: bool, tokenizer: str):
     return config
 
 
+def rollout_shaped_lengths(config, length: int, dry_run: bool):
+    """One trajectory as a random policy's rollout makes it at ``config``'s caps: every action runs to its
+    cap, an invalid-action message (40 tokens) after each but the last, all cut at ``length``."""
+    from llds_jax.data.lengths import TrajectoryLengths
+
+    rollout = config.rollout
+    prompt, action, feedback = 150 if not dry_run else 40, int(rollout.max_action_tokens), 40 if not dry_run else 8
+    actions, messages, position = [], [], prompt
+    for k in range(int(rollout.max_turns) + 1):
+        if position >= length:
+            break
+        end = min(position + action, length)
+        actions.append(end - position)
+        position = min(end + (feedback if k < int(rollout.max_turns) else 0), length)
+        if position > end:
+            messages.append(position - end)
+    return TrajectoryLengths(prompt, tuple(actions), tuple(messages), (False,) * len(messages))
+
+
 def rollout_shaped_arrays(config, length: int, dry_run: bool) -> tuple[dict, int]:
-    """The batch a random policy's rollout makes at ``config``'s caps (every action runs to its cap, an
-    invalid-action message after each but the last): host arrays and the real tokens per row."""
+    """The batch of ``rollout_shaped_lengths`` trajectories: host arrays and the real tokens per row."""
     import numpy as np
 
-    rows, rollout = int(config.train.prompts_per_step) * int(config.rollout.n_samples), config.rollout
-    prompt, action, feedback = 150 if not dry_run else 40, int(rollout.max_action_tokens), 40 if not dry_run else 8
+    rows, shape = int(config.train.prompts_per_step) * int(config.rollout.n_samples), \
+        rollout_shaped_lengths(config, length, dry_run)
     rng = np.random.default_rng(0)
     arrays = {name: np.zeros((rows, length), dtype) for name, dtype in
               (("attention_mask", bool), ("action_mask", np.float32), ("answer_mask", np.float32))}
     arrays["input_ids"] = rng.integers(3, 1000, (rows, length)).astype(np.int32)
     arrays["action_index"] = np.full((rows, length), -1, np.int32)
-    position = prompt
-    arrays["attention_mask"][:, :prompt] = True
-    for k in range(int(rollout.max_turns) + 1):
-        end = min(position + action, length)
-        arrays["attention_mask"][:, position:end] = True
-        arrays["action_mask"][:, position:end] = 1
-        arrays["action_index"][:, position:end] = k
-        position = min(end + (feedback if k < int(rollout.max_turns) else 0), length)
-        arrays["attention_mask"][:, end:position] = True
+    arrays["attention_mask"][:, :shape.total] = True
+    position = shape.prompt
+    for k, action in enumerate(shape.actions):
+        arrays["action_mask"][:, position:position + action] = 1
+        arrays["action_index"][:, position:position + action] = k
+        position += action + (shape.feedback[k] if k < len(shape.feedback) else 0)
     arrays.update(num_searches=np.zeros(rows, np.float32), rewards=(rng.random(rows) < 0.3).astype(np.float32),
-                  group_ids=np.repeat(np.arange(rows // int(rollout.n_samples)), int(rollout.n_samples)))
-    return arrays, position
+                  group_ids=np.repeat(np.arange(rows // int(config.rollout.n_samples)), int(config.rollout.n_samples)))
+    return arrays, shape.total
+
+
+def passes_config(dry_run: bool, tokenizer: str, model: str = "", prompts: int = 0):
+    """The job's config, or (``--passes-model``) the same passes at another model's shapes: ``model`` a
+    ``model.source`` (``random:Qwen2.5-3B``: qwen3b's GEMM widths, the second shape a matmul efficiency
+    fitted at the job's is checked on) and ``prompts`` per step (rows = prompts × n_samples in one
+    mini-batch, so a wide model's passes fit a device call)."""
+    config = job_config(dry_run, tokenizer)
+    if model:
+        config.model.source = model
+        config.model.random_logit_std = 0.0  # no sampling here
+    if prompts:
+        config.train.prompts_per_step = prompts
+        rows = prompts * int(config.rollout.n_samples)
+        config.train.mini_batch_size = rows
+        config.train.logprob_batch_size = math.gcd(int(config.train.logprob_batch_size), rows)
+        config.train.samples_per_step = min(int(config.train.samples_per_step), prompts * int(config.rollout.n_samples))
+    return config
 
 
 def job_learner(config):
@@ -177,23 +211,31 @@ def job_learner(config):
     return Learner.create(model, config, mesh)
 
 
-def run_passes(out: Path, tokenizer: str, dry_run: bool, repeats: int | None = None) -> dict:
+def run_passes(out: Path, tokenizer: str, dry_run: bool, repeats: int | None = None, model: str = "",
+               prompts: int = 0) -> dict:
     """π_old + π_ref, the update and the Δ forward of the job, timed after their compile: the median
-    of ``repeats`` calls (default 2; 1 in the dry run, which pins the wiring, not the timings).
+    of ``repeats`` calls (default 2; 1 in the dry run, which pins the wiring, not the timings), beside
+    the step-time model's prediction of the same passes on this chip (``plan.measured.predict_run`` on
+    the batch's own lengths). ``model`` / ``prompts``: :func:`passes_config`.
 
     The batch is ``rollout_shaped_arrays``: the step's training passes without the rollout's compile
     and decode in front of them.
     """
     import jax
 
+    from llds_jax.plan.measured import predict_run
     from llds_jax.train.batch import TrainBatch
     from llds_jax.train.utilisation import peak_memory_bytes
 
     repeats = repeats or (1 if dry_run else 2)
-    config = job_config(dry_run, tokenizer)
+    config = passes_config(dry_run, tokenizer, model, prompts)
     learner = job_learner(config)
     length = learner.seq_len
     arrays, position = rollout_shaped_arrays(config, length, dry_run)
+    hardware = _gpu_hardware()
+    shape = rollout_shaped_lengths(config, length, dry_run)
+    predicted = predict_run(config, [shape] * len(arrays["rewards"]), hardware, "the passes' rollout-shaped batch")
+    predicted = {k: predicted.seconds[k] for k in ("logprobs", "update", "delta")}
     rows = len(arrays["rewards"])
     batch = learner.upload(TrainBatch.from_arrays(arrays, length=length))
     timings = []
@@ -204,7 +246,8 @@ def run_passes(out: Path, tokenizer: str, dry_run: bool, repeats: int | None = N
         timings.append({"logprobs_s": metrics["time/logprobs_s"], "update_s": metrics["time/update_s"],
                         "delta_s": time.perf_counter() - clock, "logprob_passes": extra["logprob_passes"]})
     steady = {key: statistics.median(t[key] for t in timings[1:]) for key in ("logprobs_s", "update_s", "delta_s")}
-    result = {"rows": rows, "length": length, "tokens_per_row": position, "first": timings[0], "steady": steady,
+    result = {"model": str(config.model.source), "rows": rows, "length": length, "tokens_per_row": position,
+              "first": timings[0], "steady": steady, "predicted": predicted, "hardware": hardware or "this CPU",
               "repeats": repeats, "peak_memory_bytes": peak_memory_bytes(), "device": str(jax.devices()[0].device_kind)}
     (out / "passes.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
@@ -329,13 +372,15 @@ def table(result: dict) -> str:
         lines += ["## Decode step: FAILED", "", "```", result["decode_error"][-1500:], "```", ""]
     passes = result.get("passes")
     if passes:
-        lines += [f"## Training passes after their compile ({passes['rows']} rows x {passes['length']} tokens, "
-                  f"{passes['tokens_per_row']} real per row; median of {passes['repeats']})", "",
-                  "| pass | seconds | predicted s | first call (compiles) s |", "|---|---|---|---|"]
-        step = ((result.get("predicted") or {}).get("step_time") or {}).get("step_time_s", {})
-        lines += [f"| {name} | {passes['steady'][key]:.2f} | {_fmt(step.get(phase))} | {passes['first'][key]:.2f} |"
-                  for name, key, phase in (("π_old + π_ref", "logprobs_s", "logprobs"), ("update", "update_s", "update"),
-                                           ("Δ forward", "delta_s", "delta"))]
+        lines += [f"## Training passes after their compile ({passes['model']}, {passes['rows']} rows x "
+                  f"{passes['length']} tokens, {passes['tokens_per_row']} real per row; median of {passes['repeats']})",
+                  "", "| pass | seconds | predicted s | measured / predicted | first call (compiles) s |",
+                  "|---|---|---|---|---|"]
+        for name, key, phase in (("π_old + π_ref", "logprobs_s", "logprobs"), ("update", "update_s", "update"),
+                                 ("Δ forward", "delta_s", "delta")):
+            measured, predicted = passes["steady"][key], passes["predicted"][phase]
+            lines.append(f"| {name} | {measured:.2f} | {_fmt(predicted)} | {_fmt(predicted and measured / predicted)} "
+                         f"| {passes['first'][key]:.2f} |")
         lines += ["", f"peak device memory of the passes: {passes['peak_memory_bytes'] / 1e9:.2f} GB", ""]
     elif "passes_error" in result:
         lines += ["## Training passes: FAILED", "", "```", result["passes_error"][-1500:], "```", ""]
@@ -378,6 +423,9 @@ def main(argv=None) -> int:
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: parity,decode,train")
     parser.add_argument("--with-passes", action="store_true",
                         help="also time the training passes alone after their compile (≈ 2 min more on an H100)")
+    parser.add_argument("--passes-model", default="",
+                        help="the passes at another model.source's shapes (random:Qwen2.5-3B: qwen3b's widths)")
+    parser.add_argument("--passes-prompts", type=int, default=0, help="the passes' prompts per step (0: the job's)")
     args, extra = parser.parse_known_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -388,7 +436,7 @@ def main(argv=None) -> int:
         run_decode(out, args.tokenizer, args.dry_run)
         return 0
     if args.part == "passes":
-        run_passes(out, args.tokenizer, args.dry_run)
+        run_passes(out, args.tokenizer, args.dry_run, model=args.passes_model, prompts=args.passes_prompts)
         return 0
     os.environ["JAX_PLATFORMS"] = "cpu"  # this process only orchestrates and does arithmetic
     if args.dry_run:  # the job as this CPU runs it: one device, whatever device count a caller forced
@@ -411,7 +459,8 @@ def main(argv=None) -> int:
         env.pop("JAX_PLATFORMS") if not args.dry_run else None
         try:
             proc = subprocess.run([sys.executable, __file__, f"--part={part}", f"--out={out}",
-                                   f"--tokenizer={args.tokenizer}", *(["--dry-run"] if args.dry_run else [])],
+                                   f"--tokenizer={args.tokenizer}", *(["--dry-run"] if args.dry_run else []),
+                                   f"--passes-model={args.passes_model}", f"--passes-prompts={args.passes_prompts}"],
                                   cwd=REPO, env=env, capture_output=True, text=True, timeout=args.train_timeout)
             code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired as err:

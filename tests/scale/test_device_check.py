@@ -18,7 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_dry_run_runs_every_part_and_prints_the_table(tmp_path, shared_dir):
+    # the passes at another model's shapes (a second shape for the plan's matmul efficiency), here tiny
     proc = subprocess.run(["bash", "launch/device_check.sh", "--dry-run", "--with-passes", "--out", str(tmp_path),
+                           "--passes-model", "tiny:llama", "--passes-prompts", "2",
                            "--tokenizer", str(shared_dir / "assets" / "qwen2_tokenizer")],
                           cwd=REPO, env=dict(os.environ, XLA_FLAGS=child_xla_flags(8, min_llvm_level=1)),
                           capture_output=True, text=True, timeout=900)
@@ -26,7 +28,9 @@ def test_dry_run_runs_every_part_and_prints_the_table(tmp_path, shared_dir):
     result = json.loads((tmp_path / "device_check.json").read_text())
     fp32 = [r for r in result["parity"]["rows"] if r["dtype"] == "float32"]
     assert fp32 and all(r["max_abs_logprob_diff"] < 1e-4 for r in fp32), result["parity"]
-    assert set(result["passes"]["steady"]) == {"logprobs_s", "update_s", "delta_s"}
+    passes = result["passes"]
+    assert set(passes["steady"]) == {"logprobs_s", "update_s", "delta_s"} and passes["model"] == "tiny:llama"
+    assert passes["rows"] == 2 * 4 and all(passes["predicted"][k] > 0 for k in ("logprobs", "update", "delta"))
     assert result["train"]["exit"] == 0 and result["measured"]["steps"] == 2
     assert result["predicted"]["step_time"]["step_time_s"]["total"] > 0
     assert "packed rows" in result["predicted"]["step_time"]["assumptions"]["training_batch"]  # as the job trains
@@ -38,7 +42,7 @@ def test_dry_run_runs_every_part_and_prints_the_table(tmp_path, shared_dir):
     predicted = result["predicted"]["step_time"]["step_time_s"]
     assert [p for _, _, p, _ in again["rows"]] == [predicted.get(key) for _, _, key in PHASES]
     table = (tmp_path / "device_check.md").read_text()
-    for heading in ("Parity vs transformers", "Training passes after their compile", "measured (median"):
+    for heading in ("Parity vs transformers", "Training passes after their compile (tiny:llama", "measured (median"):
         assert heading in table
 
 
