@@ -339,6 +339,8 @@ _GPU_SAMPLER = re.compile(r'name = \\?"sampler_(?:cut_off|top_p)_gpu_(\d+)_reads
 
 def _call_bytes(reader: Reader, computation: str, name: str, platform: str, decoder_cfg, lengths) -> tuple[float, str]:
     """(bytes, what) of one custom call XLA's analysis does not see; (0, '') when it has no declared cost."""
+    from llds_jax.models import mlp_gpu  # noqa: PLC0415
+
     op = reader.computations[computation][name]
     target = re.search(r'custom_call_target="([^"]+)"', op.attrs)[1]
     if target.startswith("__cublas"):  # a GEMM moves its operands and result (_xla_charges.gemm_call_bytes)
@@ -357,6 +359,9 @@ def _call_bytes(reader: Reader, computation: str, name: str, platform: str, deco
         return (float(int(named[1]) * logits.bytes + filtering_gpu.SAMPLER_COLUMNS * rows * 4
                        + rows * filtering_gpu.sampler_scratch_bytes(logits.dims[1])),
                 "pallas sampler reads")
+    if target == "__gpu$xla.gpu.triton" and mlp_gpu.NAME in op.attrs:  # a GEMM: its operands and result once
+        operands = sum(leaf.bytes for o in op.operands for leaf in reader.leaves_of(computation, o))
+        return float(operands + op.leaves[0].bytes), "pallas gate/up GEMM"
     if (declared := _declared_kernel_cost(platform, op.name, op.attrs)) is not None:
         c = decoder_cfg
         return float(declared(lengths, c.num_kv_heads, c.head_dim, _pool_block(op, reader, computation),

@@ -9,8 +9,9 @@ T = 1, the protocol's real stop-string table over the Qwen2 vocabulary):
 
 * ``paged_xla`` — the slot engine (``SlotSession.decode``) with ``model.attention="xla_blockwise"``:
   the XLA loop over key blocks;
-* ``paged_kernel`` — the slot engine with ``model.attention="auto"``: the backend's decode kernel
-  (``models/attention/decode_gpu.py`` on GPU);
+* ``paged_kernel`` — the slot engine with ``model.attention="auto"``: the backend's decode kernels
+  (on GPU ``models/attention/decode_gpu.py`` and the gate/up kernel ``models/mlp_gpu.py``; ``paged_xla``
+  keeps XLA's GEMMs there too);
 * ``paged_kernel_split_k`` — the same, its decode program compiled without the engine's
   ``slots.DECODE_COMPILER_OPTIONS`` (K kept whole in the GEMMs, chosen on compile-only bytes): XLA:GPU
   free to split K as its autotuner likes, so the run says which is faster on the device.

@@ -184,10 +184,12 @@ class DecoderLayers(nnx.Module):
         return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
 
 
-def _block(config: DecoderConfig, weights: dict[str, jax.Array], x: jax.Array, cos, sin, attend_kv):
+def _block(config: DecoderConfig, weights: dict[str, jax.Array], x: jax.Array, cos, sin, attend_kv,
+           mlp=L.swiglu_mlp):
     """One pre-norm transformer block. ``attend_kv(q, k, v) -> (attention, extra)`` decides
     what the queries read: the chunk's own keys (full-sequence forward) or a KV cache the
-    chunk is written into (cached forward, whose updated cache is ``extra``)."""
+    chunk is written into (cached forward, whose updated cache is ``extra``). ``mlp``: XLA's
+    SwiGLU, or a GPU decode step's kernel (``mlp_gpu.swiglu_mlp``)."""
     dtype = config.compute_dtype
     w = {name: value.astype(dtype) for name, value in weights.items()}
     h = L.rms_norm(x, w["attn_norm"], config.rms_eps)
@@ -206,7 +208,7 @@ def _block(config: DecoderConfig, weights: dict[str, jax.Array], x: jax.Array, c
     x = x + L.project(attn, w["o_proj"], contract=2)
     x = checkpoint_name(constrain(x, ("batch", "seq", "act_embed")), "block_mid")
     h = L.rms_norm(x, w["mlp_norm"], config.rms_eps)
-    x = x + L.swiglu_mlp(h, w["gate_proj"], w["up_proj"], w["down_proj"])
+    x = x + mlp(h, w["gate_proj"], w["up_proj"], w["down_proj"])
     return constrain(x, ("batch", "seq", "act_embed")), extra
 
 
@@ -377,6 +379,12 @@ class Decoder(nnx.Module):
         backend = (resolve_paged_backend if paged else resolve_backend)(self.config.attention, platform)
         if layer_weights is None:
             layer_weights = self.layer_weights()
+        mlp = L.swiglu_mlp
+        if paged and backend == "triton" and length == 1:  # a GPU decode step: its MLP kernel too
+            from llds_jax.models import mlp_gpu  # noqa: PLC0415  (Pallas Triton: GPU programs only)
+
+            if mlp_gpu.supported(self.config.hidden_size, self.config.intermediate_size):
+                mlp = functools.partial(mlp_gpu.swiglu_mlp, interpret=platform not in ("gpu", "cuda", "rocm"))
         x = self.embed_tokens(tokens)
         new_k, new_v = [], []
         # Unrolled, not scanned: each layer's cache is its own buffer, updated in place, and
@@ -391,7 +399,7 @@ class Decoder(nnx.Module):
                     attn, k_all, v_all = attend_cached(q, k, v, cache.k[layer], cache.v[layer], mask, backend)
                 return attn, (k_all, v_all)
 
-            x, (k_layer, v_layer) = _block(self.config, weights, x, cos, sin, attend_cache)
+            x, (k_layer, v_layer) = _block(self.config, weights, x, cos, sin, attend_cache, mlp)
             new_k.append(k_layer)
             new_v.append(v_layer)
         hidden = L.rms_norm(x, self.final_norm[...], self.config.rms_eps)

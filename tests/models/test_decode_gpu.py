@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from llds_jax.models import mlp_gpu
 from llds_jax.models.attention import decode_gpu, paged, resolve_paged_backend
 
 pytestmark = pytest.mark.unit
@@ -161,9 +162,10 @@ def test_the_paged_backend_rule():
 
 
 def test_the_decoder_through_the_kernel_decodes_what_it_decodes_through_the_xla_loop(monkeypatch):
-    """A tiny decoder's paged decode on two device pools, the GPU kernel forced (interpreted here):
-    prefill (the XLA path either way), then one-token steps, a row idle for some; the logits match
-    the XLA loop's and the pools are written identically (the same scatter)."""
+    """A tiny decoder's paged decode on two device pools, the GPU kernels forced (interpreted here):
+    prefill (the XLA path either way), then one-token steps, a row idle for some, each layer's
+    attention and gate/up through the kernels; the logits match the XLA path's and the pools are
+    written identically (the same scatter)."""
     from flax import nnx
 
     from llds_jax.models import PagedKVCache, decoder, init_paged_pools
@@ -199,13 +201,25 @@ def test_the_decoder_through_the_kernel_decodes_what_it_decodes_through_the_xla_
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(decode_gpu, "paged_decode_attention", counted)
+    mlp_calls = []
+    mlp_kernel = mlp_gpu.gate_up_silu
+
+    def mlp_counted(*args, **kwargs):
+        mlp_calls.append(args[0].shape)
+        return mlp_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(mlp_gpu, "gate_up_silu", mlp_counted)
     kernel_logits, kernel_cache = jax.jit(lambda: run())()
     assert len(calls) == 3 * model.config.num_layers, f"the kernel ran {len(calls)} times"
+    assert mlp_calls == [(4, model.config.hidden_size)] * (3 * model.config.num_layers), mlp_calls  # decode steps only
     scale = float(jnp.max(jnp.abs(xla_logits)))
     diff = float(jnp.max(jnp.abs(kernel_logits - xla_logits)))
     assert diff <= _tolerance(jnp.float32, scale, 18) * max(scale, 1.0), f"logits differ by {diff}"
     for ours, theirs in zip(jax.tree.leaves(kernel_cache), jax.tree.leaves(xla_cache), strict=True):
         np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-5 * max(scale, 1.0), rtol=0)
+
+
+MLP_WIDTH = 192  # the compiled decoder's F: XLA's merged gate|up GEMM writes [64, 2F]
 
 
 def _gpu_decode_hlo(attention: str) -> str:
@@ -219,7 +233,8 @@ def _gpu_decode_hlo(attention: str) -> str:
     from llds_jax.plan.targets import gpu_target
 
     mesh = make_mesh((1, 1, 1), [gpu_target("h100", 1, 1).devices[0]])
-    model = tiny_model("qwen2", num_heads=14, num_kv_heads=2, head_dim=64, hidden_size=128, attention=attention)
+    model = tiny_model("qwen2", num_heads=14, num_kv_heads=2, head_dim=64, hidden_size=128, intermediate_size=MLP_WIDTH,
+                       attention=attention)
     graphdef, state = nnx.split(model)
     batch, columns, block = 64, 8, 128
     k, v = init_paged_pools(model.config, 1, batch * columns, block, jnp.bfloat16)
@@ -246,15 +261,18 @@ def _target_missing() -> str:
 def test_xla_gpu_runs_one_triton_kernel_per_layer_and_no_host_driven_loop():
     hlo = _gpu_decode_hlo("auto")
     kernels = re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"', hlo)
-    assert len(kernels) == 2, f"{len(kernels)} Triton kernels for 2 layers"
-    assert "paged_decode_attention_gpu" in hlo
+    assert len(kernels) == 4, f"{len(kernels)} Triton kernels for 2 layers (attention and gate/up each)"
+    assert "paged_decode_attention_gpu" in hlo and mlp_gpu.NAME in hlo
+    assert f"[64,{2 * MLP_WIDTH}]" not in hlo, "XLA's gate|up GEMM beside the kernel"
     for line in hlo.splitlines():  # every while left runs a constant number of times
         if re.search(r"= .* while\(", line):
             assert '"known_trip_count"' in line, line.strip()[:200]
     assert not re.search(r"\bconditional\(", hlo)
     # model.attention="xla_blockwise" keeps the XLA loop: a while whose trip count the host decides
-    loops = [line for line in _gpu_decode_hlo("xla_blockwise").splitlines() if re.search(r"= .* while\(", line)]
+    xla = _gpu_decode_hlo("xla_blockwise")
+    loops = [line for line in xla.splitlines() if re.search(r"= .* while\(", line)]
     assert loops and not all('"known_trip_count"' in line for line in loops)
+    assert f"[64,{2 * MLP_WIDTH}]" in xla and mlp_gpu.NAME not in xla  # and XLA's GEMMs for the MLP
 
 
 def _against_fp64_oracle(model: str, dtype, *, batch: int, columns: int, block: int, splits, interpret: bool):
