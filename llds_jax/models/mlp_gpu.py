@@ -27,6 +27,7 @@ the weights gathered over any other axis as XLA's own GEMM would.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,9 @@ def gate_up_silu(x: jax.Array, gate: jax.Array, up: jax.Array, *, interpret: boo
     if mesh.empty:
         return run(x, gate, up)
     rows_axes, mlp_axes = current_rules().spec(("batch", "mlp"), (rows, intermediate), mesh)
+    names = () if mlp_axes is None else (mlp_axes,) if isinstance(mlp_axes, str) else mlp_axes
+    if (intermediate // math.prod(mesh.shape[name] for name in names)) % BLOCK_N:
+        mlp_axes = None  # a device's share of F would cut a tile: each device computes all of F
     return jax.shard_map(run, mesh=mesh, in_specs=(jax.P(rows_axes, None), jax.P(None, mlp_axes), jax.P(None, mlp_axes)),
                          out_specs=jax.P(rows_axes, mlp_axes), check_vma=False)(x, gate, up)
 

@@ -59,7 +59,7 @@ def test_under_a_mesh_each_device_runs_its_own_rows():
     with jax.set_mesh(mesh):
         placed = jax.device_put(x, jax.NamedSharding(mesh, jax.P(("data", "fsdp"))))
         split = jax.jit(lambda x, g, u: mlp_gpu.gate_up_silu(x, g, u, interpret=True))(placed, gate, up)
-    assert split.sharding.spec[0] is not None  # rows stay split over the devices
+    assert (*split.sharding.spec, None)[0] is not None  # rows stay split over the devices
     bound = 2 * _fp32_sums_error(x64, gate64, up64) + np.finfo(np.float32).tiny  # either side's sums
     np.testing.assert_array_less(np.abs(np.asarray(split, np.float64) - whole), bound)
 
@@ -70,3 +70,20 @@ def test_only_whole_tiles_are_taken():
     x = jnp.zeros((8, 100), jnp.float32)
     with pytest.raises(ValueError, match="multiples of 64"):
         mlp_gpu.gate_up_silu(x, jnp.zeros((100, 128)), jnp.zeros((100, 128)), interpret=True)
+
+
+@pytest.mark.parametrize("intermediate", [256, 192])  # 192 over 4 devices: 48 a device, not whole tiles
+def test_under_a_tensor_axis_each_device_computes_its_share_of_f_or_all_of_it(intermediate):
+    """A mesh of (data 2, tensor 4): F split four ways where a device's share is whole 64-column tiles,
+    else every device computes all of F; either way the single-program result, to the fp32 sums' error."""
+    from llds_jax.parallel.mesh import make_mesh
+
+    (x, gate, up), (x64, gate64, up64) = _inputs(64, 64, intermediate, jnp.float32, seed=2)
+    whole = np.asarray(mlp_gpu.gate_up_silu(x, gate, up, interpret=True))
+    mesh = make_mesh((2, 1, 4))
+    with jax.set_mesh(mesh):
+        split = jax.jit(lambda x, g, u: mlp_gpu.gate_up_silu(x, g, u, interpret=True))(x, gate, up)
+    spec = (*split.sharding.spec, None, None)
+    assert (spec[1] is not None) == (intermediate == 256), split.sharding
+    bound = 2 * _fp32_sums_error(x64, gate64, up64) + np.finfo(np.float32).tiny
+    np.testing.assert_array_less(np.abs(np.asarray(split, np.float64) - whole), bound)
