@@ -51,6 +51,7 @@ def test_the_report_has_every_field_for_each_target_compiler(report):
         groups = target["kernel_groups"]  # where the bytes go: every kernel in one group, largest first
         assert sum(g["kernels"] for g in groups) == target["launches"] and groups[0]["bytes"] >= groups[-1]["bytes"]
     assert report["targets"]["h100-tiny"]["compiler"].startswith("XLA:GPU")
+    assert report["targets"]["h100-tiny"]["bytes_detail"]["custom_calls"]["pallas gate/up GEMM"] > 0  # models/mlp_gpu
     assert report["targets"]["v5e-tiny"]["compiler"].startswith("XLA:TPU")
 
 
