@@ -196,7 +196,7 @@ def passes_config(dry_run: bool, tokenizer: str, model: str = "", prompts: int =
         rows = prompts * int(config.rollout.n_samples)
         config.train.mini_batch_size = rows
         config.train.logprob_batch_size = math.gcd(int(config.train.logprob_batch_size), rows)
-        config.train.samples_per_step = min(int(config.train.samples_per_step), prompts * int(config.rollout.n_samples))
+        config.train.samples_per_step = min(int(config.train.samples_per_step), rows)
     return config
 
 

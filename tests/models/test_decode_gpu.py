@@ -161,6 +161,18 @@ def test_the_paged_backend_rule():
     assert resolve_paged_backend("auto", "cpu") == "xla_blockwise"
 
 
+def _record_calls(monkeypatch, module, name: str) -> list:
+    """``module.name`` wrapped to record its first argument's shape a call; the list it fills."""
+    calls, function = [], getattr(module, name)
+
+    def recorded(*args, **kwargs):
+        calls.append(args[0].shape)
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, recorded)
+    return calls
+
+
 def test_the_decoder_through_the_kernel_decodes_what_it_decodes_through_the_xla_loop(monkeypatch):
     """A tiny decoder's paged decode on two device pools, the GPU kernels forced (interpreted here):
     prefill (the XLA path either way), then one-token steps, a row idle for some, each layer's
@@ -193,22 +205,8 @@ def test_the_decoder_through_the_kernel_decodes_what_it_decodes_through_the_xla_
 
     xla_logits, xla_cache = jax.jit(run)()
     monkeypatch.setattr(decoder, "resolve_paged_backend", lambda *_: "triton")
-    calls = []
-    kernel = decode_gpu.paged_decode_attention
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(decode_gpu, "paged_decode_attention", counted)
-    mlp_calls = []
-    mlp_kernel = mlp_gpu.gate_up_silu
-
-    def mlp_counted(*args, **kwargs):
-        mlp_calls.append(args[0].shape)
-        return mlp_kernel(*args, **kwargs)
-
-    monkeypatch.setattr(mlp_gpu, "gate_up_silu", mlp_counted)
+    calls = _record_calls(monkeypatch, decode_gpu, "paged_decode_attention")
+    mlp_calls = _record_calls(monkeypatch, mlp_gpu, "gate_up_silu")
     kernel_logits, kernel_cache = jax.jit(lambda: run())()
     assert len(calls) == 3 * model.config.num_layers, f"the kernel ran {len(calls)} times"
     assert mlp_calls == [(4, model.config.hidden_size)] * (3 * model.config.num_layers), mlp_calls  # decode steps only
