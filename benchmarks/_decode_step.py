@@ -63,10 +63,11 @@ compares like with like; ``hbm_model.by_opcode`` says where the bytes go.
 ``kernel_groups``: where a token's bytes go, the kernels grouped by what they run, each group's
 operand and result bytes (a custom call's declared bytes), largest first.
 
-``ideal_bytes``: the weights in the compute dtype once (a tied table once; an untied input table
-only its looked-up rows), each row's live k and v over every layer read once, the new token's k
-and v written, and the fp32 logits row written by the step and read by the next one's sampler
-(the step cannot avoid it: the sampler needs the whole row).
+``ideal_bytes`` (issue 57's): the weights in the compute dtype once (a tied table once; an untied
+input table only its looked-up rows), each row's live k and v over every layer read once and the
+new token's k and v written. ``logits_bytes`` beside it: the ``[rows, vocab]`` logits in the dtype
+the step writes them (the compute dtype: ``Decoder.forward_cached``) written once and read once,
+what a sampler that needs the whole row cannot avoid unless the LM head is fused into it.
 """
 
 from __future__ import annotations
@@ -233,7 +234,7 @@ def segment_arguments(target: StepTarget, decoder_cfg, mesh) -> tuple[tuple, dic
     stop_strings = 2  # "</search>", "</answer>": the stop table's strings (stop_strings._STATE_BUCKET states)
     decode = DecodeState(tokens=arr((b, target.width), jnp.int32), logprobs=arr((b, target.width), jnp.float32),
                          lengths=arr((b,), jnp.int32), done=arr((b,), jnp.bool_), finish=arr((b,), jnp.int32),
-                         stop_state=arr((b, stop_strings), jnp.int8), logits=arr((b, c.vocab_size), jnp.float32),
+                         stop_state=arr((b, stop_strings), jnp.int8), logits=arr((b, c.vocab_size), compute),
                          cache=cache, step=arr((), jnp.int32), keys=arr(keys.shape, keys.dtype),
                          drawn=arr((b,), jnp.int32))
     # the rollout's knobs (T 1, top-p 0.95, no top-k): SamplingParams.create gives the engine this static mode
@@ -544,15 +545,19 @@ def _hbm_charges(hlo: str, body: str, declared: set[str]) -> dict:
 
 def ideal_bytes(params, decoder_cfg, lengths: list[int]) -> int:
     """Weights once in the compute dtype (an untied input table: its looked-up rows only), each
-    row's live k and v over every layer, the new token's k and v, the fp32 logits row written and
-    read (see the module docstring)."""
+    row's live k and v over every layer, the new token's k and v (see the module docstring)."""
     c = decoder_cfg
     itemsize = jnp.dtype(c.dtype).itemsize
     weights = sum(math.prod(x.shape) for x in jax.tree.leaves(params)) * itemsize
     if not c.tie_embeddings:
         weights -= (c.vocab_size - len(lengths)) * c.hidden_size * itemsize
     per_slot = 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
-    return int(weights + per_slot * (sum(lengths) + len(lengths)) + 2 * len(lengths) * c.vocab_size * 4)
+    return int(weights + per_slot * (sum(lengths) + len(lengths)))
+
+
+def logits_bytes(decoder_cfg, rows: int) -> int:
+    """The ``[rows, vocab]`` logits in the compute dtype (``Decoder.forward_cached``), written once and read once."""
+    return 2 * rows * decoder_cfg.vocab_size * jnp.dtype(decoder_cfg.dtype).itemsize
 
 
 def decode_program_report(targets: dict[str, StepTarget]) -> dict:
@@ -578,6 +583,7 @@ def decode_program_report(targets: dict[str, StepTarget]) -> dict:
                          lookup, pick)
         params = nnx.state(nnx.eval_shape(lambda c=decoder_cfg: Decoder(c, rngs=nnx.Rngs(0))))
         step["ideal_bytes"] = ideal_bytes(params, decoder_cfg, lengths)
+        step["logits_bytes"] = logits_bytes(decoder_cfg, target.rows)
         step.update(bytes_over_ideal=round(step["bytes"] / step["ideal_bytes"], 3), model=target.model,
                     rows=target.rows, cache_slots_per_row=target.columns * target.block, kv_blocks=target.kv_blocks,
                     block=target.block, segment_steps=target.segment, compiler=compiler, sizing=target.source,
@@ -590,4 +596,5 @@ def decode_program_report(targets: dict[str, StepTarget]) -> dict:
                 "(inside the segment loop's chunk of STOP_CHECK_EVERY tokens)",
         compiler_options=dict(DECODE_COMPILER_OPTIONS),  # the program's own (slots.DECODE_COMPILER_OPTIONS)
         live_lengths=LENGTHS_POINT, sampling="traced knobs in the top-p mode, as the engine runs them (rollout: T 1, top-p 0.95)",
-        ideal="weights once (bf16) + live k,v all layers + new token's k,v + fp32 logits row written and read"))
+        ideal="weights once (bf16) + live k,v all layers + new token's k,v (issue 57's); logits_bytes: the "
+              "[rows, vocab] logits in the compute dtype written once and read once, beside it"))

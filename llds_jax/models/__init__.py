@@ -26,8 +26,8 @@ Model (``Decoder(config, rngs=nnx.Rngs(seed))``; ``model.config``)
         model's embedding [V,D] as stored (vocab_major) or lm_head [D,V];
         logits = layers.unembed(hidden, table, vocab_major=vocab_major).
     model.forward_cached(tokens [B,T], cache, token_mask [B,T]=None, positions=None, *,
-                         all_logits=False) -> (logits fp32 [B,V] at each row's last real
-        token, or [B,T,V] with all_logits; new KVCache)
+                         all_logits=False) -> (logits [B,V] in compute dtype (what the sampler
+        draws from) at each row's last real token, or [B,T,V] with all_logits; new KVCache)
         Writes row b's T tokens at cache slots cache.end[b] ... and attends over valid slots
         at or before each token's slot. One call covers:
           (a) prefill of a left-padded batch: token_mask = attention_mask (pads -> invalid slots);

@@ -284,9 +284,10 @@ class Decoder(nnx.Module):
             self.config.head_dim, self.config.rope_theta, self.config.rope_scaling_dict)
         return L.rope_tables(positions, inv_freq)
 
-    def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
+    def logits_from_hidden(self, hidden: jax.Array, dtype=jnp.float32) -> jax.Array:
+        """The LM head: fp32 accumulators, rounded once to ``dtype`` (fp32 by default)."""
         table, vocab_major = self.output_head()
-        logits = L.unembed(hidden, table, vocab_major=vocab_major, preferred_element_type=jnp.float32)
+        logits = L.unembed(hidden, table, vocab_major=vocab_major, preferred_element_type=dtype)
         return constrain(logits, ("batch", "seq", "act_vocab"))
 
     # -- full-sequence forward ----------------------------------------------------------
@@ -355,8 +356,13 @@ class Decoder(nnx.Module):
         to the count of valid slots before each token, which continues a row's positions
         across appends exactly as the uncached forward numbers them.
 
-        Returns logits fp32 [B, V] at each row's last real token (``all_logits``: [B, T, V])
-        and the new cache. ``layer_weights``: :meth:`layer_weights`, when the caller hoists them.
+        Returns logits [B, V] in the compute dtype at each row's last real token (``all_logits``:
+        [B, T, V]) and the new cache. The compute dtype, not fp32, because these are what the sampler
+        draws from: the ``[rows, vocab]`` array it reads twice a token is, after the weights and the
+        KV cache, a decode step's largest traffic (0.58 of 2.87 GB at Qwen2.5-0.5B × 320 rows in
+        fp32), and a bf16 model's rounded head output is what transformers, vLLM (Search-R1's
+        sampler) and MaxText sample from (docs/decisions.md). Log-probs for the objective come from
+        ``models.logprobs`` (an fp32 head, in chunks). ``layer_weights``: :meth:`layer_weights`, when the caller hoists them.
 
         A :class:`~llds_jax.models.paged_cache.PagedKVCache` (rows without holes, real tokens a
         prefix of each row's chunk) is written and read through its block table
@@ -409,7 +415,8 @@ class Decoder(nnx.Module):
             new_cache = PagedKVCache(k=tuple(new_k), v=tuple(new_v), table=cache.table, end=end)
         else:
             new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid, end=end)
+        dtype = self.config.compute_dtype
         if all_logits:
-            return self.logits_from_hidden(hidden), new_cache
+            return self.logits_from_hidden(hidden, dtype), new_cache
         last_hidden = jnp.take_along_axis(hidden, jnp.maximum(last_real - 1, 0)[:, None, None], axis=1)
-        return self.logits_from_hidden(last_hidden)[:, 0], new_cache
+        return self.logits_from_hidden(last_hidden, dtype)[:, 0], new_cache

@@ -69,33 +69,36 @@ LAUNCH_S = {
                   "(benchmarks/device_decode_step.py measures it on the next lent GPU)"),
     "tpu": (1e-6, "assumed: XLA:TPU runs a program's ops back to back, ~1 µs an op"),
     "cpu": (0.0, "assumed: none")}
-# The sampler's traffic over each sampled row's [vocab] fp32 logits a decode step, in reads of that row, per platform.
+# The sampler's traffic over each sampled row's [vocab] logits a decode step, in passes over that row in the dtype the
+# model writes it (the compute dtype: Decoder.forward_cached), the LM head's write of it included, per platform.
 # The cut-off search is a Pallas kernel on both accelerators (sampling/filtering_tpu.py, filtering_gpu.py).
-# GPU (the paper's top-p mode): the top-p sampler kernel (sampling/filtering_gpu.sample_top_p) searches and draws
-# in 2 reads where the boundary's one-nat bin fits its scratch, plus the scratch (2,048 candidates x 48 B at most:
-# 0.16 of a 151,936-wide row), and a row whose bin overflows 9 more (the full-row search and draw): 0.27 % of rows
-# on real weights (SmolLM2-135M, docs/performance.md), so 2 + 0.16 + 0.0027 x 9 ≈ 2.2. (The engine's frozen-row
+# GPU (the paper's top-p mode): the LM head writes the row, the top-p sampler kernel (filtering_gpu.sample_top_p)
+# searches and draws in 2 reads where the boundary's one-nat bin fits its scratch, and a row whose bin overflows reads
+# 9 more (the full-row search and draw): 0.27 % of rows on real weights (SmolLM2-135M, docs/performance.md), so
+# 1 + 2 + 0.0027 x 9 ≈ 3.02; its candidate scratch (GPU_SAMPLER_SCRATCH_BYTES) apart. (The engine's frozen-row
 # select, 3 more, went at 813c247; picking the sampled logit reads one a row.)
 # TPU: counted in HBM bytes, not XLA's cost analysis, which charges XLA:TPU's prefetches into VMEM as if they
 # were HBM reads (docs/performance.md).
 SAMPLER_ROW_READS = {
-    "gpu": (2.2, "the Triton top-p sampler's 2 reads of the fp32 [rows, V] logits, its candidate scratch at capacity "
-                 "(0.16 of a Qwen row) and the full-row fallback's 9 on the 0.27 % of rows whose boundary bin overflows "
-                 "it (SmolLM2-135M's real weights, 6,400 draws at T 1, top-p 0.95; not yet measured on Qwen)"),
-    "tpu": (4, "the v5e-qwen3b step of bench_rollout.py --decode-program at f0a532e (40 rows; the Pallas cut-off "
-               "kernel), its ops touching fp32 [40, 151,936] beyond the LM head charged their HBM operands and results "
-               "(tools/roofline/_tpu_hbm.Reader.charges): the kernel's read 1, the logits' eviction to HBM and the "
-               "draw's prefetches into VMEM 3 = 4 reads a row (XLA's cost analysis: 19); a1dc3a3's XLA search "
-               "(XLA:TPU kept its keys and weights in VMEM at 40 rows): 5 (XLA's cost analysis: 64)"),
+    "gpu": (3.02, "the LM head's write of the [rows, V] logits, the Triton top-p sampler's 2 reads and the full-row "
+                  "fallback's 9 on the 0.27 % of rows whose boundary bin overflows its scratch (SmolLM2-135M's real "
+                  "weights, 6,400 draws at T 1, top-p 0.95; not yet measured on Qwen)"),
+    "tpu": (3, "the v5e-qwen3b step of bench_rollout.py --decode-program at the commit whose decode logits are bf16 (40 "
+               "rows; the Pallas cut-off kernel), its ops touching [40, 151,936] charged their HBM operands and results "
+               "(tools/roofline/_tpu_hbm.Reader.charges), the LM head's weights apart: its write 1, the draw's prefetch "
+               "into VMEM 1, the kernel's read 1 (fp32 logits at f0a532e: 4, a second prefetch)"),
     "cpu": (23, "not measured on XLA:CPU (its own bisection): the XLA search's count on an H100 (9a28e06) assumed"),
 }
+# The GPU top-p sampler's candidate scratch, bytes a sampled row moves through it at most a decode step.
+GPU_SAMPLER_SCRATCH_BYTES = (2_048 * 48, "the top-p sampler's 2,048 candidates x 48 B at capacity "
+                                         "(sampling/filtering_gpu.sampler_scratch_bytes)")
 # The GPU top-p sampler's fallback rate is the model's: random weights at the init's spread (model.source "random:...",
 # model.random_logit_std below TRAINED_LIKE_LOGIT_STD) give near-flat logits, the top-p 0.95 nucleus ≈ 129,600 of
 # 151,936 tokens and the boundary's bin 41k–84k (measured on random:Qwen2.5-0.5B's logits, 32 rows), so every row
 # takes the full-row search and draw.
-RANDOM_WEIGHTS_GPU_SAMPLER_READS = (11.2, "random weights: every row's boundary bin overflows the top-p sampler's "
-                                          "scratch (near-flat logits), so 2 reads, the scratch (0.16) and the full-row "
-                                          "search and draw's 9")
+RANDOM_WEIGHTS_GPU_SAMPLER_READS = (12.0, "random weights: every row's boundary bin overflows the top-p sampler's "
+                                          "scratch (near-flat logits), so the LM head's write, 2 reads and the "
+                                          "full-row search and draw's 9")
 # model.random_logit_std at or above which random weights sample like a trained model: at 5 nats a top-p 0.95 row of
 # random:Qwen2.5-0.5B holds a median 174 tokens, its boundary bin a median 108 (p90 294, max 482 of 64 rows; at 4 nats
 # 1,091, max 2,288: 1.6 % overflow), so the sampler takes its fast path as on SmolLM2's real weights.
@@ -293,6 +296,8 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     if (platform == "gpu" and str(config.model.source).startswith("random:")
             and config.model.random_logit_std < TRAINED_LIKE_LOGIT_STD):
         sampler_reads, sampler_why = RANDOM_WEIGHTS_GPU_SAMPLER_READS
+    scratch, scratch_why = GPU_SAMPLER_SCRATCH_BYTES if platform == "gpu" else (0, "")
+    sampler_row_bytes = sampler_reads * model_cfg.vocab_size * compute_bytes + scratch
     launch_s, launch_why = LAUNCH_S.get(platform, LAUNCH_S["cpu"])
     overhead = (launches_per_layer * model_cfg.num_layers + launches_per_step) * launch_s
     overhead_why = (f"the engine's step (either policy): {launches_per_layer} x {model_cfg.num_layers} layers + "
@@ -307,7 +312,7 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
         launches: both policies run its one step program); prefill at the matmul rate;
         retrieval on the critical path for the waves (the engine waits only where its steps say so)."""
         read = flops.decode_bytes(model_cfg, sch.decode_steps, sch.key_reads / samplers, compute_bytes, compute_bytes)
-        read += sampler_reads * model_cfg.vocab_size * 4 * sch.decode_steps * sch.slots / samplers
+        read += sampler_row_bytes * sch.decode_steps * sch.slots / samplers
         work = flops.decode_flops(model_cfg, sch.decode_tokens, sch.key_reads) / samplers
         decode = max(read / (peak.bytes_per_s * hbm), work / (peak.flops * matmul)) + overhead * sch.decode_steps
         prefill = (2.0 * model_cfg.num_layers * flops.layer_weights(model_cfg) * sch.prefill_tokens
@@ -393,7 +398,8 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
         "hbm_efficiency": f"{hbm:.2f} of HBM bandwidth (decode): "
                           + ("plan.efficiency_hbm" if section.efficiency_hbm else efficiency["hbm"][1]),
         "decode_step_overhead": f"{overhead * 1e3:.2f} ms per decode step: {overhead_why}",
-        "sampler": f"{sampler_reads} reads of each sampled row's fp32 logits a decode step on {platform}: {sampler_why}",
+        "sampler": f"{sampler_reads} passes over each sampled row's {model_cfg.dtype} logits a decode step on {platform}: "
+                   f"{sampler_why}" + (f"; + {scratch:,} B a row: {scratch_why}" if scratch else ""),
         "retrieval": f"{search['cost'].backend}: {search['cost'].why}; index {search['index'].passages:,} x "
                      f"{search['index'].dim} ({search['index'].source})",
         "checkpoint": f"every train.save_every={save_every} steps the loop waits while the devices copy the "

@@ -82,7 +82,7 @@ class DecodeState:
     lengths: ``[B]`` tokens generated per row (also the next write column).
     done: ``[B]`` frozen rows.  finish: ``[B]`` :class:`FinishReason` of done rows.
     stop_state: ``[B, K]`` int8 stop-string matcher state per row and stop string.
-    logits: ``[B, V]`` fp32 next-token logits.  cache: the paged KV cache.
+    logits: ``[B, V]`` next-token logits (the compute dtype).  cache: the paged KV cache.
     step: scalar, columns written so far.
     keys: ``[B]`` per-row PRNG keys; drawn: ``[B]`` tokens each row drew before this call.
     """
@@ -169,7 +169,7 @@ def token_step(model, layer_weights, sampling: SamplingParams, budget: jax.Array
     calls), advances its stop-string matcher and its length, and finishes on a stop id, a stop
     string or its ``budget``; the token goes through ``forward_cached`` with the done rows masked
     (no cache write). Every row's next-token logits are written, a done row's included: keeping a
-    frozen row's would be a select over the fp32 ``[B, V]`` logits each token, and the engine never
+    frozen row's would be a select over the ``[B, V]`` logits each token, and the engine never
     reads them (a slot's next action always starts right after an append, which sets its logits).
     """
     def one_token(s: DecodeState) -> DecodeState:

@@ -356,11 +356,16 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k, top_p,
                   mode: SamplingMode | None = None) -> tuple[jax.Array, jax.Array]:
     """One token per row and its log-prob under the distribution it came from. ``[B]``, ``[B]``.
 
+    ``logits``: any float dtype; the draw is from their fp32 values (a bf16 model's decode logits
+    arrive in bf16: ``Decoder.forward_cached``).
+
     ``mode`` (static): which filters run, by default the one the knobs need (:func:`resolve_mode`);
     the program holds no conditional whatever the mode.
     """
     mode = resolve_mode(mode, temperature, top_k, top_p)
-    logits = logits.astype(jnp.float32)
+    # ``logits`` as the model wrote them (a bf16 model's in bf16): the kernels upcast as they read,
+    # XLA fuses the upcast into each pass; an upcast copy would be a kernel operand written and read
+    narrow, logits = logits, logits.astype(jnp.float32)
     if mode is SamplingMode.GREEDY:
         return _greedy(logits)
     kernel = _cut_off_kernel() if mode.top_k or mode.top_p else None
@@ -368,12 +373,12 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature, top_k, top_p,
     if key_bits is not None and logits.shape[:-1] == (1,):  # one row per key: its tokens' counters are their indices
         # GPU top-p: search and draw in one kernel, two reads of the row where the boundary's bin fits
         # its scratch (filtering_gpu.sample_top_p); the same token as the draw below for the same floor
-        _, _, _, tokens, logprobs, _ = kernel.sample_top_p(logits, _inverse_temperature(temperature), top_p, key_bits)
+        _, _, _, tokens, logprobs, _ = kernel.sample_top_p(narrow, _inverse_temperature(temperature), top_p, key_bits)
         return tokens[..., 0], logprobs[..., 0]
     scaled = _scale(logits, temperature)
     filtered, kept_mass = scaled, None
     if kernel is not None:  # TPU/GPU: the search in a Pallas kernel (filtering_tpu, filtering_gpu)
-        top, floor, kept_mass = kernel.kept_floor_and_mass(logits, _inverse_temperature(temperature), top_k, top_p,
+        top, floor, kept_mass = kernel.kept_floor_and_mass(narrow, _inverse_temperature(temperature), top_k, top_p,
                                                            top_k_on=mode.top_k, top_p_on=mode.top_p)
         filtered = jnp.where(_signed_key(scaled) >= _signed(floor), scaled, _NEG_INF)
     elif mode.top_k or mode.top_p:

@@ -143,7 +143,8 @@ class SlotSession:
             # before this the engine took 38 s of CPU per rollout against the waves' 27 s)
             self.layer_weights = _layer_weights(self.graphdef, self.params)
             self.k, self.v = self._rows(_new_pools(self.config, devices, self.kv_blocks, self.block_tokens))
-            self.logits = self._rows(jnp.zeros((self.slots, self.config.vocab_size), jnp.float32))
+            # in the compute dtype, as forward_cached writes them (the sampler upcasts as it reads)
+            self.logits = self._rows(jnp.zeros((self.slots, self.config.vocab_size), self.config.compute_dtype))
             self.keys = self._rows(decode_loop.row_keys(self.key, self.trajectory))
             self.state = self._rows(self._fresh_action_state())
         self._keys_stale = False
@@ -417,8 +418,8 @@ def decode_segment(graphdef: nnx.GraphDef, params: nnx.State, layer_weights, sta
     the stop rules, the cached forward over the paged cache.
 
     The next-token logits are written for every row, frozen ones included. Keeping a frozen
-    row's would be a select over the fp32 ``[B, V]`` logits each token (three passes of
-    it: 0.58 GB a token at 320 rows of Qwen's 151,936-word vocabulary, a quarter of the
+    row's would be a select over the ``[B, V]`` logits each token (three passes of
+    it: 0.29 GB a token at 320 rows of Qwen's 151,936-word vocabulary in bf16, a sixth of the
     0.5B step's ideal bytes; ``bench_rollout.py --decode-program``), and the engine never reads
     them: a slot's next action always starts right after an append, which sets its logits
     (``SlotSession.start_action`` checks it).

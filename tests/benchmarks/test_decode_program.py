@@ -59,19 +59,20 @@ def test_the_report_has_every_field_for_each_target_compiler(report):
 def test_the_tpu_step_prices_the_pallas_kernel_and_the_gpu_step_its_pool_reads_as_run(report):
     """v5e: the paged-decode kernel, a custom call XLA cannot see, is charged its declared reads, and
     the sampler's cut-off kernel (sampling/filtering_tpu.py) its pl.CostEstimate: one read of the
-    fp32 [rows, vocab] logits, three [rows, 128] knob tiles in and three result tiles out;
+    [rows, vocab] logits in bf16 (the compute dtype: Decoder.forward_cached), three [rows, 128] knob
+    tiles in and three result tiles out;
     H100 (today: XLA gathers and scatters on the pool): XLA's whole-pool charges are taken back, and
     the sampler's Triton kernel is charged the reads and the scratch its name states."""
     tpu, gpu = report["targets"]["v5e-tiny"], report["targets"]["h100-tiny"]
     assert tpu["bytes_detail"]["custom_calls"]["pallas decode_read_bytes"] > 0
     rows, vocab = tpu["rows"], 256  # the tiny qwen2's vocabulary (see the ideal's test)
-    assert tpu["bytes_detail"]["custom_calls"]["pallas cost_estimate"] == rows * vocab * 4 + 6 * rows * 128 * 4
+    assert tpu["bytes_detail"]["custom_calls"]["pallas cost_estimate"] == rows * vocab * 2 + 6 * rows * 128 * 4
     # H100: the Triton top-p sampler (sampling/filtering_gpu.py), the reads its name states: its fast
     # path's 2 over the logits, its [rows] 4-byte columns (knobs in, results out) and its candidate scratch
     from llds_jax.sampling.filtering_gpu import FAST_READS, SAMPLER_COLUMNS, sampler_scratch_bytes
 
     assert gpu["bytes_detail"]["custom_calls"]["pallas sampler reads"] == (
-        FAST_READS * gpu["rows"] * vocab * 4 + SAMPLER_COLUMNS * gpu["rows"] * 4
+        FAST_READS * gpu["rows"] * vocab * 2 + SAMPLER_COLUMNS * gpu["rows"] * 4
         + gpu["rows"] * sampler_scratch_bytes(vocab))
     detail = gpu["bytes_detail"]
     assert detail["xla_body_once"] + detail["loop_trips_added"] + detail["charged_not_run"] + sum(
@@ -86,12 +87,14 @@ def test_the_tpu_step_prices_the_pallas_kernel_and_the_gpu_step_its_pool_reads_a
 
 
 @needs_both
-def test_the_ideal_is_weights_once_plus_live_kv_plus_the_logits_row(report):
-    """tiny qwen2 (tests/tools/roofline): 90,688 parameters in bf16, tied; 2 layers x 2 KV heads x 16."""
+def test_the_ideal_is_weights_once_plus_live_kv_and_the_logits_stand_beside_it(report):
+    """tiny qwen2 (tests/tools/roofline): 90,688 parameters in bf16, tied; 2 layers x 2 KV heads x 16;
+    issue 57's ideal, and the bf16 [4, 256] logits written and read once beside it."""
     lengths = _tiny_lengths()
     per_slot = 2 * 2 * 2 * 16 * 2  # k+v x layers x kv heads x head_dim x bf16
-    ideal = 90_688 * 2 + per_slot * (sum(lengths) + 4) + 2 * 4 * 256 * 4
+    ideal = 90_688 * 2 + per_slot * (sum(lengths) + 4)
     assert {t["ideal_bytes"] for t in report["targets"].values()} == {ideal}
+    assert {t["logits_bytes"] for t in report["targets"].values()} == {2 * 4 * 256 * 2}
 
 
 @needs_both

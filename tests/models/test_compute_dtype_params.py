@@ -57,6 +57,35 @@ def test_bf16_compute_with_precast_weights_is_bit_identical():
 
 
 @pytest.mark.codegen_sensitive
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_cached_forward_writes_the_heads_logits_rounded_once_to_the_compute_dtype(tied):
+    """What the sampler draws from (``Decoder.forward_cached``): a bf16 model's logits in bf16, the
+    head's fp32 accumulators rounded once: within half a bf16 ulp of the fp32 head's logits, plus what
+    two fp32 dot products of D terms may differ by in their summation order (γ_D·Σ|h·w| each; the
+    two compile to different XLA:CPU dots); an fp32 model's (the CPU default job's) in fp32."""
+    for dtype in ("bfloat16", "float32"):
+        model = tiny_model("qwen2", seed=3, dtype=dtype, tie_embeddings=tied)
+        graphdef, params = nnx.split(model)
+        ids = jnp.asarray(np.random.default_rng(0).integers(3, 200, (2, 6)), jnp.int32)
+        k, v = init_paged_pools(model.config, 1, 2, 128)
+        cache = PagedKVCache(k, v, jnp.asarray([[0], [1]], jnp.int32), jnp.zeros((2,), jnp.int32))
+        logits, _ = jax.jit(lambda p, c: nnx.merge(graphdef, p).forward_cached(ids, c))(params, cache)
+        assert logits.dtype == jnp.dtype(dtype) and logits.shape == (2, model.config.vocab_size)
+    hidden = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, model.config.hidden_size)), jnp.bfloat16)
+    model = tiny_model("qwen2", seed=3, dtype="bfloat16", tie_embeddings=tied)
+    rounded = jax.jit(lambda h: model.logits_from_hidden(h, jnp.bfloat16))(hidden)
+    wide = jax.jit(lambda h: model.logits_from_hidden(h))(hidden)
+    assert rounded.dtype == jnp.bfloat16 and wide.dtype == jnp.float32
+    table, vocab_major = model.output_head()
+    weights = np.abs(np.asarray(table, np.float64))
+    magnitude = np.abs(np.asarray(hidden, np.float64)) @ (weights.T if vocab_major else weights)  # Σ|h·w| a logit
+    depth = model.config.hidden_size
+    summed = 2 * depth * 2.0 ** -24 / (1 - depth * 2.0 ** -24) * magnitude
+    half_ulp = float(jnp.finfo(jnp.bfloat16).eps) / 2 * (np.abs(np.asarray(wide, np.float64)) + summed)
+    assert np.all(np.abs(np.asarray(rounded, np.float64) - np.asarray(wide, np.float64)) <= half_ulp + summed)
+
+
+@pytest.mark.codegen_sensitive
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("family, tied", [("qwen2", True), ("qwen2", False)])

@@ -168,13 +168,16 @@ def test_the_kernel_at_qwens_vocabulary(kernel):
 
 @pytest.mark.codegen_sensitive
 @KERNELS
-@pytest.mark.parametrize("mode", ["top-k", "top-p", "top-k+top-p"])
-def test_the_kernel_sampler_draws_the_xla_paths_tokens_per_row(monkeypatch, kernel, mode):
+@pytest.mark.parametrize("mode, dtype", [("top-k", "float32"), ("top-p", "float32"), ("top-k+top-p", "float32"),
+                                         ("top-p", "bfloat16")])
+def test_the_kernel_sampler_draws_the_xla_paths_tokens_per_row(monkeypatch, kernel, mode, dtype):
     """``sample_tokens`` as the engine calls it (``vmap`` over rows, one key each) with the platform's
     kernel (in the interpreter) and with the XLA 32-way search (the kernel lookup switched off), the
-    same draw: the same tokens, and log-probs within the two normalisers' rounding."""
+    same draw: the same tokens, and log-probs within the two normalisers' rounding. bf16: logits as a
+    bf16 model's decode step writes them (rounded: ties everywhere), which the kernel upcasts as it
+    reads and XLA as it fuses."""
     temperature, top_k, top_p = {"top-k": (0.7, 20, 1.0), "top-p": (1.0, 0, 0.9), "top-k+top-p": (1.3, 50, 0.8)}[mode]
-    logits = jnp.asarray(_rows(2048, 13)[5:])  # the random rows: every boundary decided by a wide margin
+    logits = jnp.asarray(_rows(2048, 13)[5:], dtype)  # the random rows: every boundary decided by a wide margin
     keys = jax.random.split(jax.random.key(7), logits.shape[0])
     mode = filtering.SamplingMode(mode)
     platform = "tpu" if kernel is filtering_tpu else "gpu"
@@ -267,8 +270,8 @@ def test_the_v5e_sampler_reads_the_rows_once_in_one_kernel(mode):
 
     mesh = make_mesh((1, 1, 1), [tpu_target("v5e:2x2").devices[0]])  # the platform the sampler sees
     here = jax.NamedSharding(mesh, jax.P())
-    rows, vocab = 40, 151_936
-    logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32, sharding=here)
+    rows, vocab = 40, 151_936  # bf16, as a bf16 model's decode step writes them (Decoder.forward_cached)
+    logits = jax.ShapeDtypeStruct((rows, vocab), jnp.bfloat16, sharding=here)
     keys = jax.ShapeDtypeStruct((rows,), jax.random.key(0).dtype, sharding=here)
     knobs = [jax.ShapeDtypeStruct((), dtype, sharding=here) for dtype in (jnp.float32, jnp.int32, jnp.float32)]
     sample = jax.vmap(lambda row, key, t, k, p: filtering.sample_tokens(row[None], key, t, k, p,
@@ -278,9 +281,9 @@ def test_the_v5e_sampler_reads_the_rows_once_in_one_kernel(mode):
         hlo = jax.jit(sample).lower(logits, keys, *knobs).compile().as_text()
     calls = [line for line in hlo.splitlines() if "custom-call(" in line and "sampler_cut_off" in line]
     assert len(calls) == 1, calls
-    assert f"f32[{rows},{vocab}]" in calls[0]
+    assert f"bf16[{rows},{vocab}]" in calls[0]  # the kernel upcasts as it reads: no fp32 copy for it
     declared = int(re.search(r'bytes_accessed\\?":\\?"(\d+)', calls[0])[1])
-    assert rows * vocab * 4 <= declared < rows * vocab * 4 * 1.01
+    assert declared == rows * vocab * 2 + 6 * rows * 128 * 4  # the rows once; three knob tiles in, three results out
     assert " while(" not in hlo
 
 
@@ -298,8 +301,8 @@ def test_the_h100_sampler_is_one_triton_kernel_named_by_its_reads(mode):
 
     mesh = make_mesh((1, 1, 1), [gpu_target("h100", 1, 1).devices[0]])
     here = jax.NamedSharding(mesh, jax.P())
-    rows, vocab = 320, 151_936
-    logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32, sharding=here)
+    rows, vocab = 320, 151_936  # bf16, as a bf16 model's decode step writes them (Decoder.forward_cached)
+    logits = jax.ShapeDtypeStruct((rows, vocab), jnp.bfloat16, sharding=here)
     keys = jax.ShapeDtypeStruct((rows,), jax.random.key(0).dtype, sharding=here)
     knobs = [jax.ShapeDtypeStruct((), dtype, sharding=here) for dtype in (jnp.float32, jnp.int32, jnp.float32)]
     mode = filtering.SamplingMode(mode)
@@ -308,10 +311,11 @@ def test_the_h100_sampler_is_one_triton_kernel_named_by_its_reads(mode):
     with jax.set_mesh(mesh):
         hlo = jax.jit(sample).lower(logits, keys, *knobs).compile().as_text()
     calls = [line for line in hlo.splitlines() if "__gpu$xla.gpu.triton" in line]
-    assert len(calls) == 1 and f"f32[{rows},{vocab}]" in calls[0]
+    assert len(calls) == 1 and f"bf16[{rows},{vocab}]" in calls[0]  # the kernel upcasts as it reads
+    assert f"f32[{rows},{vocab}]" not in calls[0]
     if mode is filtering.SamplingMode.TOP_P:  # search and draw in one kernel: no XLA fusion reads the logits
         assert f'sampler_top_p_gpu_2_reads_{filtering_gpu.CANDIDATES}_candidates' in calls[0]
-        assert not [line for line in hlo.splitlines() if f"f32[{rows},{vocab}]" in line and " fusion(" in line]
+        assert not [line for line in hlo.splitlines() if f"[{rows},{vocab}]" in line and " fusion(" in line]
     else:
         want = {filtering.SamplingMode.TOP_K: 9, filtering.SamplingMode.TOP_K_TOP_P: 16}
         assert f'sampler_cut_off_gpu_{want[mode]}_reads' in calls[0]

@@ -13,6 +13,7 @@ from llds_jax.models.testing import tiny_config
 from llds_jax.plan.step_time import (
     ENGINE_LAUNCHES,
     LAUNCH_S,
+    GPU_SAMPLER_SCRATCH_BYTES,
     RANDOM_WEIGHTS_GPU_SAMPLER_READS,
     SAMPLER_ROW_READS,
     TRAINED_LIKE_LOGIT_STD,
@@ -85,7 +86,8 @@ def test_each_phase_is_its_count_over_the_stated_rate():
     step = predict_step_time(config, cfg, platform="gpu", peak=peak, devices=2, hosts=1, rows_per_wave=4,
                              train_rows=4, train_length=64, scored_per_row=16, state_bytes=8e9, lengths=lengths)
     s = step.schedule
-    sampler = SAMPLER_ROW_READS["gpu"][0] * cfg.vocab_size * 4 * s.decode_steps * s.slots  # every row the step samples
+    # every row the step samples: its bf16 logits' passes and the top-p sampler's scratch
+    sampler = (SAMPLER_ROW_READS["gpu"][0] * cfg.vocab_size * 2 + GPU_SAMPLER_SCRATCH_BYTES[0]) * s.decode_steps * s.slots
     decode = max((flops.decode_bytes(cfg, s.decode_steps, s.key_reads / 2) + sampler / 2) / (1e11 * 0.25),
                  flops.decode_flops(cfg, s.decode_tokens, s.key_reads) / 2 / (1e12 * 0.5))
     forward = flops.forward_flops(cfg, 4, 64, 16)
@@ -135,11 +137,13 @@ def test_the_sampler_reads_are_the_platforms_count():
                                          train_rows=4, train_length=64, scored_per_row=16, state_bytes=8e9,
                                          lengths=lengths) for platform in ("gpu", "tpu")}
     s = steps["gpu"].schedule
-    more = (SAMPLER_ROW_READS["gpu"][0] - SAMPLER_ROW_READS["tpu"][0]) * cfg.vocab_size * 4 * s.decode_steps * s.slots
+    more = ((SAMPLER_ROW_READS["gpu"][0] - SAMPLER_ROW_READS["tpu"][0]) * cfg.vocab_size * 2
+            + GPU_SAMPLER_SCRATCH_BYTES[0]) * s.decode_steps * s.slots
     assert SAMPLER_ROW_READS["tpu"][0] != SAMPLER_ROW_READS["gpu"][0]
     assert steps["gpu"].details["decode_bytes"] - steps["tpu"].details["decode_bytes"] == pytest.approx(more / 2)
     for platform, step in steps.items():
-        assert step.assumptions["sampler"].startswith(f"{SAMPLER_ROW_READS[platform][0]} reads")
+        assert step.assumptions["sampler"].startswith(f"{SAMPLER_ROW_READS[platform][0]} passes over each sampled "
+                                                      "row's bfloat16 logits")
 
 
 def test_random_weights_pay_the_gpu_samplers_fallback_unless_their_logits_spread_like_a_trained_models():
@@ -158,9 +162,9 @@ def test_random_weights_pay_the_gpu_samplers_fallback_unless_their_logits_spread
 
     trained, random = step("smollm2"), step("random:Qwen2.5-0.5B")
     s = trained.schedule
-    more = (RANDOM_WEIGHTS_GPU_SAMPLER_READS[0] - SAMPLER_ROW_READS["gpu"][0]) * cfg.vocab_size * 4 * s.decode_steps * s.slots
+    more = (RANDOM_WEIGHTS_GPU_SAMPLER_READS[0] - SAMPLER_ROW_READS["gpu"][0]) * cfg.vocab_size * 2 * s.decode_steps * s.slots
     assert random.details["decode_bytes"] - trained.details["decode_bytes"] == pytest.approx(more / 2)
-    assert random.assumptions["sampler"].startswith(f"{RANDOM_WEIGHTS_GPU_SAMPLER_READS[0]} reads")
+    assert random.assumptions["sampler"].startswith(f"{RANDOM_WEIGHTS_GPU_SAMPLER_READS[0]} passes")
     config.model.random_logit_std = TRAINED_LIKE_LOGIT_STD
     spread = step("random:Qwen2.5-0.5B")
     assert spread.details["decode_bytes"] == trained.details["decode_bytes"]
@@ -205,8 +209,8 @@ def test_the_engines_paged_step_costs_its_kernel_launches():
     why = step.assumptions["decode_step_overhead"]
     per_layer, per_step = ENGINE_LAUNCHES["gpu"]
     launches = per_layer * cfg.num_layers + per_step
-    read = flops.decode_bytes(cfg, s.decode_steps, s.key_reads) + SAMPLER_ROW_READS["gpu"][0] * cfg.vocab_size * 4 * \
-        s.decode_steps * s.slots
+    read = flops.decode_bytes(cfg, s.decode_steps, s.key_reads) + (
+        SAMPLER_ROW_READS["gpu"][0] * cfg.vocab_size * 2 + GPU_SAMPLER_SCRATCH_BYTES[0]) * s.decode_steps * s.slots
     bound = max(read / (1e11 * 0.25), flops.decode_flops(cfg, s.decode_tokens, s.key_reads) / (1e12 * 0.5))
     assert seconds["rollout_decode"] == pytest.approx(bound + launches * LAUNCH_S["gpu"][0] * s.decode_steps)
     assert f"{launches * LAUNCH_S['gpu'][0] * 1e3:.2f} ms" in why and "--decode-program" in why

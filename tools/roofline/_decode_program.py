@@ -54,7 +54,7 @@ def engine_step(graphdef, params, logits, cache, done, budget, keys, drawn, samp
         tokens=jnp.full((batch, width), pad_id, jnp.int32), logprobs=jnp.zeros((batch, width), jnp.float32),
         lengths=jnp.zeros((batch,), jnp.int32), done=done | (budget <= 0),
         finish=jnp.full((batch,), FinishReason.CAP, jnp.int32),
-        stop_state=jnp.zeros((batch, sampling.stop_table.shape[0]), jnp.int8), logits=logits.astype(jnp.float32),
+        stop_state=jnp.zeros((batch, sampling.stop_table.shape[0]), jnp.int8), logits=logits,
         cache=cache, step=jnp.zeros((), jnp.int32), keys=keys, drawn=drawn.astype(jnp.int32))
     return state, token_step(model, layer_weights, sampling, budget, pad_id)
 
@@ -124,5 +124,5 @@ def decode_arguments(decoder_cfg, state, cache, mesh, batch: int) -> tuple:
     compute = jnp.dtype(decoder_cfg.dtype)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         x.shape, compute if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, sharding=x.sharding), state.params)
-    return (params, arr((batch, decoder_cfg.vocab_size), jnp.float32), cache, arr((batch,), jnp.bool_),
+    return (params, arr((batch, decoder_cfg.vocab_size), compute), cache, arr((batch,), jnp.bool_),
             arr((batch,), jnp.int32), arr(keys.shape, keys.dtype), arr((batch,), jnp.int32), sampling)

@@ -41,7 +41,7 @@ target's compiler, and the bytes without it.
 Ideal (what the step has to do; N is printed per model):
 * decode   bytes = weights in the compute dtype read once (tied embeddings: once; an untied input table
   contributes only the B rows looked up) + live KV read once + the new token's KV written +
-  fp32 logits written and read once; flops = 2·B·(N_layers + D·V) + 4·B·L·H·Dh·live.
+  the logits in the compute dtype (what the decode step writes) written and read once; flops = 2·B·(N_layers + D·V) + 4·B·L·H·Dh·live.
 * logprobs flops = 2·T_tok·(N_layers + D·V) + causal attention 2·B·L·H·Dh·T²; bytes = weights
   once + the residual stream written and read once per layer + ids/mask in, log-probs out.
 * update   flops = 6·T_tok·(N_layers + D·V) + causal attention 3·2·B·L·H·Dh·T² (no remat);
@@ -186,13 +186,13 @@ class Shapes:
 
 def ideal_decode(s: Shapes, batch: int, live: int) -> tuple[float, float]:
     """Weights in the compute dtype (the sampler's copy, cast once per policy) read once, the
-    live KV read once, the new token's KV written, fp32 logits written and read once."""
+    live KV read once, the new token's KV written, the logits in the compute dtype written and read once."""
     c = s.config
     itemsize = jnp.dtype(c.dtype).itemsize
     weights = s.total_params * itemsize
     if not c.tie_embeddings:  # the input table: only the B looked-up rows are read
         weights -= (s.n_head - batch * c.hidden_size) * itemsize
-    bytes_ = weights + s.kv_bytes_per_slot(batch) * (live + 1) + 2 * batch * c.vocab_size * 4
+    bytes_ = weights + s.kv_bytes_per_slot(batch) * (live + 1) + 2 * batch * c.vocab_size * itemsize
     flops = 2 * batch * (s.n_layers + s.n_head) + 4 * batch * c.num_layers * c.num_heads * c.head_dim * live
     return float(flops), float(bytes_)
 

@@ -64,7 +64,7 @@ def test_ideal_decode_is_weights_plus_live_kv_plus_logits_by_hand():
     flops, bytes_ = roofline.ideal_decode(shapes, batch=8, live=128)
     weights = 4 * (TINY_N_LAYERS + TINY_HEAD)           # fp32, tied table read once (the unembed)
     kv_per_slot = 2 * 2 * 8 * 2 * 16 * 4               # k+v x layers x rows x kv heads x head_dim x fp32
-    logits = 2 * 8 * 256 * 4                           # fp32 [8, 256] written and read once
+    logits = 2 * 8 * 256 * 4                           # [8, 256] in the compute dtype (fp32) written and read once
     assert bytes_ == weights + kv_per_slot * (128 + 1) + logits == 907_520
     assert flops == 2 * 8 * (TINY_N_LAYERS + TINY_HEAD) + 4 * 8 * 2 * 4 * 16 * 128 == 1_975_296
 
@@ -97,8 +97,8 @@ def test_paper_precision_keeps_fp32_weights_and_a_bf16_cache():
     shapes = roofline.Shapes(tiny_config("qwen2", dtype="bfloat16", param_dtype="float32"))
     assert shapes.param_bytes == 4 * (TINY_N_LAYERS + TINY_HEAD)
     assert shapes.kv_bytes_per_slot(8) == 2 * 2 * 8 * 2 * 16 * 2
-    # decode reads the sampler's bf16 copy of the weights, not the fp32 masters
-    kv, logits = shapes.kv_bytes_per_slot(8) * 129, 2 * 8 * 256 * 4
+    # decode reads the sampler's bf16 copy of the weights, not the fp32 masters, and writes bf16 logits
+    kv, logits = shapes.kv_bytes_per_slot(8) * 129, 2 * 8 * 256 * 2
     assert roofline.ideal_decode(shapes, 8, 128)[1] == 2 * (TINY_N_LAYERS + TINY_HEAD) + kv + logits
 
 
