@@ -130,24 +130,28 @@ def test_under_a_mesh_each_device_attends_its_own_rows_over_its_own_pool():
 
 def test_read_bytes_count_live_slots_only():
     heads, kv_heads, head_dim, itemsize = 14, 2, 64, 2
-    tile = 16 * head_dim * itemsize  # G = 7 padded to 16 query rows
+    group = 7 * head_dim * itemsize  # G = 7 query heads (the 16-row tile's padding is masked: read nothing)
     slot = 2 * head_dim * itemsize  # a key and a value
     idle = decode_gpu.decode_read_bytes([0], kv_heads, head_dim, BLOCK, itemsize, heads)
-    assert idle == kv_heads * (4 + 2 * tile)  # its length, q and the output: no block
+    assert idle == kv_heads * (4 + 2 * group)  # its length, q and the output: no block
     lengths = [0, 1, BLOCK, BLOCK + 1]  # 0 + 1 + 1 + 2 live blocks (table entries), 0 + 1 + 128 + 129 slots
     got = decode_gpu.decode_read_bytes(lengths, kv_heads, head_dim, BLOCK, itemsize, heads)
     assert got == 4 * idle + kv_heads * (4 * 4 + (2 * BLOCK + 2) * slot)
 
 
-def test_one_split_writes_a_power_of_two_group_without_its_padding():
-    """G = 8 (qwen2.5-3b): the 16-row tile's output is written as its 8 query heads, so the read bytes
-    count 8 rows out and no XLA slice copies them; G = 7 and several splits keep the padded tile."""
+@pytest.mark.parametrize("heads", [16, 14])
+def test_one_split_reads_and_writes_a_kv_heads_group_in_place(heads):
+    """G = 8 (qwen2.5-3b) and G = 7 (qwen2.5-0.5b, 7b): each program loads its G query heads from
+    ``[B, H, Dh]`` into a 16-row tile and stores its G output heads back, both masked (the last KV
+    head's tile reaches past H): the read bytes count G rows in and G out, the padding none; several
+    splits write the padded fp32 partials."""
     kv_heads, head_dim, itemsize = 2, 128, 2
-    assert decode_gpu.output_rows(16, kv_heads, 1) == 8
-    assert decode_gpu.output_rows(14, kv_heads, 1) == decode_gpu.output_rows(16, kv_heads, 4) == 16
-    idle = decode_gpu.decode_read_bytes([0], kv_heads, head_dim, BLOCK, itemsize, 16)
-    assert idle == kv_heads * (4 + (16 + 8) * head_dim * itemsize)  # its length, the padded q in, 8 rows out
-    q, (k_nan, v_nan), (k_pool, v_pool), table, lengths = _case(16, kv_heads, head_dim, jnp.float32, 1, seed=4)
+    group = heads // kv_heads
+    idle = decode_gpu.decode_read_bytes([0], kv_heads, head_dim, BLOCK, itemsize, heads)
+    assert idle == kv_heads * (4 + 2 * group * head_dim * itemsize)  # its length, G heads in, G heads out
+    split = decode_gpu.decode_read_bytes([0], kv_heads, head_dim, BLOCK, itemsize, heads, splits=4)
+    assert split == 4 * kv_heads * (4 + group * head_dim * itemsize + 16 * head_dim * 4 + 2 * 16 * 4)
+    q, (k_nan, v_nan), (k_pool, v_pool), table, lengths = _case(heads, kv_heads, head_dim, jnp.float32, 1, seed=4)
     out = decode_gpu.paged_decode_attention(q, k_nan, v_nan, table, lengths, splits=1, interpret=True)
     _check(out, _reference(q, k_pool, v_pool, table, lengths), lengths, jnp.float32)
 

@@ -25,9 +25,14 @@ keys cast to the query dtype, fp32 scores ``(q·k) / sqrt(Dh)``, invisible keys 
 ``MASKED_SCORE``, probabilities cast to the value dtype for the second matmul, fp32
 accumulators. Only the summation order inside the dots differs (Triton's tiles, not XLA's).
 
-Triton's ``dot`` needs 16 rows or more and power-of-two tiles: the G = H / KVH query heads of a
-KV head are padded to 16 (zeros, sliced off after), and the kernel runs only for power-of-two
-``block`` and ``Dh`` of 16 or more (:func:`supported`); other shapes keep the XLA path.
+Triton's ``dot`` needs 16 rows or more and power-of-two tiles: a program loads the G = H / KVH
+query heads of its KV head straight from the row's ``[H, Dh]`` queries as a tile of G' rows (G
+padded to a power of two ≥ 16; the padding rows' loads are masked: they read nothing and hold
+zeros) and stores the G real rows of its output the same way, masked, into ``[B, H, Dh]``. So no
+padded copy of the queries is written before the kernel and none of the output sliced after it
+(at G = 7, Qwen2.5-0.5B and 7B: 0.10 GB a token at the 0.5B job's 320 rows). The kernel runs
+only for power-of-two ``block`` and ``Dh`` of 16 or more (:func:`supported`); other shapes keep
+the XLA path.
 
 Key splits (flash-decoding): with few rows, ``B x KVH`` programs leave most of the GPU's SMs
 idle, so each row's table columns are cut into ``splits`` contiguous ranges, one program each;
@@ -65,15 +70,6 @@ def padded_group(heads: int, kv_heads: int) -> int:
     return max(MIN_DOT_ROWS, 1 << (group - 1).bit_length())
 
 
-def output_rows(heads: int, kv_heads: int, splits: int) -> int:
-    """Rows of a program's output tile: G itself where the padded tile splits into whole copies of it
-    (G a power of two) and the kernel writes the normalised output (one split), so no XLA slice
-    copies the output off the padding (0.14 GB a token at qwen3b's 320 rows, G = 8); else the
-    padded tile (G = 7: the slice stays; several splits: it fuses into the combine)."""
-    group = heads // kv_heads
-    return group if splits == 1 and _pow2(group) else padded_group(heads, kv_heads)
-
-
 def supported(block: int, head_dim: int) -> bool:
     """Whether the kernel takes a pool of ``block``-slot blocks with ``head_dim`` (Triton's tiles)."""
     return _pow2(block) and _pow2(head_dim) and block >= MIN_DOT_ROWS and head_dim >= MIN_DOT_ROWS
@@ -89,18 +85,17 @@ def decode_read_bytes(lengths, kv_heads: int, head_dim: int, block: int, itemsiz
                       *, splits: int = 1) -> int:
     """Bytes the kernel moves at the given live ``lengths`` (one per row, keys visible; pure Python).
 
-    Per program (row, KV head, split): its length (4 B) and its padded query tile read, its output
-    tile written (:func:`output_rows` of ``itemsize`` with one split; fp32 partials plus fp32 max and
-    sum of the padded tile with more); per live block of the row, its table entry (4 B); per live slot, its key and value
-    (``head_dim x itemsize`` each: the last block's loads are masked to the row's slots). A row of
-    length 0 reads no block. ``itemsize`` is the pools', the queries' and the output's (the same
-    dtype in the decoder)."""
+    Per program (row, KV head, split): its length (4 B) and its G query heads read (the tile's
+    padding rows are masked loads), its output written (the G heads in ``itemsize`` with one split;
+    fp32 partials plus fp32 max and sum of the padded tile with more); per live block of the row, its
+    table entry (4 B); per live slot, its key and value (``head_dim x itemsize`` each: the last
+    block's loads are masked to the row's slots). A row of length 0 reads no block. ``itemsize`` is
+    the pools', the queries' and the output's (the same dtype in the decoder)."""
     lengths = [int(n) for n in lengths]
-    group = padded_group(heads, kv_heads)
-    tile = group * head_dim
+    group, padded = heads // kv_heads, padded_group(heads, kv_heads)
     programs = len(lengths) * kv_heads * splits
-    written = output_rows(heads, kv_heads, splits) * head_dim * itemsize if splits == 1 else tile * 4 + 2 * group * 4
-    per_program = 4 + tile * itemsize + written
+    written = group * head_dim * itemsize if splits == 1 else padded * head_dim * 4 + 2 * padded * 4
+    per_program = 4 + group * head_dim * itemsize + written
     live_blocks = sum(-(-n // block) for n in lengths if n > 0)
     live_slots = sum(n for n in lengths if n > 0)
     return programs * per_program + kv_heads * (4 * live_blocks + 2 * live_slots * head_dim * itemsize)
@@ -138,25 +133,25 @@ def _per_device(q, k_pool, v_pool, table, lengths, *, splits: int | None, interp
     batch, heads, head_dim = q.shape
     devices, blocks, kv_heads, block, _ = k_pool.shape
     columns = table.shape[1]
-    group, padded = heads // kv_heads, padded_group(heads, kv_heads)
     splits = decode_splits(batch, kv_heads, columns) if splits is None else max(1, min(int(splits), columns))
     device = (jnp.arange(batch, dtype=jnp.int32) // (batch // devices))[:, None]
     physical = jnp.where((table >= 0) & (table < blocks), table + device * blocks, -1)  # -1: reads zeros
-    grouped = q.reshape(batch, kv_heads, group, head_dim)
-    grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, padded - group), (0, 0)))
     pools = [p.reshape(devices * blocks, kv_heads, block, head_dim) for p in (k_pool, v_pool)]
-    out = _kernel_call(lengths, physical, grouped, *pools, splits=splits, out_rows=output_rows(heads, kv_heads, splits),
-                       interpret=interpret)
-    if splits > 1:
-        out = _combine(*out).astype(q.dtype)
-    return out[:, :, :group].reshape(batch, heads, head_dim)
+    out = _kernel_call(lengths, physical, q, *pools, splits=splits, interpret=interpret)
+    if splits == 1:
+        return out  # [B, H, Dh]: each program stored its G heads
+    return _combine(*out).astype(q.dtype)[:, :, :heads // kv_heads].reshape(batch, heads, head_dim)
 
 
-def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, block: int, columns: int, per_split: int):
-    row, split = pl.program_id(0), pl.program_id(2)
+def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, block: int, columns: int, per_split: int,
+            group: int, padded: int):
+    row, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[row]
-    q = q_ref[...]  # [G', Dh]
-    head_dim = q.shape[-1]
+    head_dim = q_ref.shape[-1]
+    # the KV head's G query heads of the row's [H, Dh] as a [G', Dh] tile; the padding rows read nothing
+    heads = pl.ds(kv_head * group, padded)
+    real = jax.lax.broadcasted_iota(jnp.int32, (padded, head_dim), 0) < group
+    q = plgpu.load(q_ref.at[heads], mask=real, other=0)  # [G', Dh]
     live = jnp.minimum((length + block - 1) // block, columns)
     first = split * per_split
     last = jnp.minimum(first + per_split, live)
@@ -187,12 +182,9 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, block: int, 
     start = (jnp.full((rows,), MASKED_SCORE, jnp.float32), jnp.zeros((rows,), jnp.float32),
              jnp.zeros(q.shape, jnp.float32))
     m, total, acc = jax.lax.fori_loop(first, jnp.maximum(first, last), fold, start)
-    if len(out_refs) == 1:  # one split: the normalised output (a row that read nothing: 0)
+    if len(out_refs) == 1:  # one split: the normalised output (a row that read nothing: 0), its G heads
         out = (acc / jnp.where(total > 0, total, 1.0)[:, None]).astype(out_refs[0].dtype)
-        kept = out_refs[0].shape[0]
-        if kept < rows:  # the query heads only, off the padding (output_rows): the first of equal parts
-            out = jnp.split(out, rows // kept, axis=0)[0]
-        out_refs[0][...] = out
+        plgpu.store(out_refs[0].at[heads], out, mask=real)
     else:
         o_ref, m_ref, total_ref = out_refs
         o_ref[...] = acc
@@ -200,20 +192,21 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, block: int, 
         total_ref[...] = total
 
 
-def _kernel_call(lengths, physical, grouped, k_pool, v_pool, *, splits: int, out_rows: int, interpret: bool):
-    """lengths [b], physical [b, C] (-1: reads zeros), grouped [b, KVH, G', Dh], pools [P, KVH, block, Dh];
-    with one split the output is [b, KVH, out_rows, Dh] (:func:`output_rows`)."""
-    batch, kv_heads, padded, head_dim = grouped.shape
-    pages, _, block, _ = k_pool.shape
+def _kernel_call(lengths, physical, q, k_pool, v_pool, *, splits: int, interpret: bool):
+    """lengths [b], physical [b, C] (-1: reads zeros), q [b, H, Dh], pools [P, KVH, block, Dh]; with
+    one split the output is [b, H, Dh], with more the padded partials (:func:`_combine`)."""
+    batch, heads, head_dim = q.shape
+    pages, kv_heads, block, _ = k_pool.shape
+    group, padded = heads // kv_heads, padded_group(heads, kv_heads)
     columns = physical.shape[1]
     per_split = -(-columns // splits)
-    tile = pl.BlockSpec((None, None, padded, head_dim), lambda b, h, s: (b, h, 0, 0))
+    row = pl.BlockSpec((None, heads, head_dim), lambda b, h, s: (b, 0, 0))  # a program takes its G heads of it
     pool = pl.BlockSpec((pages, None, block, head_dim), lambda b, h, s: (0, h, 0, 0))
     in_specs = [pl.BlockSpec(lengths.shape, lambda b, h, s: (0,)),
-                pl.BlockSpec((None, columns), lambda b, h, s: (b, 0)), tile, pool, pool]
+                pl.BlockSpec((None, columns), lambda b, h, s: (b, 0)), row, pool, pool]
     if splits == 1:
-        out_shape = jax.ShapeDtypeStruct((batch, kv_heads, out_rows, head_dim), grouped.dtype)
-        out_specs = pl.BlockSpec((None, None, out_rows, head_dim), lambda b, h, s: (b, h, 0, 0))
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+        out_specs = row
     else:
         partial = (splits, batch, kv_heads, padded)
         out_shape = (jax.ShapeDtypeStruct((*partial, head_dim), jnp.float32),
@@ -223,11 +216,10 @@ def _kernel_call(lengths, physical, grouped, k_pool, v_pool, *, splits: int, out
                      pl.BlockSpec((None, None, None, padded), lambda b, h, s: (s, b, h, 0)))
     # The bytes at full tables (a static upper bound; the real read follows the live lengths).
     itemsize = jnp.dtype(k_pool.dtype).itemsize
-    full = decode_read_bytes([columns * block] * batch, kv_heads, head_dim, block, itemsize,
-                             kv_heads * (out_rows if splits == 1 else padded), splits=splits)
+    full = decode_read_bytes([columns * block] * batch, kv_heads, head_dim, block, itemsize, heads, splits=splits)
     cost = pl.CostEstimate(flops=4 * batch * kv_heads * padded * columns * block * head_dim,
                            transcendentals=batch * kv_heads * padded * columns * block, bytes_accessed=full)
-    kernel = functools.partial(_kernel, block=block, columns=columns, per_split=per_split)
+    kernel = functools.partial(_kernel, block=block, columns=columns, per_split=per_split, group=group, padded=padded)
     return pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, splits),
@@ -238,7 +230,7 @@ def _kernel_call(lengths, physical, grouped, k_pool, v_pool, *, splits: int, out
         cost_estimate=cost,
         interpret=interpret,
         name="paged_decode_attention_gpu",
-    )(lengths, physical, grouped, k_pool, v_pool)
+    )(lengths, physical, q, k_pool, v_pool)
 
 
 def _combine(acc, m, total):
