@@ -2,9 +2,10 @@
 in two reads of the row where it can), and the top-k / top-p cut-off search that reads the row once a
 search pass and derives keys and weights in registers (top-k, top-k + top-p; the sampler's fallback).
 
-**Top-p, the paper's mode** (:func:`sample_top_p`). A row of Qwen's 151,936 fp32 logits is 608 KB,
-more than an SM's shared memory, so each pass over it reads HBM; the cut-off search needs 8 and XLA's
-draw one more (1.75 GB a token at 320 rows, the 0.5B job's largest cost, with its 15 compares an
+**Top-p, the paper's mode** (:func:`sample_top_p`). A row of Qwen's 151,936 logits is 304 KB in bf16
+(a bf16 model's decode logits; the kernels upcast as they read) and 608 KB in fp32, more than an SM's
+shared memory either way, so each pass over it reads HBM; the cut-off search needs 8 and XLA's draw one
+more (1.75 GB a token at 320 fp32 rows, once the 0.5B job's largest cost, with its 15 compares an
 element near compute-bound too). The sampler brackets the boundary first and searches only the
 tokens near it:
 

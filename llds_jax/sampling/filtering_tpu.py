@@ -3,8 +3,8 @@ from HBM once.
 
 Why a kernel: in XLA the search (``filtering._kept_floor_and_mass``, 32 ways, 7 passes) reads the
 ``[rows, V]`` row from HBM every pass, twice (XLA writes the keys and weights out and each pass
-reads both): 20–23 reads of a row per token. Here a block of 8 rows (one sublane tile; 4.9 MB at
-Qwen's 151,936 fp32 logits) is copied into VMEM once, its order keys and weights are written to
+reads both): 20–23 reads of a row per token. Here a block of 8 rows (one sublane tile; 2.4 MB of
+Qwen's 151,936 logits in bf16, a bf16 model's decode dtype, 4.9 MB in fp32) is copied into VMEM once, its order keys and weights are written to
 VMEM scratch, and every search pass runs over VMEM. HBM sees one read of the row and three
 ``[rows, 128]`` outputs: the row maximum, the kept floor and the kept mass.
 

@@ -69,7 +69,7 @@ def test_the_cached_forward_writes_the_heads_logits_rounded_once_to_the_compute_
         ids = jnp.asarray(np.random.default_rng(0).integers(3, 200, (2, 6)), jnp.int32)
         k, v = init_paged_pools(model.config, 1, 2, 128)
         cache = PagedKVCache(k, v, jnp.asarray([[0], [1]], jnp.int32), jnp.zeros((2,), jnp.int32))
-        logits, _ = jax.jit(lambda p, c: nnx.merge(graphdef, p).forward_cached(ids, c))(params, cache)
+        logits, _ = jax.jit(lambda p, c, t, g=graphdef: nnx.merge(g, p).forward_cached(t, c))(params, cache, ids)
         assert logits.dtype == jnp.dtype(dtype) and logits.shape == (2, model.config.vocab_size)
     hidden = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, model.config.hidden_size)), jnp.bfloat16)
     model = tiny_model("qwen2", seed=3, dtype="bfloat16", tie_embeddings=tied)

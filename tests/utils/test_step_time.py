@@ -12,8 +12,8 @@ from llds_jax.data.lengths import TrajectoryLengths, load_lengths, reference_len
 from llds_jax.models.testing import tiny_config
 from llds_jax.plan.step_time import (
     ENGINE_LAUNCHES,
-    LAUNCH_S,
     GPU_SAMPLER_SCRATCH_BYTES,
+    LAUNCH_S,
     RANDOM_WEIGHTS_GPU_SAMPLER_READS,
     SAMPLER_ROW_READS,
     TRAINED_LIKE_LOGIT_STD,
