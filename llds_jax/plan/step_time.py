@@ -76,7 +76,7 @@ LAUNCH_S = {
 # GPU (the paper's top-p mode): the LM head writes the row, the top-p sampler kernel (filtering_gpu.sample_top_p)
 # searches and draws in 2 reads where the boundary's one-nat bin fits its scratch, and a row whose bin overflows reads
 # 9 more (the full-row search and draw): 0.27 % of rows on real weights (SmolLM2-135M, docs/performance.md), so
-# 1 + 2 + 0.0027 x 9 ≈ 3.02; its candidate scratch (GPU_SAMPLER_SCRATCH_BYTES) apart. (The engine's frozen-row
+# 1 + 2 + 0.0027 x 9 ≈ 3.02; its candidate scratch apart (filtering_gpu.sampler_scratch_bytes: at capacity). (The engine's frozen-row
 # select, 3 more, went at 813c247; picking the sampled logit reads one a row.)
 # TPU: counted in HBM bytes, not XLA's cost analysis, which charges XLA:TPU's prefetches into VMEM as if they
 # were HBM reads (docs/performance.md).
@@ -90,9 +90,6 @@ SAMPLER_ROW_READS = {
                "into VMEM 1, the kernel's read 1 (fp32 logits at f0a532e: 4, a second prefetch)"),
     "cpu": (23, "not measured on XLA:CPU (its own bisection): the XLA search's count on an H100 (9a28e06) assumed"),
 }
-# The GPU top-p sampler's candidate scratch, bytes a sampled row moves through it at most a decode step.
-GPU_SAMPLER_SCRATCH_BYTES = (2_048 * 48, "the top-p sampler's 2,048 candidates x 48 B at capacity "
-                                         "(sampling/filtering_gpu.sampler_scratch_bytes)")
 # The GPU top-p sampler's fallback rate is the model's: random weights at the init's spread (model.source "random:...",
 # model.random_logit_std below TRAINED_LIKE_LOGIT_STD) give near-flat logits, the top-p 0.95 nucleus ≈ 129,600 of
 # 151,936 tokens and the boundary's bin 41k–84k (measured on random:Qwen2.5-0.5B's logits, 32 rows), so every row
@@ -297,7 +294,11 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     if (platform == "gpu" and str(config.model.source).startswith("random:")
             and config.model.random_logit_std < TRAINED_LIKE_LOGIT_STD):
         sampler_reads, sampler_why = RANDOM_WEIGHTS_GPU_SAMPLER_READS
-    scratch, scratch_why = GPU_SAMPLER_SCRATCH_BYTES if platform == "gpu" else (0, "")
+    scratch = 0
+    if platform == "gpu":  # the top-p sampler's candidate scratch, a sampled row's at capacity
+        from llds_jax.sampling.filtering_gpu import sampler_scratch_bytes  # noqa: PLC0415  (Pallas Triton)
+
+        scratch = sampler_scratch_bytes(model_cfg.vocab_size)
     sampler_row_bytes = sampler_reads * model_cfg.vocab_size * compute_bytes + scratch
     launch_s, launch_why = LAUNCH_S.get(platform, LAUNCH_S["cpu"])
     overhead = (launches_per_layer * model_cfg.num_layers + launches_per_step) * launch_s
@@ -400,7 +401,8 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
                           + ("plan.efficiency_hbm" if section.efficiency_hbm else efficiency["hbm"][1]),
         "decode_step_overhead": f"{overhead * 1e3:.2f} ms per decode step: {overhead_why}",
         "sampler": f"{sampler_reads} passes over each sampled row's {model_cfg.dtype} logits a decode step on {platform}: "
-                   f"{sampler_why}" + (f"; + {scratch:,} B a row: {scratch_why}" if scratch else ""),
+                   f"{sampler_why}" + (f"; + {scratch:,} B a row: the top-p sampler's candidate scratch at capacity "
+                                      "(sampling/filtering_gpu.sampler_scratch_bytes)" if scratch else ""),
         "retrieval": f"{search['cost'].backend}: {search['cost'].why}; index {search['index'].passages:,} x "
                      f"{search['index'].dim} ({search['index'].source})",
         "checkpoint": f"every train.save_every={save_every} steps the loop waits while the devices copy the "

@@ -12,7 +12,6 @@ from llds_jax.data.lengths import TrajectoryLengths, load_lengths, reference_len
 from llds_jax.models.testing import tiny_config
 from llds_jax.plan.step_time import (
     ENGINE_LAUNCHES,
-    GPU_SAMPLER_SCRATCH_BYTES,
     LAUNCH_S,
     RANDOM_WEIGHTS_GPU_SAMPLER_READS,
     SAMPLER_ROW_READS,
@@ -21,6 +20,7 @@ from llds_jax.plan.step_time import (
     step_lengths,
     waves_schedule,
 )
+from llds_jax.sampling.filtering_gpu import sampler_scratch_bytes
 from llds_jax.utils import flops
 
 pytestmark = pytest.mark.unit
@@ -87,7 +87,7 @@ def test_each_phase_is_its_count_over_the_stated_rate():
                              train_rows=4, train_length=64, scored_per_row=16, state_bytes=8e9, lengths=lengths)
     s = step.schedule
     # every row the step samples: its bf16 logits' passes and the top-p sampler's scratch
-    sampler = (SAMPLER_ROW_READS["gpu"][0] * cfg.vocab_size * 2 + GPU_SAMPLER_SCRATCH_BYTES[0]) * s.decode_steps * s.slots
+    sampler = (SAMPLER_ROW_READS["gpu"][0] * cfg.vocab_size * 2 + sampler_scratch_bytes(cfg.vocab_size)) * s.decode_steps * s.slots
     decode = max((flops.decode_bytes(cfg, s.decode_steps, s.key_reads / 2) + sampler / 2) / (1e11 * 0.25),
                  flops.decode_flops(cfg, s.decode_tokens, s.key_reads) / 2 / (1e12 * 0.5))
     forward = flops.forward_flops(cfg, 4, 64, 16)
@@ -138,7 +138,7 @@ def test_the_sampler_reads_are_the_platforms_count():
                                          lengths=lengths) for platform in ("gpu", "tpu")}
     s = steps["gpu"].schedule
     more = ((SAMPLER_ROW_READS["gpu"][0] - SAMPLER_ROW_READS["tpu"][0]) * cfg.vocab_size * 2
-            + GPU_SAMPLER_SCRATCH_BYTES[0]) * s.decode_steps * s.slots
+            + sampler_scratch_bytes(cfg.vocab_size)) * s.decode_steps * s.slots
     assert SAMPLER_ROW_READS["tpu"][0] != SAMPLER_ROW_READS["gpu"][0]
     assert steps["gpu"].details["decode_bytes"] - steps["tpu"].details["decode_bytes"] == pytest.approx(more / 2)
     for platform, step in steps.items():
@@ -210,7 +210,7 @@ def test_the_engines_paged_step_costs_its_kernel_launches():
     per_layer, per_step = ENGINE_LAUNCHES["gpu"]
     launches = per_layer * cfg.num_layers + per_step
     read = flops.decode_bytes(cfg, s.decode_steps, s.key_reads) + (
-        SAMPLER_ROW_READS["gpu"][0] * cfg.vocab_size * 2 + GPU_SAMPLER_SCRATCH_BYTES[0]) * s.decode_steps * s.slots
+        SAMPLER_ROW_READS["gpu"][0] * cfg.vocab_size * 2 + sampler_scratch_bytes(cfg.vocab_size)) * s.decode_steps * s.slots
     bound = max(read / (1e11 * 0.25), flops.decode_flops(cfg, s.decode_tokens, s.key_reads) / (1e12 * 0.5))
     assert seconds["rollout_decode"] == pytest.approx(bound + launches * LAUNCH_S["gpu"][0] * s.decode_steps)
     assert f"{launches * LAUNCH_S['gpu'][0] * 1e3:.2f} ms" in why and "--decode-program" in why
