@@ -62,9 +62,9 @@ HOST_COPY_BYTES_PER_S = (10e9, "assumed, not measured: one device's copy of its 
 # read off that report's compiled steps (XLA:GPU with the top-p sampler kernel, sampling/filtering_gpu.sample_top_p,
 # and the gate/up kernel, models/mlp_gpu.py: 269 launches a token at 24 layers, 395 at 36, 10.5 a layer + 17, the
 # two shapes' kinds of kernel a layer now the same since the paged kernel stores a G = 7 group in place (before,
-# 0.5B's extra output slice a layer fitted 8.5 + 89); XLA:TPU 1,518 at 36 (0cef5cd) — one shape, so its split into
-# per layer and per step is GPU's proportion then), each at LAUNCH_S.
-ENGINE_LAUNCHES = {"gpu": (10.5, 17), "tpu": (38, 150), "cpu": (0, 0)}  # (per layer, per step)
+# 0.5B's extra output slice a layer fitted 8.5 + 89); XLA:TPU, v5e-qwen3b's step compiled at 36 and at 24 of its
+# layers (the same rows and pool; aadaa2a): 1,551 and 1,059, 41 a layer + 75 exactly), each at LAUNCH_S.
+ENGINE_LAUNCHES = {"gpu": (10.5, 17), "tpu": (41, 75), "cpu": (0, 0)}  # (per layer, per step)
 LAUNCH_S = {
     "gpu": (3e-6, "assumed, not yet measured: one kernel launch and its gap on a Hopper GPU without CUDA graphs "
                   "(benchmarks/device_decode_step.py measures it on the next lent GPU)"),
