@@ -33,6 +33,7 @@ import math
 import random
 
 from llds_jax.data.lengths import TrajectoryLengths, load_lengths
+from llds_jax.plan.collectives import collective_seconds
 from llds_jax.utils import flops
 
 # Fractions of peak the phases reach, per platform, and why (plan.efficiency_* override them).
@@ -375,10 +376,14 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     copy_rate, copy_why = HOST_COPY_BYTES_PER_S
     save_copy = state_bytes / (copy_rate * devices)  # every device its shard, at once
     save_write = state_bytes / (float(section.checkpoint_bytes_per_s) * hosts)  # in the background
+    collectives, collectives_why = collective_seconds(
+        config, model_cfg, platform=platform, hardware=hardware, devices=devices, hosts=hosts,
+        compute_bytes=compute_bytes, train_rows=train_rows, packing=packing, passes=passes, delta_every=delta_every)
     seconds = {
         "rollout_decode": decode_s, "rollout_prefill": prefill_s, "rollout_retrieval": retrieval_s,
-        "logprobs": passes * forward / forward_mesh_rate, "update": update_flops / mesh_rate,
-        "delta": forward / forward_mesh_rate / delta_every if delta_every else 0.0,
+        "logprobs": passes * forward / forward_mesh_rate + collectives["logprobs"],
+        "update": update_flops / mesh_rate + collectives["update"],
+        "delta": (forward / forward_mesh_rate / delta_every if delta_every else 0.0) + collectives["delta"],
     }
 
     def totals(part: dict[str, float]) -> dict[str, float]:
@@ -435,10 +440,12 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
                         + f" = {update_flops / forward:.2f} forwards (utils.flops.update_hardware_flops); the "
                         "matmul efficiency above is per hardware FLOP, measured under full remat and assumed "
                         "for every policy",
+        "collectives": collectives_why,
         "overlap": "none: phases run one after another, as the trainer runs them",
     }
     details = {"decode_bytes": decode_bytes, "decode_flops": decode_flops,
                "update_flops": update_flops, "forward_flops": forward, "logprob_passes": passes,
+               "collective_seconds": collectives,
                "trajectories_per_host": per_host, "mean_trajectory_tokens": sum(t.total for t in drawn) / len(drawn),
                "retrieval_queries_per_host": search["queries"]}
     return StepTime(seconds, assumptions, schedule, details, by_schedule, search["turn"])

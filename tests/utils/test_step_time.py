@@ -238,7 +238,7 @@ def test_mode_plan_writes_the_step_time_as_json(tmp_path):
     assert "step time, predicted" in stdout and "36-54 s" in stdout
     assert set(plan["step_time_s"]) >= {"rollout", "logprobs", "update", "delta", "checkpoint", "total"}
     assert plan["step_time_s"]["total"] > plan["step_time_s"]["update"] > 0
-    assert "matmul_efficiency" in plan["assumptions"]
+    assert "matmul_efficiency" in plan["assumptions"] and "none charged" in plan["assumptions"]["collectives"]
     # the mesh index: wiki-18 x E5 in bf16 over the 8 devices of one host, padded as MeshIndex pads
     assert plan["resident_bytes"]["retrieval_index"] == pytest.approx(-(-21_015_324 // 8) * 768 * 2, rel=1e-4)
     assert "retrieval index" in stdout and "plan.index_passages" in plan["assumptions"]["retrieval"]
