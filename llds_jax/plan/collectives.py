@@ -10,7 +10,9 @@ gathered weights) and reduce-scatters the gradients every micro-batch, the layer
 and the embedding and head's in fp32. Each gather starts one to four ops before the layer that uses it,
 inside the same loop trip, so none is assumed to hide behind compute: the charge is an upper bound until
 the compiled programs' overlap is measured. Gradients summed over a ``data`` axis are charged as a ring
-all-reduce of the device's gradient shard every micro-batch, beside the reduce-scatter.
+all-reduce of the device's gradient shard every micro-batch, beside the reduce-scatter. A ``tensor`` axis's
+activation all-reduces are not charged: of the paper configs only qwen7b has one (4 ways), so its
+prediction is short of them.
 
 Bytes are what one device receives (a ring's ``(n - 1) / n`` of the gathered or scattered buffer), at
 the chips' link bandwidth one way (``plan.retrieval.INTERCONNECT``: datasheets) — within a host for
