@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from llds_jax.plan.retrieval import INTERCONNECT
 from llds_jax.utils import flops
 
 # Weights gathered per micro-batch of each training pass (the compiled tiny programs above).
@@ -71,8 +72,6 @@ def micro_batches_per_pass(config, train_rows: int, packing) -> dict[str, int]:
 def link_rate(platform: str, hardware: str, hosts: int) -> tuple[float, str] | None:
     """The bandwidth a device's collectives run at, one way, and its source; None where the plan knows
     no link (a CPU plan's simulated devices share one host's memory: nothing is charged)."""
-    from llds_jax.plan.retrieval import INTERCONNECT  # noqa: PLC0415
-
     if platform == "cpu" or hardware not in INTERCONNECT:
         return None
     if platform == "gpu" and hosts > 1:
@@ -105,8 +104,8 @@ def collective_seconds(config, model_cfg, *, platform: str, hardware: str, devic
     text = (f"mesh {tuple(mesh_shape)}: a micro-batch's weight gather {traffic.gather / 1e9:.2f} GB a device "
             f"(compute dtype), gradient reduce-scatter {traffic.reduce_scatter / 1e9:.2f} GB (layers in the compute "
             f"dtype, embedding and head in fp32) + data all-reduce {traffic.all_reduce / 1e9:.2f} GB; "
-            f"{counts['update']} micro-batches an update (2 gathers each), {counts['logprobs']} a log-prob pass "
-            f"(1 gather); at {link / 1e9:.0f} GB/s one way ({why}); added to each phase, none overlapped: an upper "
+            f"{counts['update']} micro-batches an update ({GATHERS_PER_MICRO_BATCH['update']} gathers each), "
+            f"{counts['logprobs']} a log-prob pass ({GATHERS_PER_MICRO_BATCH['logprobs']} gather each); at {link / 1e9:.0f} GB/s one way ({why}); added to each phase, none overlapped: an upper "
             f"bound (XLA:GPU's compiled tiny FSDP programs start each layer's gather just before that layer: "
             f"plan/collectives.py): logprobs {seconds['logprobs']:.2f} s, update {seconds['update']:.2f} s, "
             f"delta {seconds['delta']:.2f} s")

@@ -21,15 +21,12 @@ from llds_jax.plan.run import make_plan
 from llds_jax.plan.targets import target_installed
 from llds_jax.utils import flops
 from tests.scale.test_plan import _tiny_config
-from tools.roofline._hlo_reading import callees, computation_blocks
+from tools.roofline._hlo_reading import callees, computation_blocks, loop_trips
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(bool(target_installed("gpu")), reason=target_installed("gpu") or "installed")]
 
-_WHILE = re.compile(r" while\(.*?body=%([\w.\-]+)")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _RESULT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (.*?) (all-gather-done|all-gather|reduce-scatter-done|reduce-scatter)\(")
-_BYTES = {"bf16": 2, "f32": 4}
 
 
 def _buffers(result: str, dtype: str) -> list[int]:
@@ -47,12 +44,8 @@ def per_micro_batch(hlo: str, collective: str, dtype: str) -> list[int]:
     """Element counts of every ``collective`` result of ``dtype`` one trip of the micro-batch loop produces,
     a nested loop's as often as its known trip count says."""
     blocks = computation_blocks(hlo)
-    trips: dict[str, int | None] = {}
-    for block in blocks.values():
-        for line in block.splitlines():
-            if body := _WHILE.search(line):
-                known = _TRIPS.search(line)
-                trips[body[1]] = int(known[1]) if known else None
+    trips = loop_trips(blocks)
+
     def reached(name: str) -> set[str]:
         inner = callees(blocks[name]) & blocks.keys()
         return inner.union(*(reached(callee) for callee in inner))

@@ -127,6 +127,17 @@ def as_entry(blocks: dict[str, str], entry: str) -> str:
     return "\n\n".join([f"HloModule {entry}_as_entry", *others, "ENTRY " + blocks[entry]]) + "\n"
 
 
+def loop_trips(blocks: dict[str, str]) -> dict[str, int | None]:
+    """Body → trip count of every while loop (None where XLA does not know it: a traced count);
+    ``blocks`` from :func:`computation_blocks`."""
+    trips = {}
+    for block in blocks.values():
+        for line in block.splitlines():
+            if body := _WHILE_BODY.search(line):
+                trips[body[1]] = int(known[1]) if (known := _TRIPS.search(line)) else None
+    return trips
+
+
 def known_trip_loops(blocks: dict[str, str]) -> list[tuple[str, str, int]]:
     """(computation holding it, body, trips) of every while loop whose trip count XLA knows;
     ``blocks`` from :func:`computation_blocks`."""
