@@ -2,21 +2,27 @@
 
 The trainer shards every weight over the mesh's ``fsdp`` (and ``tensor``) axes and replicates it over
 ``data`` (``parallel.rules``), so each pass over a micro-batch first gathers the weights it multiplies.
-What the compiled programs do, read off XLA:GPU's compile of the tiny model on 8 H100s (FSDP 8, bf16,
-compile-only: docs/performance.md, step time): every pass over a micro-batch all-gathers the weights in
-the compute dtype (each layer's inside the layer loop's body, the embedding and head's in the micro-batch
-loop); the update gathers them a second time in its backward (its remat keeps matmul outputs, not the
-gathered weights) and reduce-scatters the gradients every micro-batch, the layers' in the compute dtype
-and the embedding and head's in fp32. Each gather starts one to four ops before the layer that uses it,
-inside the same loop trip, so none is assumed to hide behind compute: the charge is an upper bound until
-the compiled programs' overlap is measured. Gradients summed over a ``data`` axis are charged as a ring
-all-reduce of the device's gradient shard every micro-batch, beside the reduce-scatter. A ``tensor`` axis's
-activation all-reduces are not charged: of the paper configs only qwen7b has one (4 ways), so its
-prediction is short of them.
+What the compiled programs move, read off XLA:GPU's compile of the tiny model on 8 H100s (FSDP 8, bf16,
+compile-only; ``tests/scale/test_plan_collectives.py``): every pass over a micro-batch all-gathers the
+weights in the compute dtype (each layer's inside the layer loop, the embedding and head's in the
+micro-batch loop); the update gathers them a second time in its backward (its remat keeps matmul outputs,
+not the gathered weights) and reduce-scatters the gradients every micro-batch, the layers' in the compute
+dtype and the embedding and head's in fp32. Gradients summed over a ``data`` axis are charged as a ring
+all-reduce of the device's gradient shard every micro-batch. A ``tensor`` axis's activation all-reduces are
+not charged: of the paper configs only qwen7b has one (4 ways), so its prediction is short of them.
+
+What is charged is what stays exposed. On a GPU the programs are compiled with
+``parallel.overlap.TRAINING_COMPILER_OPTIONS``, under which (the same test reads it) a forward's layer
+gathers and the update's layer reduce-scatters are pipelined across the layer loop's trips: each runs
+behind one trip's compute, so it costs only what it outlasts that trip by; the first layer's gather (peeled
+before the loop), the last layer's reduce-scatter (drained after it), the embedding's gather and fp32
+reduce-scatter, the backward's layer gathers and the data all-reduce stay exposed. Elsewhere (XLA:TPU's
+async collective fusions are not read yet) nothing is assumed to hide: an upper bound there.
 
 Bytes are what one device receives (a ring's ``(n - 1) / n`` of the gathered or scattered buffer), at
 the chips' link bandwidth one way (``plan.retrieval.INTERCONNECT``: datasheets) — within a host for
-GPUs, whose hosts are joined by a slower network (``GPU_NETWORK``) — and no efficiency below it.
+GPUs, whose hosts are joined by a slower network (``GPU_NETWORK``) — and no efficiency below it. Compute
+beside a collective is assumed not slowed by it (NCCL's kernels take a few SMs: unmeasured here).
 """
 
 from __future__ import annotations
@@ -37,9 +43,19 @@ GPU_NETWORK = (50e9, "8 x 400 Gb/s InfiniBand NDR a DGX H100/H200 host: 50 GB/s 
 class MicroBatchTraffic:
     """Bytes one device moves for one micro-batch's one pass over the weights."""
 
-    gather: float          # the weights' all-gather over fsdp, in the compute dtype
-    reduce_scatter: float  # the gradients' reduce-scatter over fsdp (update only)
-    all_reduce: float      # the gradient shard's all-reduce over data (update only)
+    layers_gather: float          # the layers' weights' all-gather over fsdp, in the compute dtype
+    embedding_gather: float       # the embedding's (and an untied head's), in the compute dtype
+    layers_reduce_scatter: float  # the layers' gradients' reduce-scatter over fsdp, compute dtype (update only)
+    embedding_reduce_scatter: float  # the embedding's (and head's) gradients', fp32 (update only)
+    all_reduce: float             # the gradient shard's all-reduce over data (update only)
+
+    @property
+    def gather(self) -> float:
+        return self.layers_gather + self.embedding_gather
+
+    @property
+    def reduce_scatter(self) -> float:
+        return self.layers_reduce_scatter + self.embedding_reduce_scatter
 
 
 def micro_batch_traffic(model_cfg, mesh_shape: tuple[int, int, int], compute_bytes: int) -> MicroBatchTraffic:
@@ -50,10 +66,12 @@ def micro_batch_traffic(model_cfg, mesh_shape: tuple[int, int, int], compute_byt
     data, fsdp, tensor = (int(n) for n in mesh_shape)
     layers = model_cfg.num_layers * flops.layer_weights(model_cfg)
     embedding = model_cfg.vocab_size * model_cfg.hidden_size * (1 if model_cfg.tie_embeddings else 2)
-    gathered = (layers + embedding) * compute_bytes / tensor
+    ring = (fsdp - 1) / fsdp / tensor
     gradients = (layers * compute_bytes + embedding * 4) / tensor
-    return MicroBatchTraffic(gather=gathered * (fsdp - 1) / fsdp,
-                             reduce_scatter=gradients * (fsdp - 1) / fsdp,
+    return MicroBatchTraffic(layers_gather=layers * compute_bytes * ring,
+                             embedding_gather=embedding * compute_bytes * ring,
+                             layers_reduce_scatter=layers * compute_bytes * ring,
+                             embedding_reduce_scatter=embedding * 4 * ring,
                              all_reduce=2 * gradients / fsdp * (data - 1) / data)
 
 
@@ -80,11 +98,14 @@ def link_rate(platform: str, hardware: str, hosts: int) -> tuple[float, str] | N
 
 
 def collective_seconds(config, model_cfg, *, platform: str, hardware: str, devices: int, hosts: int,
-                       compute_bytes: int, train_rows: int, packing, passes: int,
-                       delta_every: int) -> tuple[dict[str, float], str]:
-    """Seconds each training phase spends in its collectives (added to the phase: not overlapped), and
-    the assumption's text. ``passes``: the no-grad log-prob passes a step (π_old, π_ref);
-    ``delta_every``: the Δ forward's cadence (0: off)."""
+                       compute_bytes: int, train_rows: int, packing, passes: int, delta_every: int,
+                       compute_seconds: dict[str, float] | None = None) -> tuple[dict[str, float], str]:
+    """Seconds each training phase's collectives add to it (what compute does not hide), and the
+    assumption's text. ``passes``: the no-grad log-prob passes a step (π_old, π_ref); ``delta_every``: the
+    Δ forward's cadence (0: off); ``compute_seconds``: one pass's compute over the step's rows —
+    ``"forward"`` (a no-grad pass), ``"update_forward"`` and ``"update_backward"`` (the update's, split at
+    one forward) — which a pipelined collective runs behind, a layer trip at a time (none given: nothing
+    hides)."""
     from llds_jax.parallel.mesh import resolve_mesh_shape  # noqa: PLC0415
 
     mesh_shape = resolve_mesh_shape(tuple(config.mesh.shape), devices)
@@ -97,16 +118,41 @@ def collective_seconds(config, model_cfg, *, platform: str, hardware: str, devic
     traffic = micro_batch_traffic(model_cfg, mesh_shape, compute_bytes)
     counts = micro_batches_per_pass(config, train_rows, packing)
     link, why = rate
-    per_pass = {phase: counts[phase] * GATHERS_PER_MICRO_BATCH[phase] * traffic.gather for phase in counts}
-    per_pass["update"] += counts["update"] * (traffic.reduce_scatter + traffic.all_reduce)
-    seconds = {"logprobs": passes * per_pass["logprobs"] / link, "update": per_pass["update"] / link,
-               "delta": per_pass["delta"] / link / delta_every if delta_every else 0.0}
+    layers = int(model_cfg.num_layers)
+    pipelined = platform == "gpu" and compute_seconds is not None
+    gather, scatter = traffic.layers_gather / layers / link, traffic.layers_reduce_scatter / layers / link
+
+    def behind(collective: float, pass_seconds: float, micro: int) -> float:
+        """One micro-batch's layer collectives, one a trip: all exposed, or (pipelined) the first or last
+        one whole and every other one's excess over the trip it runs behind."""
+        if not pipelined:
+            return layers * collective
+        return collective + (layers - 1) * max(0.0, collective - pass_seconds / (micro * layers))
+
+    compute = compute_seconds or {}
+    micro = counts["logprobs"]
+    no_grad = micro * (traffic.embedding_gather / link + behind(gather, compute.get("forward", 0.0), micro))
+    micro = counts["update"]
+    update = micro * (2 * traffic.embedding_gather / link                       # forward and backward
+                      + behind(gather, compute.get("update_forward", 0.0), micro)
+                      + layers * gather                                         # the backward's: in its trip
+                      + behind(scatter, compute.get("update_backward", 0.0), micro)
+                      + (traffic.embedding_reduce_scatter + traffic.all_reduce) / link)
+    seconds = {"logprobs": passes * no_grad, "update": update,
+               "delta": no_grad / delta_every if delta_every else 0.0}
+    moved = {"logprobs": passes * counts["logprobs"] * traffic.gather / link,
+             "update": counts["update"] * (2 * traffic.gather + traffic.reduce_scatter + traffic.all_reduce) / link}
+    how = ("pipelined across the layer trips (parallel.overlap.TRAINING_COMPILER_OPTIONS): a forward's layer "
+           "gathers and the update's layer reduce-scatters cost what they outlast a trip's compute by; the "
+           "first gather, last reduce-scatter, the embedding's, the backward's layer gathers and the data "
+           "all-reduce exposed" if pipelined else
+           "added to each phase, none overlapped: an upper bound (XLA:TPU's async collective fusions not read)")
     text = (f"mesh {tuple(mesh_shape)}: a micro-batch's weight gather {traffic.gather / 1e9:.2f} GB a device "
             f"(compute dtype), gradient reduce-scatter {traffic.reduce_scatter / 1e9:.2f} GB (layers in the compute "
             f"dtype, embedding and head in fp32) + data all-reduce {traffic.all_reduce / 1e9:.2f} GB; "
             f"{counts['update']} micro-batches an update ({GATHERS_PER_MICRO_BATCH['update']} gathers each), "
-            f"{counts['logprobs']} a log-prob pass ({GATHERS_PER_MICRO_BATCH['logprobs']} gather each); at {link / 1e9:.0f} GB/s one way ({why}); added to each phase, none overlapped: an upper "
-            f"bound (XLA:GPU's compiled tiny FSDP programs start each layer's gather just before that layer: "
-            f"plan/collectives.py): logprobs {seconds['logprobs']:.2f} s, update {seconds['update']:.2f} s, "
-            f"delta {seconds['delta']:.2f} s")
+            f"{counts['logprobs']} a log-prob pass ({GATHERS_PER_MICRO_BATCH['logprobs']} gather each); at "
+            f"{link / 1e9:.0f} GB/s one way ({why}): π_old + π_ref {moved['logprobs']:.2f} s, update "
+            f"{moved['update']:.2f} s of link time; {how} (plan/collectives.py): logprobs "
+            f"{seconds['logprobs']:.2f} s, update {seconds['update']:.2f} s, delta {seconds['delta']:.2f} s")
     return seconds, text

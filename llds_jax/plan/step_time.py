@@ -378,7 +378,9 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     save_write = state_bytes / (float(section.checkpoint_bytes_per_s) * hosts)  # in the background
     collectives, collectives_why = collective_seconds(
         config, model_cfg, platform=platform, hardware=hardware, devices=devices, hosts=hosts,
-        compute_bytes=compute_bytes, train_rows=train_rows, packing=packing, passes=passes, delta_every=delta_every)
+        compute_bytes=compute_bytes, train_rows=train_rows, packing=packing, passes=passes, delta_every=delta_every,
+        compute_seconds={"forward": forward / forward_mesh_rate, "update_forward": forward / mesh_rate,
+                         "update_backward": (update_flops - forward) / mesh_rate})
     seconds = {
         "rollout_decode": decode_s, "rollout_prefill": prefill_s, "rollout_retrieval": retrieval_s,
         "logprobs": passes * forward / forward_mesh_rate + collectives["logprobs"],

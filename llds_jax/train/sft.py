@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from llds_jax.data.benchmarks import QARecord
 from llds_jax.models.logprobs import scored_positions
+from llds_jax.parallel.overlap import TRAINING_COMPILER_OPTIONS
 from llds_jax.parallel.rules import current_rules, use_rules
 from llds_jax.retrieval.hit import format_docs
 from llds_jax.rollout import protocol
@@ -198,7 +199,7 @@ class SFTStep:
         self._signatures = SignatureLog()
         self._step = jax.jit(self._signatures.counted("sft_step", self._update), in_shardings=(self.state_shardings, self.batch_shardings),
                              out_shardings=(self.state_shardings, NamedSharding(mesh, PartitionSpec())),
-                             donate_argnums=(0,))
+                             donate_argnums=(0,), compiler_options=TRAINING_COMPILER_OPTIONS)
 
     def _update(self, state: TrainState, batch: dict[str, jax.Array]):
         cfg = self.config

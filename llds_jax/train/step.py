@@ -22,7 +22,8 @@ The pieces are top-level pure functions that take their static settings (``StepS
 * a mini-batch's update (``mini_batch_update``) and the step's (``update``) — here.
 
 All three are ``jax.jit`` with ``in_shardings``/``out_shardings`` computed before the first
-call, and ``update`` donates the train state. Batch arrays are sharded over the batch axes
+call, and ``update`` donates the train state; on a GPU their FSDP collectives are pipelined across the
+layer loop's trips (``parallel.overlap.TRAINING_COMPILER_OPTIONS``). Batch arrays are sharded over the batch axes
 of the rules table (``("data", "fsdp")``); every micro-batch is re-constrained to that
 layout so each device works on its slice. The rules stay the model's: params and Adam
 moments use the same table the sampler reads, so no resharding happens between rollout and
@@ -46,6 +47,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from llds_jax.models import params_in_compute_dtype
+from llds_jax.parallel.overlap import TRAINING_COMPILER_OPTIONS
 from llds_jax.parallel.rules import ShardingRules, current_rules
 from llds_jax.rl.advantages import (
     TOKEN_LEVEL_ESTIMATORS,
@@ -204,16 +206,19 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
         pass_fn = _bind(packed_logprobs, graphdef, settings)
     log = SignatureLog()
     policy_logprobs = jax.jit(log.counted("policy_logprobs", pass_fn),
-                              in_shardings=(state_shardings.params, *token_sh), out_shardings=logp_sharding)
+                              in_shardings=(state_shardings.params, *token_sh), out_shardings=logp_sharding,
+                              compiler_options=TRAINING_COMPILER_OPTIONS)
     reference_logprobs = None
     if state_shardings.ref_params is not None:
         own = jax.jit(log.counted("reference_logprobs", pass_fn),
-                      in_shardings=(state_shardings.ref_params, *token_sh), out_shardings=logp_sharding)
+                      in_shardings=(state_shardings.ref_params, *token_sh), out_shardings=logp_sharding,
+                      compiler_options=TRAINING_COMPILER_OPTIONS)
         # π_ref laid out as π_θ (the usual case) runs π_old's program where its dtypes match: no second compile.
         reference_logprobs = (log.reusing("reference_logprobs", "policy_logprobs", policy_logprobs, own)
                               if state_shardings.ref_params == state_shardings.params else own)
     outputs_sharding = StepOutputs(batch_sharding(mesh, rules, 1), replicated, replicated)
     update_jit = jax.jit(log.counted("update", _bind(update, graphdef, settings)),
                          in_shardings=(state_shardings, batch_shardings),
-                         out_shardings=(state_shardings, replicated, outputs_sharding), donate_argnums=(0,))
+                         out_shardings=(state_shardings, replicated, outputs_sharding), donate_argnums=(0,),
+                         compiler_options=TRAINING_COMPILER_OPTIONS)
     return UpdateFns(policy_logprobs, reference_logprobs, update_jit, log)

@@ -26,10 +26,10 @@ def _config(mesh=(1, -1, 1)):
     return config
 
 
-def _seconds(config=None, *, platform="gpu", hardware="H100", devices=8, hosts=1, delta_every=1):
+def _seconds(config=None, *, platform="gpu", hardware="H100", devices=8, hosts=1, delta_every=1, compute=None):
     return collective_seconds(config or _config(), CFG, platform=platform, hardware=hardware, devices=devices,
                               hosts=hosts, compute_bytes=2, train_rows=64, packing=None, passes=2,
-                              delta_every=delta_every)
+                              delta_every=delta_every, compute_seconds=compute)
 
 
 def test_each_training_phase_pays_its_micro_batches_gathers_at_the_chips_link():
@@ -43,6 +43,32 @@ def test_each_training_phase_pays_its_micro_batches_gathers_at_the_chips_link():
     assert seconds["delta"] == pytest.approx(2 * traffic.gather / link)
     assert "upper bound" in why and "450 GB/s" in why
     assert _seconds(delta_every=4)[0]["delta"] == pytest.approx(seconds["delta"] / 4)
+
+
+def test_on_a_gpu_the_pipelined_collectives_cost_only_what_they_outlast_a_layer_trip_by():
+    traffic, link = micro_batch_traffic(CFG, (1, 8, 1), 2), INTERCONNECT["H100"][0]
+    layers = CFG.num_layers
+    gather, scatter = traffic.layers_gather / layers / link, traffic.layers_reduce_scatter / layers / link
+    ample = {"forward": 1.0, "update_forward": 1.0, "update_backward": 2.0}  # seconds a pass: every trip outlasts
+    hidden, why = _seconds(compute=ample)
+    # 2 log-prob micro-batches a pass: the embedding's gather and the first layer's (peeled) exposed
+    assert hidden["logprobs"] == pytest.approx(2 * 2 * (traffic.embedding_gather / link + gather))
+    assert hidden["delta"] == pytest.approx(hidden["logprobs"] / 2)
+    # 4 update micro-batches: + the backward's layer gathers whole, the last layer's reduce-scatter, the
+    # embedding's fp32 one
+    exposed = (2 * traffic.embedding_gather / link + gather + layers * gather + scatter
+               + traffic.embedding_reduce_scatter / link)
+    assert hidden["update"] == pytest.approx(4 * exposed) and "pipelined" in why
+    # with no compute to run behind, a pipelined collective costs what it did unpipelined
+    starved, _ = _seconds(compute={"forward": 0.0, "update_forward": 0.0, "update_backward": 0.0})
+    assert starved == pytest.approx(_seconds()[0])
+    # a trip shorter than its collective: the excess of every trip but the peeled one
+    short = {"forward": 2 * layers * gather / 2, "update_forward": 1.0, "update_backward": 2.0}  # half a gather a trip
+    assert _seconds(compute=short)[0]["logprobs"] == pytest.approx(
+        hidden["logprobs"] + 2 * 2 * (layers - 1) * gather / 2)
+    # XLA:TPU's overlap is not read: everything stays charged there
+    tpu, why = _seconds(platform="tpu", hardware="v5e", compute=ample)
+    assert tpu == pytest.approx(_seconds(platform="tpu", hardware="v5e")[0]) and "upper bound" in why
 
 
 def test_hosts_of_gpus_gather_over_their_network_and_cpus_or_one_device_pay_nothing():
