@@ -146,7 +146,8 @@ def collective_seconds(config, model_cfg, *, platform: str, hardware: str, devic
            "gathers and the update's layer reduce-scatters cost what they outlast a trip's compute by; the "
            "first gather, last reduce-scatter, the embedding's, the backward's layer gathers and the data "
            "all-reduce exposed" if pipelined else
-           "added to each phase, none overlapped: an upper bound (XLA:TPU's async collective fusions not read)")
+           "added to each phase, none overlapped: an upper bound ("
+           + ("XLA:TPU's async collective fusions not read)" if platform == "tpu" else "no compute to run behind)"))
     text = (f"mesh {tuple(mesh_shape)}: a micro-batch's weight gather {traffic.gather / 1e9:.2f} GB a device "
             f"(compute dtype), gradient reduce-scatter {traffic.reduce_scatter / 1e9:.2f} GB (layers in the compute "
             f"dtype, embedding and head in fp32) + data all-reduce {traffic.all_reduce / 1e9:.2f} GB; "
