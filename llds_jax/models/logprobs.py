@@ -103,6 +103,14 @@ def token_logprobs(hidden: jax.Array, table: jax.Array, targets: jax.Array, *, v
 
     body = functools.partial(_chunk_stats, temperature=temperature, with_entropy=with_entropy,
                              vocab_major=vocab_major)
+    # Every chunk multiplies the whole table, which is sharded over fsdp along its width: gathered here,
+    # before the chunks, not by each chunk. Left to XLA inside the scan, the table was gathered every chunk
+    # (and, in the update, gathered again and its gradient reduce-scattered every chunk): qwen3b's 15 chunks
+    # a row made 48 gathers and 16 reduce-scatters of the 0.6 GB table an update micro-batch on 8 H100s.
+    # Gathered here, a no-grad pass gathers it once (XLA hoists it out of the micro-batch loop) and an
+    # update micro-batch once, its gradient summed over the chunks in this layout and reduced once
+    # (tests/scale/test_plan_collectives.py reads the compiled programs).
+    table = constrain(table, ("vocab", None) if vocab_major else (None, "vocab"))
     if n_chunks == 1:
         # A lone chunk's logits die before the decoder's backward starts whether they are kept
         # or recomputed, so rematerialising them would only repeat the projection.

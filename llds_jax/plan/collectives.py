@@ -4,20 +4,23 @@ The trainer shards every weight over the mesh's ``fsdp`` (and ``tensor``) axes a
 ``data`` (``parallel.rules``), so each pass over a micro-batch first gathers the weights it multiplies.
 What the compiled programs move, read off XLA:GPU's compile of the tiny model on 8 H100s (FSDP 8, bf16,
 compile-only; ``tests/scale/test_plan_collectives.py``): every pass over a micro-batch all-gathers the
-weights in the compute dtype (each layer's inside the layer loop, the embedding and head's in the
-micro-batch loop); the update gathers them a second time in its backward (its remat keeps matmul outputs,
-not the gathered weights) and reduce-scatters the gradients every micro-batch, the layers' in the compute
-dtype and the embedding and head's in fp32. Gradients summed over a ``data`` axis are charged as a ring
-all-reduce of the device's gradient shard every micro-batch. A ``tensor`` axis's activation all-reduces are
-not charged: of the paper configs only qwen7b has one (4 ways), so its prediction is short of them.
+layers' weights in the compute dtype inside the layer loop; the update gathers them a second time in its
+backward (its remat keeps matmul outputs, not the gathered weights) and reduce-scatters their gradients
+every micro-batch in the compute dtype. The embedding (the LM head's table; ``models.logprobs`` gathers it
+before its chunks): a no-grad pass gathers it once in the compute dtype, hoisted out of its micro-batch
+loop; an update micro-batch all-reduces its gradient in fp32, and gathers it in fp32 (qwen3b's compiled
+update, read once: three fp32 ring passes over the table a micro-batch, charged). Gradients summed over a
+``data`` axis are charged as a ring all-reduce of the device's gradient shard every micro-batch. A
+``tensor`` axis's activation all-reduces are not charged: of the paper configs only qwen7b has one (4
+ways), so its prediction is short of them.
 
 What is charged is what stays exposed. On a GPU the programs are compiled with
 ``parallel.overlap.TRAINING_COMPILER_OPTIONS``, under which (the same test reads it) a forward's layer
 gathers and the update's layer reduce-scatters are pipelined across the layer loop's trips: each runs
 behind one trip's compute, so it costs only what it outlasts that trip by; the first layer's gather (peeled
-before the loop), the last layer's reduce-scatter (drained after it), the embedding's gather and fp32
-reduce-scatter, the backward's layer gathers and the data all-reduce stay exposed. Elsewhere (XLA:TPU's
-async collective fusions are not read yet) nothing is assumed to hide: an upper bound there.
+before the loop), the last layer's reduce-scatter (drained after it), the embedding's collectives, the
+backward's layer gathers and the data all-reduce stay exposed. Elsewhere nothing is assumed to hide
+(XLA:TPU's schedule is not read: its async collective fusions run some gathers beside a matmul).
 
 Bytes are what one device receives (a ring's ``(n - 1) / n`` of the gathered or scattered buffer), at
 the chips' link bandwidth one way (``plan.retrieval.INTERCONNECT``: datasheets) — within a host for
@@ -44,9 +47,9 @@ class MicroBatchTraffic:
     """Bytes one device moves for one micro-batch's one pass over the weights."""
 
     layers_gather: float          # the layers' weights' all-gather over fsdp, in the compute dtype
-    embedding_gather: float       # the embedding's (and an untied head's), in the compute dtype
+    embedding_gather: float       # the embedding's (and an untied head's), in the compute dtype: a no-grad pass
     layers_reduce_scatter: float  # the layers' gradients' reduce-scatter over fsdp, compute dtype (update only)
-    embedding_reduce_scatter: float  # the embedding's (and head's) gradients', fp32 (update only)
+    embedding_fp32: float         # one ring pass over the embedding (and head) in fp32 (update only, 3 a micro-batch)
     all_reduce: float             # the gradient shard's all-reduce over data (update only)
 
     @property
@@ -55,13 +58,13 @@ class MicroBatchTraffic:
 
     @property
     def reduce_scatter(self) -> float:
-        return self.layers_reduce_scatter + self.embedding_reduce_scatter
+        return self.layers_reduce_scatter
 
 
 def micro_batch_traffic(model_cfg, mesh_shape: tuple[int, int, int], compute_bytes: int) -> MicroBatchTraffic:
     """One micro-batch's collectives on a ``(data, fsdp, tensor)`` mesh: each device holds 1 / (fsdp ·
-    tensor) of every weight and gathers the rest of its tensor shard over fsdp; gradients come back the
-    same way, the embedding and head's in fp32, the layers' in the compute dtype. The matmuls' weights
+    tensor) of every weight and gathers the rest of its tensor shard over fsdp; the layers' gradients come
+    back the same way in the compute dtype, the embedding's in fp32 (module docstring). The matmuls' weights
     only: the norms' scales and the biases are gathered outside the micro-batch loop, in fp32 (Qwen2.5-3B: 0.24 M)."""
     data, fsdp, tensor = (int(n) for n in mesh_shape)
     layers = model_cfg.num_layers * flops.layer_weights(model_cfg)
@@ -71,7 +74,7 @@ def micro_batch_traffic(model_cfg, mesh_shape: tuple[int, int, int], compute_byt
     return MicroBatchTraffic(layers_gather=layers * compute_bytes * ring,
                              embedding_gather=embedding * compute_bytes * ring,
                              layers_reduce_scatter=layers * compute_bytes * ring,
-                             embedding_reduce_scatter=embedding * 4 * ring,
+                             embedding_fp32=embedding * 4 * ring,
                              all_reduce=2 * gradients / fsdp * (data - 1) / data)
 
 
@@ -131,26 +134,28 @@ def collective_seconds(config, model_cfg, *, platform: str, hardware: str, devic
 
     compute = compute_seconds or {}
     micro = counts["logprobs"]
-    no_grad = micro * (traffic.embedding_gather / link + behind(gather, compute.get("forward", 0.0), micro))
+    no_grad = traffic.embedding_gather / link + micro * behind(gather, compute.get("forward", 0.0), micro)
     micro = counts["update"]
-    update = micro * (2 * traffic.embedding_gather / link                       # forward and backward
-                      + behind(gather, compute.get("update_forward", 0.0), micro)
+    update = micro * (behind(gather, compute.get("update_forward", 0.0), micro)
                       + layers * gather                                         # the backward's: in its trip
                       + behind(scatter, compute.get("update_backward", 0.0), micro)
-                      + (traffic.embedding_reduce_scatter + traffic.all_reduce) / link)
+                      + (3 * traffic.embedding_fp32 + traffic.all_reduce) / link)
     seconds = {"logprobs": passes * no_grad, "update": update,
                "delta": no_grad / delta_every if delta_every else 0.0}
-    moved = {"logprobs": passes * counts["logprobs"] * traffic.gather / link,
-             "update": counts["update"] * (2 * traffic.gather + traffic.reduce_scatter + traffic.all_reduce) / link}
+    moved = {"logprobs": passes * (traffic.embedding_gather + counts["logprobs"] * traffic.layers_gather) / link,
+             "update": counts["update"] * (2 * traffic.layers_gather + traffic.layers_reduce_scatter
+                                           + 3 * traffic.embedding_fp32 + traffic.all_reduce) / link}
     how = ("pipelined across the layer trips (parallel.overlap.TRAINING_COMPILER_OPTIONS): a forward's layer "
            "gathers and the update's layer reduce-scatters cost what they outlast a trip's compute by; the "
            "first gather, last reduce-scatter, the embedding's, the backward's layer gathers and the data "
            "all-reduce exposed" if pipelined else
-           "added to each phase, none overlapped: an upper bound ("
-           + ("XLA:TPU's async collective fusions not read)" if platform == "tpu" else "no compute to run behind)"))
-    text = (f"mesh {tuple(mesh_shape)}: a micro-batch's weight gather {traffic.gather / 1e9:.2f} GB a device "
-            f"(compute dtype), gradient reduce-scatter {traffic.reduce_scatter / 1e9:.2f} GB (layers in the compute "
-            f"dtype, embedding and head in fp32) + data all-reduce {traffic.all_reduce / 1e9:.2f} GB; "
+           "added to each phase, none overlapped ("
+           + ("XLA:TPU's schedule not read)" if platform == "tpu" else "no compute to run behind)"))
+    text = (f"mesh {tuple(mesh_shape)}: a micro-batch's layer weight gather {traffic.layers_gather / 1e9:.2f} GB a "
+            f"device and gradient reduce-scatter {traffic.layers_reduce_scatter / 1e9:.2f} GB (compute dtype), the "
+            f"embedding's gather {traffic.embedding_gather / 1e9:.2f} GB once a no-grad pass and 3 x "
+            f"{traffic.embedding_fp32 / 1e9:.2f} GB fp32 an update micro-batch, data all-reduce "
+            f"{traffic.all_reduce / 1e9:.2f} GB; "
             f"{counts['update']} micro-batches an update ({GATHERS_PER_MICRO_BATCH['update']} gathers each), "
             f"{counts['logprobs']} a log-prob pass ({GATHERS_PER_MICRO_BATCH['logprobs']} gather each); at "
             f"{link / 1e9:.0f} GB/s one way ({why}): π_old + π_ref {moved['logprobs']:.2f} s, update "
