@@ -11,18 +11,19 @@ backward matmuls — the FSDP settings of NVIDIA's JAX-Toolbox GPU guide and Max
 What the compiled programs do with them (XLA:GPU, tiny FSDP-8 bf16 programs compiled from a CPU host:
 ``tests/scale/test_plan_collectives.py`` checks it, ``plan.collectives`` charges it):
 
-* the forward's layer gathers are pipelined: only the first layer's (peeled before the loop) and the
-  embedding's, gathered in the micro-batch loop, are exposed;
+* the forward's layer gathers are pipelined: only the first layer's (peeled before the loop) is exposed;
 * the update's backward gathers its layers' weights again inside each trip, just before that trip's
   recompute: these stay exposed (the pipeliner leaves the reversed scan's gathers where they are);
-* the gradients' reduce-scatters are pipelined: only the last trip's (drained after the loop) and the
-  embedding's fp32 one are exposed.
+* the gradients' reduce-scatters are pipelined: only the last trip's (drained after the loop) is exposed.
+
+The LM head's table is outside the layer loop (``models.logprobs`` gathers it before its chunks): its
+moves stay exposed either way.
 
 ``xla_gpu_enable_pipelined_all_reduce`` is needed for the reduce-scatter to move at all: with the other
 two alone the compiled backward trip still starts and finishes its reduce-scatter back to back (it shares
 the trip with a small bf16 all-reduce of the replicated biases' and norms' gradients). The cost: the
 pipeliner also peels one mini-batch of the update's outer loop, which doubles the update program's size
-and its compile time (qwen3b on 8 H100s: 16.6 → 33.3 s, once a run), and the programs hold the next
+and about doubles its compile time (once a run), and the programs hold the next
 layer's gathered weights beside the current ones (qwen3b's update 29.06 → 31.05 GB a device, from the
 plan). Double buffering (``xla_gpu_enable_while_loop_double_buffering``) was tried and not kept: it
 unrolls every loop twice and leaves the backward's gathers exposed all the same.

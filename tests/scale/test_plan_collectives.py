@@ -58,7 +58,7 @@ def per_micro_batch(hlo: str, collective: str, dtype: str) -> list[int]:
     traced = [body for body, count in trips.items() if count is None]  # the micro-batches, the head's chunks
     # the micro-batch loop; the update's twice: the collective pipeliner peels one mini-batch of the outer loop
     micro = [body for body in traced if not any(body in reached(other) for other in traced if other != body)]
-    assert 1 <= len(micro) <= 2, f"one outermost loop with a traced trip count (the micro-batches) expected: {trips}"
+    assert 1 <= len(micro) <= 2, f"the micro-batch loop (and its peeled copy) expected as the outermost traced loops: {trips}"
 
     def counts(name: str, times: int) -> list[int]:
         found = []
