@@ -7,10 +7,11 @@ Two numbers per question:
   lengths of Search-R1's released 3B policy (``data.lengths.reference_lengths``: the bundled copy of
   ``../shared/data/searchr1/reference_rollout_lengths.jsonl``, the same 3,250 trajectories in its order;
   length = first prompt + actions + feedback, action targets = action tokens). "Computed" is what
-  the decoder stack runs per training pass — π_old, π_ref, the update's forward and backward and
-  the Δ pass all read the same rows: padded, every trajectory × 4,096; packed, every row of every
+  the decoder stack runs per training pass: padded, every trajectory × 4,096; packed, every row of every
   used micro-batch (``train.packing.computed_tokens``), which depends on the data-parallel shards
-  a micro-batch's rows split over (one row per shard at ``train.micro_batch_tokens = 0``).
+  a micro-batch's rows split over (one row per shard at ``train.micro_batch_tokens = 0``): the
+  update's ("packed", each mini-batch in whole micro-batches) and a no-grad pass's ("packed_passes",
+  the same rows as one group: π_old, π_ref and Δ).
   The first 2,560 reference trajectories, in file order, make the step.
 * **CPU wall time** of π_old + the update on a mixed-length batch: the default job's shapes
   (``configs/cpu_smoke.py``: 8 trajectories, mini-batches of 4, micro-batches of 2, rows of 512)
@@ -29,7 +30,7 @@ from llds_jax.data.lengths import TrajectoryLengths
 def computed_over_useful(pieces: list[TrajectoryLengths], config, shards: int) -> dict:
     """Padded and packed decoder tokens ÷ real tokens for one step of ``config`` on ``pieces``."""
     from llds_jax.train.batch import padded_length, scored_positions_per_row  # noqa: PLC0415
-    from llds_jax.train.packing import computed_tokens, packing_sizes, plan_rows  # noqa: PLC0415
+    from llds_jax.train.packing import computed_tokens, one_group, packing_sizes, plan_rows  # noqa: PLC0415
 
     n = int(config.train.prompts_per_step) * int(config.rollout.n_samples)
     if len(pieces) < n:
@@ -42,6 +43,7 @@ def computed_over_useful(pieces: list[TrajectoryLengths], config, shards: int) -
     plan = plan_rows(np.minimum(lengths, width), actions, sizes)
     useful = int(lengths.sum())
     return {"padded": n * width / useful, "packed": computed_tokens(plan, sizes) / useful,
+            "packed_passes": computed_tokens(one_group(plan, sizes), sizes.whole_batch()) / useful,
             "rows": int(plan.rows_per_mini.sum()), "row_fill": useful / (int(plan.rows_per_mini.sum()) * width),
             "rows_per_micro_batch": sizes.rows, "micro_batches": int(plan.slots_per_mini.sum()),
             "trajectories": n, "mean_length": float(lengths.mean()), "max_length": int(lengths.max())}

@@ -78,12 +78,13 @@ def micro_batch_traffic(model_cfg, mesh_shape: tuple[int, int, int], compute_byt
                              all_reduce=2 * gradients / fsdp * (data - 1) / data)
 
 
-def micro_batches_per_pass(config, train_rows: int, packing) -> dict[str, int]:
-    """Micro-batches each pass computes over the step's ``train_rows``: packed rows ``packing.rows`` at a
-    time (every pass), or padded rows ``train.micro_batch_size`` (the update) and
-    ``train.logprob_batch_size`` (the no-grad passes) at a time."""
+def micro_batches_per_pass(config, train_rows: int, packing, pass_rows: int | None = None) -> dict[str, int]:
+    """Micro-batches each pass computes: packed rows ``packing.rows`` at a time (the update's ``train_rows``,
+    a no-grad pass's ``pass_rows``: the whole batch as one group), or padded rows ``train.micro_batch_size``
+    (the update) and ``train.logprob_batch_size`` (the no-grad passes) at a time."""
     if packing is not None:
-        update = logprobs = math.ceil(train_rows / int(packing.rows))
+        update = math.ceil(train_rows / int(packing.rows))
+        logprobs = math.ceil((train_rows if pass_rows is None else pass_rows) / int(packing.rows))
     else:
         update = math.ceil(train_rows / int(config.train.micro_batch_size))
         logprobs = math.ceil(train_rows / int(config.train.logprob_batch_size))
@@ -102,10 +103,12 @@ def link_rate(platform: str, hardware: str, hosts: int) -> tuple[float, str] | N
 
 def collective_seconds(config, model_cfg, *, platform: str, hardware: str, devices: int, hosts: int,
                        compute_bytes: int, train_rows: int, packing, passes: int, delta_every: int,
-                       compute_seconds: dict[str, float] | None = None) -> tuple[dict[str, float], str]:
+                       compute_seconds: dict[str, float] | None = None,
+                       pass_rows: int | None = None) -> tuple[dict[str, float], str]:
     """Seconds each training phase's collectives add to it (what compute does not hide), and the
     assumption's text. ``passes``: the no-grad log-prob passes a step (π_old, π_ref); ``delta_every``: the
-    Δ forward's cadence (0: off); ``compute_seconds``: one pass's compute over the step's rows —
+    Δ forward's cadence (0: off); ``train_rows`` / ``pass_rows``: the rows the update and a no-grad pass compute
+    (``pass_rows`` None: the update's); ``compute_seconds``: one pass's compute over its rows —
     ``"forward"`` (a no-grad pass), ``"update_forward"`` and ``"update_backward"`` (the update's, split at
     one forward) — which a pipelined collective runs behind, a layer trip at a time (none given: nothing
     hides)."""
@@ -119,7 +122,7 @@ def collective_seconds(config, model_cfg, *, platform: str, hardware: str, devic
     if mesh_shape[0] * mesh_shape[1] == 1:
         return zero, f"none: mesh {tuple(mesh_shape)} shards no weight over fsdp and sums no gradient over data"
     traffic = micro_batch_traffic(model_cfg, mesh_shape, compute_bytes)
-    counts = micro_batches_per_pass(config, train_rows, packing)
+    counts = micro_batches_per_pass(config, train_rows, packing, pass_rows)
     link, why = rate
     layers = int(model_cfg.num_layers)
     pipelined = platform == "gpu" and compute_seconds is not None

@@ -244,17 +244,19 @@ def attention_is_opaque(requested: str, platform: str) -> bool:
             or (platform == "tpu" and requested in ("auto", "splash")))
 
 
-def training_rows(trajectories: list[TrajectoryLengths], packing, length: int) -> tuple[int, int, float]:
-    """(rows, row length, attention pairs per row) the training passes compute for ``trajectories``:
-    packed rows (``train.packing.plan_rows``, first-fit decreasing within each mini-batch) when
-    ``packing`` is given, else one padded row of ``length`` each."""
+def training_rows(trajectories: list[TrajectoryLengths], packing, length: int) -> tuple[int, int, int, float]:
+    """(update rows, no-grad pass rows, row length, attention pairs of the whole batch) the training passes
+    compute for ``trajectories``: packed rows (``train.packing.plan_rows``, within each mini-batch; the
+    no-grad passes' the same rows as one group, ``packing.one_group``) when ``packing`` is given, else one
+    padded row of ``length`` each."""
     if packing is None:
-        return len(trajectories), length, float(flops.causal_pairs(length))
-    from llds_jax.train.packing import computed_tokens, plan_rows  # noqa: PLC0415
+        return len(trajectories), len(trajectories), length, len(trajectories) * float(flops.causal_pairs(length))
+    from llds_jax.train.packing import computed_tokens, one_group, plan_rows  # noqa: PLC0415
 
     plan = plan_rows([t.total for t in trajectories], [sum(t.actions) for t in trajectories], packing)
-    rows = computed_tokens(plan, packing) // packing.width
-    return rows, packing.width, sum(flops.causal_pairs(t.total) for t in trajectories) / rows
+    rows = (computed_tokens(plan, packing) // packing.width,
+            computed_tokens(one_group(plan, packing), packing.whole_batch()) // packing.width)
+    return *rows, packing.width, float(sum(flops.causal_pairs(t.total) for t in trajectories))
 
 
 def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, devices: int, hosts: int,
@@ -359,16 +361,20 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
         step_trajectories = step_lengths(config, lengths if lengths is not None else
                                          load_lengths(str(section.length_source)), trajectories,
                                          seed=int(config.seed))
-        train_rows, train_length, pairs = training_rows(step_trajectories, packing, train_length)
+        train_rows, pass_rows, train_length, pairs = training_rows(step_trajectories, packing, train_length)
         scored_per_row = packing.scored
         useful_tokens = sum(t.total for t in step_trajectories)
     else:
-        pairs, useful_tokens = float(flops.causal_pairs(train_length)), 0
-    forward = flops.forward_flops(model_cfg, train_rows, train_length, scored_per_row, pairs_per_row=pairs)
+        pass_rows, pairs, useful_tokens = train_rows, train_rows * float(flops.causal_pairs(train_length)), 0
+    # A no-grad pass (π_old, π_ref, Δ) over its rows; the update's own forward over the update's rows.
+    forward = flops.forward_flops(model_cfg, pass_rows, train_length, scored_per_row, pairs_per_row=pairs / pass_rows)
+    update_forward = flops.forward_flops(model_cfg, train_rows, train_length, scored_per_row,
+                                         pairs_per_row=pairs / train_rows)
     opaque = attention_is_opaque(str(config.model.attention), platform)
     head_chunked = scored_per_row > int(config.model.logprob_chunk_size)
     update_flops = flops.update_hardware_flops(model_cfg, train_rows, train_length, scored_per_row, model_cfg.remat,
-                                               pairs_per_row=pairs, opaque_attention=opaque, head_chunked=head_chunked)
+                                               pairs_per_row=pairs / train_rows, opaque_attention=opaque,
+                                               head_chunked=head_chunked)
     mesh_rate, forward_mesh_rate = peak.flops * matmul * devices, peak.flops * forward_rate * devices
     passes = 1 + int(float(config.rl.kl_coef) > 0)
     delta_every = int(config.train.delta_every) if config.train.delta_diagnostics else 0
@@ -378,9 +384,10 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
     save_write = state_bytes / (float(section.checkpoint_bytes_per_s) * hosts)  # in the background
     collectives, collectives_why = collective_seconds(
         config, model_cfg, platform=platform, hardware=hardware, devices=devices, hosts=hosts,
-        compute_bytes=compute_bytes, train_rows=train_rows, packing=packing, passes=passes, delta_every=delta_every,
-        compute_seconds={"forward": forward / forward_mesh_rate, "update_forward": forward / mesh_rate,
-                         "update_backward": (update_flops - forward) / mesh_rate})
+        compute_bytes=compute_bytes, train_rows=train_rows, pass_rows=pass_rows, packing=packing, passes=passes,
+        delta_every=delta_every,
+        compute_seconds={"forward": forward / forward_mesh_rate, "update_forward": update_forward / mesh_rate,
+                         "update_backward": (update_flops - update_forward) / mesh_rate})
     seconds = {
         "rollout_decode": decode_s, "rollout_prefill": prefill_s, "rollout_retrieval": retrieval_s,
         "logprobs": passes * forward / forward_mesh_rate + collectives["logprobs"],
@@ -425,11 +432,13 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
                    f"(rollout.sampler_devices), retrieval on a host thread, a batch in decode steps at the waves' "
                    f"{per_step * 1e3:.2f} ms a step ({retrieval_steps} for the waves' mean batch of {mean_call:.0f}); "
                    f"configured: rollout.engine={config.rollout.engine!r}",
-        "training_batch": f"{train_rows} {'packed' if packing is not None else 'padded'} rows x {train_length} "
-                          "tokens computed per pass" + (
-                              f" (packing.plan_rows on the drawn lengths: {useful_tokens:,} real tokens, "
-                              f"computed / real {train_rows * train_length / useful_tokens:.3f})"
-                              if packing is not None else ""),
+        "training_batch": (f"{train_rows} packed rows x {train_length} tokens computed by the update (each "
+                           f"mini-batch's rows in whole micro-batches) and {pass_rows} by each no-grad pass (the "
+                           f"same rows as one group, packing.one_group): packing.plan_rows on the drawn "
+                           f"lengths' {useful_tokens:,} real tokens, computed / real "
+                           f"{train_rows * train_length / useful_tokens:.3f} and "
+                           f"{pass_rows * train_length / useful_tokens:.3f}" if packing is not None else
+                           f"{train_rows} padded rows x {train_length} tokens computed per pass"),
         "update_flops": f"remat={model_cfg.remat!r} (model.remat; model.remat_gpu on a GPU): the update runs the forward once and the backward "
                         f"(2 forwards), {REMAT_RERUN[model_cfg.remat]}"
                         + ("" if not opaque or model_cfg.remat not in (*flops.REMAT_KEEPS_MATMULS,
@@ -439,14 +448,15 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
                         + (f"; the LM head's {scored_per_row} scored positions a row in chunks of "
                            f"{int(config.model.logprob_chunk_size)}, each checkpointed: their projection rerun"
                            if head_chunked else "")
-                        + f" = {update_flops / forward:.2f} forwards (utils.flops.update_hardware_flops); the "
+                        + f" = {update_flops / update_forward:.2f} forwards (utils.flops.update_hardware_flops); the "
                         "matmul efficiency above is per hardware FLOP, measured under full remat and assumed "
                         "for every policy",
         "collectives": collectives_why,
         "overlap": "none: phases run one after another, as the trainer runs them",
     }
     details = {"decode_bytes": decode_bytes, "decode_flops": decode_flops,
-               "update_flops": update_flops, "forward_flops": forward, "logprob_passes": passes,
+               "update_flops": update_flops, "forward_flops": forward, "update_forward_flops": update_forward,
+               "logprob_passes": passes, "train_rows": train_rows, "pass_rows": pass_rows,
                "collective_seconds": collectives,
                "trajectories_per_host": per_host, "mean_trajectory_tokens": sum(t.total for t in drawn) / len(drawn),
                "retrieval_queries_per_host": search["queries"]}

@@ -61,12 +61,15 @@ class TrainBatch(NamedTuple):
     group_ids: Any  # int32 [N]: GRPO group (prompt) id, global across hosts
     old_logp: Any = None  # float32 [N, T]: log π_old(x_t | x_<t), 0 at t = 0
     ref_logp: Any = None  # float32 [N, T]: log π_ref(x_t | x_<t), 0 at t = 0
-    # The same trajectories packed several to a row (``train.packing``): what the decoder passes
-    # read; the [N, T] arrays above stay the per-trajectory view the objective and diagnostics read.
+    # The same trajectories packed several to a row (``train.packing``), grouped by mini-batch: what the
+    # update reads; the [N, T] arrays above stay the per-trajectory view the objective and diagnostics read.
     packed: PackedRows | None = None
     # float32 [N, T]: the sampler's own log π(x_t | x_<t) on action tokens, carried only when
     # rl.rollout_correction needs it (None otherwise: the default batch is unchanged).
     sampler_logp: Any = None
+    # The same rows as one group (``packing.one_group``): what the no-grad passes (π_old, π_ref, Δ)
+    # read, rounded to a micro-batch once a step rather than once a mini-batch.
+    packed_passes: PackedRows | None = None
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, Any], *, length: int) -> TrainBatch:
@@ -123,29 +126,38 @@ class TrainBatch(NamedTuple):
             sharding = None if mesh is None else batch_sharding(mesh, rules, len(shape), shape)
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
+        def rows_of(sizes: PackingSizes | None):
+            if sizes is None:
+                return None
+            packed = PackedRows.abstract(sizes, n)
+            if mesh is None:
+                return packed
+            return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                packed, packed.shardings(mesh, rules))
+
         tok, row = (n, length), (n,)
-        packed = None
-        if packing is not None:
-            packed = PackedRows.abstract(packing, n)
-            if mesh is not None:
-                packed = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                                      packed, packed.shardings(mesh, rules))
         return cls(leaf(tok, jnp.int32), leaf(tok, jnp.bool_), leaf(tok, jnp.float32), leaf(tok, jnp.float32),
                    leaf(tok, jnp.int32), leaf(row, jnp.float32), leaf(row, jnp.float32), leaf(row, jnp.float32),
-                   leaf(row, jnp.int32), leaf(tok, jnp.float32), leaf(tok, jnp.float32) if with_ref else None, packed,
-                   leaf(tok, jnp.float32) if with_sampler else None)
+                   leaf(row, jnp.int32), leaf(tok, jnp.float32), leaf(tok, jnp.float32) if with_ref else None,
+                   packed=rows_of(packing), sampler_logp=leaf(tok, jnp.float32) if with_sampler else None,
+                   packed_passes=rows_of(packing and packing.whole_batch()))
 
     def shardings(self, mesh, rules: ShardingRules) -> TrainBatch:
         """The row sharding of every field of this (abstract or concrete) batch (packed rows: ``PackedRows.shardings``)."""
-        rows = jax.tree.map(lambda x: batch_sharding(mesh, rules, x.ndim, x.shape), self._replace(packed=None))
-        return rows._replace(packed=None if self.packed is None else self.packed.shardings(mesh, rules))
+        rows = jax.tree.map(lambda x: batch_sharding(mesh, rules, x.ndim, x.shape), self.unpacked())
+        packed = lambda p: None if p is None else p.shardings(mesh, rules)
+        return rows._replace(packed=packed(self.packed), packed_passes=packed(self.packed_passes))
+
+    def unpacked(self) -> TrainBatch:
+        """The per-trajectory fields only (every leaf [N, ...]): the packed rows dropped."""
+        return self._replace(packed=None, packed_passes=None)
 
     @property
     def logprob_inputs(self) -> tuple:
         """A log-prob pass's arguments after the params: (input_ids, attention_mask, action_mask), or
-        (packed rows, action_mask) for a packed batch (the action mask picks the positions it scores)."""
-        if self.packed is not None:
-            return self.packed, self.action_mask
+        (the passes' packed rows, action_mask) for a packed batch (the action mask picks the positions it scores)."""
+        if self.packed_passes is not None:
+            return self.packed_passes, self.action_mask
         return self.input_ids, self.attention_mask, self.action_mask
 
     @property

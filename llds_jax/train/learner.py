@@ -49,7 +49,15 @@ from llds_jax.rl.rollout_correction import correction_metrics
 from llds_jax.sampling import placement
 from llds_jax.train.batch import TrainBatch, check_action_tokens, padded_length
 from llds_jax.train.checkpoint import Checkpointer, Restored, resume
-from llds_jax.train.packing import PackingSizes, action_targets, pack, pack_on_device, place, plan_rows
+from llds_jax.train.packing import (
+    PackingSizes,
+    action_targets,
+    one_group,
+    pack_both,
+    pack_on_device,
+    place,
+    plan_rows,
+)
 from llds_jax.train.packing import trajectory_lengths as packed_lengths
 from llds_jax.train.signatures import SignatureLog
 from llds_jax.train.state import TrainState
@@ -151,8 +159,8 @@ class Learner:
     # The jitted step reductions, by (action slots, with Δ): built on first use (step_reductions).
     reductions: dict = dataclasses.field(default_factory=dict)
     reduction_signatures: SignatureLog = dataclasses.field(default_factory=SignatureLog)
-    # Several hosts: the jitted packing scatter (``pack_across_hosts``), built on first use.
-    packer: Any = None
+    # Several hosts: the jitted packing scatters, one per grouping (``pack_across_hosts``), built on first use.
+    packers: Any = None
 
     @classmethod
     def create(cls, model: nnx.Module, config, mesh, ref_model: nnx.Module | None = None,
@@ -293,35 +301,45 @@ class Learner:
                              "(TrainBatch.from_rollout(..., with_sampler_logp=...))")
         host = host._replace(old_logp=None, ref_logp=None)
         if self.packing is not None and jax.process_count() == 1:
-            host = host._replace(packed=pack(host.input_ids, host.attention_mask, host.action_mask, self.packing))
+            packed, packed_passes = pack_both(host.input_ids, host.attention_mask, host.action_mask, self.packing)
+            host = host._replace(packed=packed, packed_passes=packed_passes)
         shardings = self.batch_shardings._replace(old_logp=None, ref_logp=None)
         with jax.set_mesh(self.mesh), use_rules(self.rules):  # the table the step was built with
             if jax.process_count() == 1:
                 return jax.device_put(host, shardings)
-            batch = distributed.global_batch_from_host_rows(host, shardings._replace(packed=None), n)
+            batch = distributed.global_batch_from_host_rows(host, shardings.unpacked(), n)
             if self.packing is None:
                 return batch
-            return batch._replace(packed=self.pack_across_hosts(host, batch, rows, n))
+            return self.pack_across_hosts(host, batch, rows, n)
 
-    def pack_across_hosts(self, host: TrainBatch, batch: TrainBatch, rows: slice, n: int):
-        """Several hosts: the packed rows of the global ``batch`` from this host's ``host`` rows (a collective).
+    def pack_across_hosts(self, host: TrainBatch, batch: TrainBatch, rows: slice, n: int) -> TrainBatch:
+        """Several hosts: ``batch`` with its packed rows (both groupings), from this host's ``host`` rows (a collective).
 
         Only the lengths and action-target counts travel between hosts (``gather_host_rows``: 2 int32
         per trajectory); every host then plans and places the whole batch identically — first-fit
-        decreasing within each mini-batch, the one-host plan — and ``pack_on_device`` scatters each
-        trajectory's tokens, already on its host's devices, into rows that span every host's devices.
+        decreasing within each mini-batch, the one-host plan, and its rows as one group for the no-grad
+        passes — and ``pack_on_device`` scatters each trajectory's tokens, already on its host's devices,
+        into rows that span every host's devices.
         """
         counts = np.stack([packed_lengths(host.attention_mask), action_targets(host.action_mask).sum(axis=1)], axis=1)
         every = distributed.gather_host_rows(counts.astype(np.int32), rows, n)
-        where = place(plan_rows(every[:, 0], every[:, 1], self.packing), self.packing)
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         put = lambda x: jax.make_array_from_callback(x.shape, replicated, lambda index: x[index])
-        if self.packer is None:
-            sizes = self.packing
-            fn = lambda ids, actions, lengths, placed: pack_on_device(ids, actions, lengths, placed, sizes)
-            self.packer = jax.jit(self.reduction_signatures.counted("pack_rows", fn),
-                                  out_shardings=self.batch_shardings.packed)
-        return self.packer(batch.input_ids, batch.action_mask, put(every[:, 0]), jax.tree.map(put, where))
+        if self.packers is None:  # one program per grouping (their slot counts may differ)
+            def packer(name: str, sizes: PackingSizes, out_shardings):
+                fn = lambda ids, actions, lengths, placed: pack_on_device(ids, actions, lengths, placed, sizes)
+                return sizes, jax.jit(self.reduction_signatures.counted(name, fn), out_shardings=out_shardings)
+
+            self.packers = {"packed": packer("pack_rows", self.packing, self.batch_shardings.packed),
+                            "packed_passes": packer("pack_pass_rows", self.packing.whole_batch(),
+                                                    self.batch_shardings.packed_passes)}
+        plan = plan_rows(every[:, 0], every[:, 1], self.packing)
+        plans = {"packed": plan, "packed_passes": one_group(plan, self.packing)}
+        out = {}
+        for field, (sizes, fn) in self.packers.items():
+            where = place(plans[field], sizes)
+            out[field] = fn(batch.input_ids, batch.action_mask, put(every[:, 0]), jax.tree.map(put, where))
+        return batch._replace(**out)
 
     def update(self, batch: TrainBatch) -> tuple[dict[str, float], dict[str, Any]]:
         """π_old, π_ref, then the sequential mini-batch updates. Returns (step metrics, extras).

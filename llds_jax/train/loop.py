@@ -150,12 +150,11 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
                                              with_sampler_logp=config.rl.rollout_correction != "none")
         update_metrics, extra = learner.update(learner.upload(host_batch))
         metrics.update(update_metrics)
-        rows, length, scored, pairs = computed_rows(learner, extra["batch"], rollout.lengths)
         metrics.update(step_utilisation(
-            learner.model_config, config, metrics=metrics, rollout_timings=rollout.timings, rows=rows, length=length,
-            scored_per_row=scored, logprob_passes=extra["logprob_passes"], mesh_devices=learner.mesh.size,
-            sampler_devices=device_count(policy[1]), weight_bytes=jax.tree.leaves(policy[1])[0].dtype.itemsize,
-            pairs_per_row=pairs))
+            learner.model_config, config, metrics=metrics, rollout_timings=rollout.timings,
+            computed=computed_rows(learner, extra["batch"], rollout.lengths), logprob_passes=extra["logprob_passes"],
+            mesh_devices=learner.mesh.size, sampler_devices=device_count(policy[1]),
+            weight_bytes=jax.tree.leaves(policy[1])[0].dtype.itemsize))
         with_delta = config.train.delta_diagnostics and step % config.train.delta_every == 0
         sums, gap_metrics = learner.step_reductions(extra["batch"], rollout.sampler_logprobs, slots,
                                                     with_delta=with_delta)  # per-action sums, on device

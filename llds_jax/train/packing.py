@@ -23,6 +23,10 @@ variable-length flash attention and a per-GPU token budget; we keep static shape
   lengths, and no compute on unused slots. Bucketed counts would compile one program per bucket
   and still compute the bucket's padding; a while loop costs neither (the update's gradient is
   taken inside the loop body, so nothing differentiates through the loop).
+* **Two groupings.** Only the update needs the mini-batches: π_old, π_ref and the Δ pass take no
+  gradient, so they read the same rows laid end to end as one group (``one_group``,
+  ``PackingSizes.whole_batch``, ``TrainBatch.packed_passes``) and round to a micro-batch once a
+  step instead of once a mini-batch. Same rows, so no second plan and no second set of numbers.
 * **Layout.** Packed arrays are ``[slots, rows, width]`` with the rows axis sharded over the data
   axes, so indexing a micro-batch (axis 0) is local to every device. Per trajectory, ``slot``,
   ``row`` and ``score_start`` say where its action targets sit in the packed LM-head output
@@ -68,6 +72,10 @@ class PackingSizes:
     @property
     def micro_batch_tokens(self) -> int:
         return self.rows * self.width
+
+    def whole_batch(self) -> PackingSizes:
+        """These shapes with the step as one group: the no-grad passes' (π_old, π_ref, Δ; ``one_group``)."""
+        return dataclasses.replace(self, mini_batches=1, mini_batch_size=self.mini_batches * self.mini_batch_size)
 
 
 def packing_sizes(config, width: int, scored: int, data_parallel: int) -> PackingSizes:
@@ -247,6 +255,23 @@ class Placement(NamedTuple):
     mini_count: np.ndarray  # [num_mini] slots each mini-batch uses
 
 
+def one_group(plan: RowPlan, sizes: PackingSizes) -> RowPlan:
+    """``plan``'s rows, every mini-batch's, end to end as one group (``sizes.whole_batch()``'s plan).
+
+    Why: each mini-batch computes whole micro-batches, so the update rounds every mini-batch's rows up to
+    a micro-batch — the paper config's mini-batch of 256 trajectories fills ≈ 47 rows of 4,096, 3
+    micro-batches of 16 on 8 H100s but one of 64 rows on v5e:8x8, where a step's 10 mini-batches compute
+    640 rows for ≈ 470 used. The no-grad passes have no mini-batch to respect: the same rows regrouped
+    round once a step (v5e:8x8: 512 rows; 8 H100s: 480 either way). Only the grouping changes — each
+    trajectory keeps its row-mates, offset and scored slots, so a pass computes the rows the update does.
+    """
+    first_row = np.concatenate([[0], np.cumsum(plan.rows_per_mini)[:-1]]).astype(np.int64)
+    mini = np.arange(len(plan.row)) // sizes.mini_batch_size
+    rows = int(plan.rows_per_mini.sum())
+    return RowPlan(plan.row + first_row[mini], plan.offset, plan.score_start, np.array([rows], np.int64),
+                   np.array([-(-rows // sizes.rows)], np.int64))
+
+
 def place(plan: RowPlan, sizes: PackingSizes) -> Placement:
     """The slots, rows, offsets and segment ids of ``plan``: a mini-batch's rows fill its micro-batches in order."""
     first = np.concatenate([[0], np.cumsum(plan.slots_per_mini)[:-1]]).astype(np.int64)
@@ -269,12 +294,15 @@ def action_targets(action_mask: np.ndarray) -> np.ndarray:
 
 
 def pack(input_ids: np.ndarray, attention_mask: np.ndarray, action_mask: np.ndarray,
-         sizes: PackingSizes) -> PackedRows:
-    """Host packing of a right-padded, token-aligned batch ([N, T] numpy) into ``PackedRows``."""
+         sizes: PackingSizes, plan: RowPlan | None = None) -> PackedRows:
+    """Host packing of a right-padded, token-aligned batch ([N, T] numpy) into ``PackedRows``.
+
+    ``plan``: rows already planned for these trajectories and ``sizes`` (e.g. ``one_group``'s); by
+    default ``plan_rows``'."""
     input_ids = np.asarray(input_ids)
     lengths = trajectory_lengths(attention_mask)
     targets = action_targets(action_mask)
-    where = place(plan_rows(lengths, targets.sum(axis=1), sizes), sizes)
+    where = place(plan_rows(lengths, targets.sum(axis=1), sizes) if plan is None else plan, sizes)
     s, p = sizes.slots, sizes.rows
     ids = np.zeros((s, p, sizes.width), np.int32)
     segments = np.zeros((s, p, sizes.width), np.int32)
@@ -287,6 +315,14 @@ def pack(input_ids: np.ndarray, attention_mask: np.ndarray, action_mask: np.ndar
         scores[at][start:start + len(columns)] = off + columns
     return PackedRows(ids, segments, scores, where.slot, where.row, where.score_start, where.mini_first,
                       where.mini_count)
+
+
+def pack_both(input_ids: np.ndarray, attention_mask: np.ndarray, action_mask: np.ndarray,
+              sizes: PackingSizes) -> tuple[PackedRows, PackedRows]:
+    """(the update's rows, the no-grad passes' ``one_group`` of them) of a batch, from one ``plan_rows``."""
+    plan = plan_rows(trajectory_lengths(attention_mask), action_targets(action_mask).sum(axis=1), sizes)
+    return (pack(input_ids, attention_mask, action_mask, sizes, plan),
+            pack(input_ids, attention_mask, action_mask, sizes.whole_batch(), one_group(plan, sizes)))
 
 
 def computed_tokens(plan: RowPlan, sizes: PackingSizes) -> int:

@@ -158,7 +158,7 @@ def update(graphdef, settings: StepSettings, state: TrainState, batch: TrainBatc
     advantages, row_advantages = _advantages(batch, rl_cfg)
     advantages = constrain_rows(advantages, settings.rules)
     packed = batch.packed
-    minis = split_rows((batch._replace(packed=None), advantages), sizes.num_mini_batches)
+    minis = split_rows((batch.unpacked(), advantages), sizes.num_mini_batches)
     on_policy = jnp.arange(sizes.num_mini_batches) == 0  # θ = θ_old only before the first update
     packed_minis = None
     if packed is not None:  # each mini-batch's trajectories' places, and its micro-batch slots
@@ -190,8 +190,9 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
                      rules: ShardingRules | None = None, packing: PackingSizes | None = None) -> UpdateFns:
     """Jit the three functions of a step with explicit shardings; call them under ``jax.set_mesh(mesh)``.
 
-    ``packing`` (``train.packing``): the decoder passes read ``batch.packed`` (several trajectories per
-    row) and loop over the used micro-batches; ``batch_shardings.packed`` must be set.
+    ``packing`` (``train.packing``): the decoder passes read packed rows (several trajectories per row) and
+    loop over the used micro-batches — the update ``batch.packed``, π_old / π_ref ``batch.packed_passes`` (the
+    whole batch as one group); ``batch_shardings`` must carry both.
     """
     rules = rules or current_rules()
     settings = StepSettings.from_config(config, mesh, rules, packing)
@@ -200,9 +201,9 @@ def build_update_fns(graphdef, state_shardings: TrainState, batch_shardings: Tra
     token_sh = (batch_shardings.input_ids, batch_shardings.attention_mask, batch_shardings.action_mask)
     pass_fn = _bind(logprobs, graphdef, settings)
     if packing is not None:
-        if batch_shardings.packed is None:
-            raise ValueError("build_update_fns(packing=...) needs batch_shardings with packed rows")
-        token_sh = (batch_shardings.packed, batch_shardings.action_mask)
+        if batch_shardings.packed is None or batch_shardings.packed_passes is None:
+            raise ValueError("build_update_fns(packing=...) needs batch_shardings with both packed groupings")
+        token_sh = (batch_shardings.packed_passes, batch_shardings.action_mask)
         pass_fn = _bind(packed_logprobs, graphdef, settings)
     log = SignatureLog()
     policy_logprobs = jax.jit(log.counted("policy_logprobs", pass_fn),

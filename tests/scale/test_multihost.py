@@ -119,8 +119,10 @@ def test_trainer_update_step_in_two_processes_equals_one_process(tmp_path):
     # plan, so the same micro-batches — and scatter their own rows' tokens into rows spanning both hosts.
     assert learner.packing is not None
     want_counts = np.asarray(extra["batch"].packed.mini_count)
+    want_pass_count = np.asarray(extra["batch"].packed_passes.mini_count)  # the no-grad passes' one group
     for h in hosts:
         np.testing.assert_array_equal(h["mini_count"], want_counts)
+        np.testing.assert_array_equal(h["pass_count"], want_pass_count)
         assert h["compiles"].max() <= 1, "a jitted function compiled twice in one step"
     # Log-probs are computed on action targets only: compare where the objective reads.
     action = np.asarray(arrays["action_mask"]) > 0  # [N, SEQ]: every real token lies in these columns

@@ -39,10 +39,11 @@ def main(out_dir: str) -> None:
     packed = extra["batch"].packed
     assert packed is not None and learner.packing is not None, "two hosts must pack too"
     mini_count = distributed.fetch_to_host(packed.mini_count)
+    pass_count = distributed.fetch_to_host(extra["batch"].packed_passes.mini_count)
     out = Path(out_dir)
     np.savez(out / f"host_{jax.process_index()}.npz", rows=np.array([rows.start, rows.stop]),
              advantages=extra["advantages"], old_logp=extra["old_logp"], logp_now=logp_now,
-             mini_count=mini_count, compiles=np.array(sorted(learner.compile_counts().values())))
+             mini_count=mini_count, pass_count=pass_count, compiles=np.array(sorted(learner.compile_counts().values())))
     if distributed.is_main_process():
         np.savez(out / "metrics.npz", **extra["per_mini_batch"])
         np.savez(out / "params.npz", *params)

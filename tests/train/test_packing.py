@@ -26,7 +26,17 @@ from llds_jax.parallel.mesh import make_mesh
 from llds_jax.parallel.placement import shard_model
 from llds_jax.train.batch import TrainBatch, padded_length, scored_positions_per_row
 from llds_jax.train.learner import Learner
-from llds_jax.train.packing import PackingSizes, pack, pack_on_device, packing_sizes, place, plan_rows
+from llds_jax.train.packing import (
+    PackingSizes,
+    computed_tokens,
+    one_group,
+    pack,
+    pack_both,
+    pack_on_device,
+    packing_sizes,
+    place,
+    plan_rows,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -73,6 +83,28 @@ def test_the_device_scatter_packs_exactly_what_the_host_packer_does():
         arrays["input_ids"], arrays["action_mask"], lengths.astype(np.int32), where)
     for name, a, b in zip(want._fields, want, got, strict=True):
         np.testing.assert_array_equal(np.asarray(b), a, err_msg=name)
+
+
+def test_the_no_grad_passes_read_the_same_rows_as_one_group():
+    """π_old, π_ref and Δ take no gradient, so their micro-batches ignore the mini-batches: 16 trajectories
+    of 10 tokens fit 3 to a 32-token row; two mini-batches of 8 fill 3 rows each, 2 micro-batches of 2 rows
+    each (8 rows computed), while the same 6 rows as one group make 3 micro-batches (6 rows computed)."""
+    sizes = _sizes()  # rows of 32 tokens, 2 a micro-batch, 2 mini-batches of 8
+    whole = sizes.whole_batch()
+    assert (whole.mini_batches, whole.mini_batch_size, whole.rows, whole.width) == (1, 16, 2, 32)
+    plan = plan_rows(np.full(16, 10), np.ones(16), sizes)
+    assert computed_tokens(plan, sizes) == 8 * 32 and computed_tokens(one_group(plan, sizes), whole) == 6 * 32
+
+    arrays = mixed_rollout(seed=3, n=16, length=32)
+    update, passes = pack_both(arrays["input_ids"], arrays["attention_mask"], arrays["action_mask"], sizes)
+    assert passes.mini_first.tolist() == [0] and passes.mini_count.sum() <= update.mini_count.sum()
+    flat = lambda x: x.reshape(-1, x.shape[-1])  # [S, P, ·] → rows in slot order
+    held = np.flatnonzero((flat(update.segment_ids) > 0).any(axis=1))  # the update's used rows, in order
+    assert (flat(passes.segment_ids)[:len(held)] > 0).any(axis=1).all() and not flat(passes.segment_ids)[len(held):].any()
+    for name in ("input_ids", "segment_ids", "score_positions"):  # the same rows, end to end
+        np.testing.assert_array_equal(flat(getattr(passes, name))[:len(held)], flat(getattr(update, name))[held],
+                                      err_msg=name)
+    np.testing.assert_array_equal(passes.score_start, update.score_start)
 
 
 @pytest.mark.parametrize(("tokens", "shards", "rows"), [
@@ -316,6 +348,7 @@ def test_packed_passes_compile_once_while_lengths_and_micro_batch_counts_vary():
         host = TrainBatch.from_arrays(arrays, length=learner.seq_len)
         device = learner.upload(host)
         counts.append(int(np.asarray(device.packed.mini_count).sum()))
+        assert int(np.asarray(device.packed_passes.mini_count).sum()) <= counts[-1]  # one group: no more rows
         learner.update(device)
     assert len(set(counts)) > 1, f"the steps used the same number of micro-batches {counts}: nothing varied"
     assert learner.compile_counts() == {"policy_logprobs": 1, "update": 1, "reference_logprobs": 1}

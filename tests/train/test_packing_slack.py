@@ -93,7 +93,7 @@ def test_the_reference_step_on_8_shards_computes_fewer_tokens_than_first_fit_alo
     from llds_jax.data.lengths import load_lengths
     from llds_jax.plan.step_time import step_lengths
     from llds_jax.train.batch import padded_length, scored_positions_per_row
-    from llds_jax.train.packing import packing_sizes
+    from llds_jax.train.packing import one_group, packing_sizes
 
     path = Path(__file__).resolve().parents[2] / "configs" / "qwen3b.py"
     spec = importlib.util.spec_from_file_location("qwen3b", path)
@@ -111,6 +111,14 @@ def test_the_reference_step_on_8_shards_computes_fewer_tokens_than_first_fit_alo
     assert sum(-(-r // sizes.rows) for r in first_fit) * sizes.rows == 544
     assert computed_tokens(plan, sizes) == 480 * width
     _check_rows(plan, lengths, targets, sizes)
+    # π_old, π_ref and Δ read the same 470 rows as one group: 480 computed here too, but 512 rather than
+    # 640 where a micro-batch is one row on each of 64 shards (v5e:8x8), a mini-batch's ≈ 47 rows rounding to 64.
+    assert int(plan.rows_per_mini.sum()) == 470
+    assert computed_tokens(one_group(plan, sizes), sizes.whole_batch()) == 480 * width
+    sizes = packing_sizes(config, width, scored_positions_per_row(config, width), data_parallel=64)
+    plan = plan_rows(lengths, targets, sizes)
+    assert (computed_tokens(plan, sizes), computed_tokens(one_group(plan, sizes), sizes.whole_batch())) == (
+        640 * width, 512 * width)
 
 
 def test_pack_lays_the_minimum_slack_rows_out_token_for_token():

@@ -70,8 +70,9 @@ def test_overrides_replace_the_datasheet_and_say_so():
 
 
 def test_mfu_of_packed_rows_counts_the_used_micro_batches_and_in_segment_attention():
-    """A step whose 2 mini-batches used 2 + 1 micro-batches of 4 packed rows of 64 tokens: 12 rows,
-    attention only inside each trajectory (lengths 10, 20, 30 here)."""
+    """A step whose 2 mini-batches used 2 + 1 micro-batches of 4 packed rows of 64 tokens (12 rows) and
+    whose no-grad passes, packing the batch as one group, used 2 (8 rows); attention only inside each
+    trajectory (lengths 10, 20, 30 here), the same pairs whatever rows hold them."""
     from types import SimpleNamespace
 
     from llds_jax.config import base_config
@@ -82,15 +83,19 @@ def test_mfu_of_packed_rows_counts_the_used_micro_batches_and_in_segment_attenti
     config.train.peak_flops, config.train.peak_bytes_per_s = 1e12, 1e11
     packing = PackingSizes(width=64, rows=4, scored=8, mini_batches=2, mini_batch_size=4)
     learner = SimpleNamespace(packing=packing, config=config)
-    batch = SimpleNamespace(packed=SimpleNamespace(mini_count=np.array([2, 1], np.int32)))
-    rows, length, scored, pairs = computed_rows(learner, batch, [10, 20, 30])
-    assert (rows, length, scored) == (12, 64, 8) and pairs == (55 + 210 + 465) / 12
+    batch = SimpleNamespace(packed=SimpleNamespace(mini_count=np.array([2, 1], np.int32)),
+                            packed_passes=SimpleNamespace(mini_count=np.array([2], np.int32)))
+    computed = computed_rows(learner, batch, [10, 20, 30])
+    pairs = 55 + 210 + 465
+    assert computed == (12, 8, 64, 8, pairs)  # the update's 3 micro-batches of 4 rows, a no-grad pass's 2
     cfg = tiny_config("qwen2")
     macs = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
-    forward = 12 * (2 * 2 * macs * 64 + 2 * 2 * 4 * 16 * 2 * pairs + 2 * 64 * 256 * 8)
+    row_flops = 2 * 2 * macs * 64 + 2 * 64 * 256 * 8  # the decoder's matmuls and the LM head's 8 positions
+    attention = 2 * 2 * 4 * 16 * 2 * pairs  # inside each trajectory, however many rows hold them
     metrics = {"time/update_s": 2.0, "time/logprobs_s": 1.0}
-    out = step_utilisation(cfg, config, metrics=metrics, rollout_timings={}, rows=rows, length=length,
-                           scored_per_row=scored, logprob_passes=2, mesh_devices=4, sampler_devices=4,
-                           weight_bytes=4, pairs_per_row=pairs)
-    assert out["throughput/update_mfu"] == pytest.approx(3 * forward / (2.0 * 1e12 * 4), rel=1e-12)
-    assert out["throughput/logprobs_mfu"] == pytest.approx(2 * forward / (1.0 * 1e12 * 4), rel=1e-12)
+    out = step_utilisation(cfg, config, metrics=metrics, rollout_timings={}, computed=computed, logprob_passes=2,
+                           mesh_devices=4, sampler_devices=4, weight_bytes=4)
+    assert out["throughput/update_mfu"] == pytest.approx(3 * (12 * row_flops + attention) / (2.0 * 1e12 * 4),
+                                                         rel=1e-12)
+    assert out["throughput/logprobs_mfu"] == pytest.approx(2 * (8 * row_flops + attention) / (1.0 * 1e12 * 4),
+                                                           rel=1e-12)
