@@ -221,6 +221,8 @@ TABLE: tuple[Metric, ...] = (
     Metric("time/logprobs_s", "s", "π_old and π_ref forwards", hosts="max"),
     Metric("time/update_s", "s", "the sequential mini-batch updates", hosts="max"),
     Metric("time/delta_logprobs_s", "s", "the π_new forward for Δ", hosts="max", when=_DELTA_WHEN),
+    Metric("throughput/delta_responses_frac", "fraction", "responses the Δ forward computed: packed rows, those "
+           "with A ≠ 0 (the only ones a Δ diagnostic reads); padded rows, all", hosts="global", when=_DELTA_WHEN),
     Metric(STEP_SECONDS, "s", "the whole step", phases=("rl", "sft"), hosts="max"),
     Metric("throughput/rollout_tokens_per_s", "tokens/s", "action tokens sampled per rollout second",
            hosts="sum"),

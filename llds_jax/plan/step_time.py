@@ -15,7 +15,9 @@ run's ``samples.jsonl``), and turned into seconds at a stated fraction of the ch
   backend's cost (``plan.retrieval``: faiss Flat / IVF / BM25 on the host's CPUs, or the mesh index
   on the chips); the engine runs it on a host thread, so only its waits count there;
 * **logprobs** (π_old, π_ref), **update** (forward + backward + remat), **delta** (the Δ forward,
-  every ``train.delta_every`` steps) — over the batch as the trainer computes it, the update at
+  every ``train.delta_every`` steps; charged over every response, an upper bound: packed, it computes
+  the responses with a nonzero advantage only, a share of the batch the plan cannot know ahead
+  of the rewards) — over the batch as the trainer computes it, the update at
   ``matmul`` × peak, the no-grad passes at ``forward`` × peak (measured apart on the H100);
 * **checkpoint** — the save is asynchronous, so the loop waits only for the devices' copy of the
   state to host memory, plus any part of the write (``plan.checkpoint_bytes_per_s`` per host) that
@@ -451,6 +453,10 @@ def predict_step_time(config, model_cfg, *, platform: str, peak: flops.Peak, dev
                         + f" = {update_flops / update_forward:.2f} forwards (utils.flops.update_hardware_flops); the "
                         "matmul efficiency above is per hardware FLOP, measured under full remat and assumed "
                         "for every policy",
+        "delta": (f"the Δ forward every {delta_every} step(s), charged over every response: an upper bound, "
+                  "since with packed rows the trainer computes only the responses with a nonzero advantage (all "
+                  "a Δ diagnostic reads; their share is the run's, throughput/delta_responses_frac)"
+                  if delta_every else "off (train.delta_diagnostics)"),
         "collectives": collectives_why,
         "overlap": "none: phases run one after another, as the trainer runs them",
     }

@@ -161,6 +161,8 @@ class Learner:
     reduction_signatures: SignatureLog = dataclasses.field(default_factory=SignatureLog)
     # Several hosts: the jitted packing scatters, one per grouping (``pack_across_hosts``), built on first use.
     packers: Any = None
+    # Packed: the jitted count and scatter of the Δ pass's rows (``delta_inputs``), built on first use.
+    delta_packer: Any = None
 
     @classmethod
     def create(cls, model: nnx.Module, config, mesh, ref_model: nnx.Module | None = None,
@@ -306,14 +308,23 @@ class Learner:
         shardings = self.batch_shardings._replace(old_logp=None, ref_logp=None)
         with jax.set_mesh(self.mesh), use_rules(self.rules):  # the table the step was built with
             if jax.process_count() == 1:
-                return jax.device_put(host, shardings)
-            batch = distributed.global_batch_from_host_rows(host, shardings.unpacked(), n)
-            if self.packing is None:
-                return batch
-            return self.pack_across_hosts(host, batch, rows, n)
+                batch = jax.device_put(host, shardings)
+            else:
+                batch = distributed.global_batch_from_host_rows(host, shardings.unpacked(), n)
+                if self.packing is not None:  # every host's lengths and action targets: a collective
+                    counts = np.stack([packed_lengths(host.attention_mask),
+                                       action_targets(host.action_mask).sum(axis=1)], axis=1).astype(np.int32)
+                    batch = self.pack_across_hosts(batch, distributed.gather_host_rows(counts, rows, n))
+        return batch
 
-    def pack_across_hosts(self, host: TrainBatch, batch: TrainBatch, rows: slice, n: int) -> TrainBatch:
-        """Several hosts: ``batch`` with its packed rows (both groupings), from this host's ``host`` rows (a collective).
+    def _replicated(self, x: np.ndarray) -> jax.Array:
+        """A small host array every host holds whole, as a replicated global array."""
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return jax.make_array_from_callback(x.shape, replicated, lambda index: x[index])
+
+    def pack_across_hosts(self, batch: TrainBatch, every: np.ndarray) -> TrainBatch:
+        """Several hosts: ``batch`` with its packed rows (both groupings), from ``every`` trajectory's
+        (length, action targets), gathered by :meth:`upload`.
 
         Only the lengths and action-target counts travel between hosts (``gather_host_rows``: 2 int32
         per trajectory); every host then plans and places the whole batch identically — first-fit
@@ -321,10 +332,7 @@ class Learner:
         passes — and ``pack_on_device`` scatters each trajectory's tokens, already on its host's devices,
         into rows that span every host's devices.
         """
-        counts = np.stack([packed_lengths(host.attention_mask), action_targets(host.action_mask).sum(axis=1)], axis=1)
-        every = distributed.gather_host_rows(counts.astype(np.int32), rows, n)
-        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        put = lambda x: jax.make_array_from_callback(x.shape, replicated, lambda index: x[index])
+        put = self._replicated
         if self.packers is None:  # one program per grouping (their slot counts may differ)
             def packer(name: str, sizes: PackingSizes, out_shardings):
                 fn = lambda ids, actions, lengths, placed: pack_on_device(ids, actions, lengths, placed, sizes)
@@ -394,30 +402,74 @@ class Learner:
             logp = self.fns.policy_logprobs(self.state.params, *batch.logprob_inputs)
         return distributed.local_rows(logp, self.host_rows())
 
+    def delta_inputs(self, batch: TrainBatch, advantages: np.ndarray) -> tuple[tuple, np.ndarray]:
+        """The Δ pass's arguments after the params — the responses with a nonzero advantage, packed — and
+        which trajectories those are (bool [N], every host's).
+
+        Why: Δ is read for correct (A > 0) and incorrect (A < 0) responses only (``diagnostics.step_metrics``:
+        the LLD rate, Δ by action); a response of a group whose rewards are all equal has A = 0, and its Δ
+        would go unread. So the pass computes the others' rows only: the update's row plan of the kept
+        trajectories (the rest empty, no tokens and no targets), regrouped as one (``packing.one_group``), in
+        the no-grad passes' static shapes — ``policy_logprobs`` runs its one program over fewer micro-batches.
+        ``advantages``: this host's rows (``update``'s extras). Packed runs only (``train.packing``).
+        """
+        n = batch.input_ids.shape[0]
+        keep = distributed.gather_host_rows((np.asarray(advantages) != 0).astype(np.int32), self.host_rows(), n) > 0
+        sizes = self.packing.whole_batch()
+        if self.delta_packer is None:
+            replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+
+            def count(attention, actions):  # every trajectory's (real tokens, action targets), on every host
+                return jnp.stack([attention.sum(axis=1), (actions[:, 1:] > 0).sum(axis=1)], axis=1).astype(jnp.int32)
+
+            def scatter(ids, actions, kept, lengths, placed):
+                actions = actions * kept[:, None].astype(actions.dtype)  # nothing scored off the kept rows
+                return pack_on_device(ids, actions, lengths, placed, sizes), actions
+
+            self.delta_packer = (
+                jax.jit(self.reduction_signatures.counted("delta_row_counts", count), out_shardings=replicated),
+                jax.jit(self.reduction_signatures.counted("pack_delta_rows", scatter),
+                        out_shardings=(self.batch_shardings.packed_passes, self.batch_shardings.action_mask)))
+        count, scatter = self.delta_packer
+        counts = distributed.fetch_to_host(count(batch.attention_mask, batch.action_mask)) * keep[:, None]
+        where = place(one_group(plan_rows(counts[:, 0], counts[:, 1], self.packing), self.packing), sizes)
+        put = self._replicated
+        return scatter(batch.input_ids, batch.action_mask, put(keep), put(counts[:, 0]), jax.tree.map(put, where)), keep
+
     def step_reductions(self, batch: TrainBatch, sampler_logp: np.ndarray, num_actions: int, *,
-                        with_delta: bool) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+                        with_delta: bool, advantages: np.ndarray | None = None
+                        ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """The step's diagnostics inputs, reduced on device: no ``[N, T]`` array comes back to the host.
 
         Returns this host's rows' per-action sums (``diagnostics.from_rollout.action_sums``: π_old,
         log-odds, tokens and, ``with_delta``, Δ log π after the updates from one more π_θ pass) and the
         sampler-vs-trainer metrics (``logprob_gap/*``, ``rollout_corr/*``; ``time/delta_logprobs_s``).
         ``batch``: the device batch :meth:`update` returned; ``sampler_logp``: this host's rows of the
-        rollout's token-aligned sampler log-probs (uploaded here, padded to :attr:`seq_len`).
+        rollout's token-aligned sampler log-probs (uploaded here, padded to :attr:`seq_len`);
+        ``advantages``: this host's rows' (``update``'s extras): with packed rows, the Δ pass then computes
+        the responses with A ≠ 0 only (:meth:`delta_inputs`), the others' Δ reported 0 (no diagnostic reads it).
         """
         metrics = {}
         with jax.set_mesh(self.mesh), use_rules(self.rules):  # the table the step was built with
-            new_logp = None
+            new_logp = keep = None
             if with_delta:
                 clock = time.perf_counter()
-                new_logp = jax.block_until_ready(self.fns.policy_logprobs(self.state.params, *batch.logprob_inputs))
+                inputs, keep = batch.logprob_inputs, np.ones(batch.action_mask.shape[0], bool)
+                if advantages is not None and self.packing is not None:
+                    inputs, keep = self.delta_inputs(batch, advantages)
+                new_logp = batch.old_logp  # every A = 0: nothing to compute, every Δ 0
+                if keep.any():
+                    new_logp = jax.block_until_ready(self.fns.policy_logprobs(self.state.params, *inputs))
                 metrics["time/delta_logprobs_s"] = time.perf_counter() - clock
+                metrics["throughput/delta_responses_frac"] = float(keep.mean())
+                keep = self._replicated(keep)
             sampler = np.zeros((len(sampler_logp), self.seq_len), np.float32)
             sampler[:, :np.shape(sampler_logp)[1]] = sampler_logp
             sharding = self.batch_shardings.action_mask
             sampler = (jax.device_put(sampler, sharding) if jax.process_count() == 1 else
                        distributed.global_batch_from_host_rows(sampler, sharding, batch.action_mask.shape[0]))
             reduce = self._reduction_fn(num_actions, with_delta)
-            sums, gap = reduce(batch.old_logp, new_logp, sampler, batch.action_index, batch.action_mask)
+            sums, gap = reduce(batch.old_logp, new_logp, keep, sampler, batch.action_index, batch.action_mask)
         rows = self.host_rows()
         metrics.update({k: float(v) for k, v in distributed.fetch_to_host(gap).items()})
         return {k: distributed.local_rows(v, rows) for k, v in sums.items()}, metrics
@@ -426,7 +478,9 @@ class Learner:
         if (num_actions, with_delta) not in self.reductions:
             rl = self.config.rl
 
-            def reduce(old_logp, new_logp, sampler_logp, action_index, action_mask):
+            def reduce(old_logp, new_logp, keep, sampler_logp, action_index, action_mask):
+                if new_logp is not None:  # Δ = 0 where the pass did not compute (A = 0: unread)
+                    new_logp = jnp.where(keep[:, None], new_logp, old_logp)
                 sums = action_sums(old_logp, action_index, action_mask, num_actions, new_logp)
                 return sums, {**sampler_gap(sampler_logp, old_logp, action_mask),
                               **correction_metrics(old_logp - sampler_logp, action_mask, rl)}

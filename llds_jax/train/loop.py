@@ -156,8 +156,8 @@ def rl_loop(learner: Learner, tokenizer, retriever, prompts: PromptIterator, wri
             mesh_devices=learner.mesh.size, sampler_devices=device_count(policy[1]),
             weight_bytes=jax.tree.leaves(policy[1])[0].dtype.itemsize))
         with_delta = config.train.delta_diagnostics and step % config.train.delta_every == 0
-        sums, gap_metrics = learner.step_reductions(extra["batch"], rollout.sampler_logprobs, slots,
-                                                    with_delta=with_delta)  # per-action sums, on device
+        sums, gap_metrics = learner.step_reductions(extra["batch"], rollout.sampler_logprobs, slots,  # on device
+                                                    with_delta=with_delta, advantages=extra["advantages"])
         metrics.update(gap_metrics)
         diag_batch = response_batch_from_sums(rollout, advantage=extra["advantages"], reward=rewards, sums=sums)
         metrics.update(step_diagnostics(diag_batch))

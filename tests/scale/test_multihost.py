@@ -111,6 +111,10 @@ def test_trainer_update_step_in_two_processes_equals_one_process(tmp_path):
     arrays = rollout(seed=0)
     _, extra = learner.update(TrainBatch.from_arrays(arrays, length=learner.seq_len))
     logp_now = learner.logprobs_now(extra["batch"])
+    advantages = extra["advantages"].copy()
+    advantages[::2] = 0.0  # as the workers: Δ computed for the odd rows only, on both hosts' packed rows
+    delta_sums = learner.step_reductions(extra["batch"], np.zeros((len(advantages), 2), np.float32), 2,
+                                         with_delta=True, advantages=advantages)[0]["delta_logp"]
     params = jax.tree.leaves(jax.tree.map(np.asarray, jax.device_get(learner.state.params)))
 
     # Advantages come from the same all-gathered rewards: identical. Each host got its own rows back.
@@ -133,6 +137,10 @@ def test_trainer_update_step_in_two_processes_equals_one_process(tmp_path):
                                    rtol=1e-5, atol=1e-5, err_msg=f"{key}: hosts' rows vs one process, on action tokens")
     # Δlog-prob metrics are differences of log-probs, so their rounding is the log-probs' (1e-5 of their size).
     logp_rounding = 1e-5 * float(np.max(np.abs(extra["old_logp"])))
+    got = np.concatenate([h["delta_sums"] for h in hosts])
+    assert (got[::2] == 0).all() and (delta_sums[::2] == 0).all() and (delta_sums[1::2] != 0).any()
+    np.testing.assert_allclose(got, delta_sums, rtol=0, atol=logp_rounding * 7,  # a sum over an action's ≤ 7 tokens
+                               err_msg="the Δ pass's per-action sums: hosts' rows vs one process")
     for name, value in extra["per_mini_batch"].items():
         atol = logp_rounding if name.startswith("delta_logp/") else 1e-7
         np.testing.assert_allclose(multi_metrics[name], value, rtol=1e-5, atol=atol, err_msg=f"metric {name}")

@@ -35,6 +35,11 @@ def main(out_dir: str) -> None:
     local = {k: v[rows] for k, v in rollout(seed=0).items()}  # group ids stay global: rows are prompt-major
     _, extra = learner.update(TrainBatch.from_arrays(local, length=learner.seq_len))
     logp_now = learner.logprobs_now(extra["batch"])
+    # The Δ pass over the responses with A ≠ 0 only: every other row's advantage zeroed, across both hosts.
+    advantages = extra["advantages"].copy()
+    advantages[::2] = 0.0
+    sums, _ = learner.step_reductions(extra["batch"], np.zeros((len(advantages), 2), np.float32), 2,
+                                      with_delta=True, advantages=advantages)
     params = distributed.fetch_to_host(jax.tree.leaves(learner.state.params))
     packed = extra["batch"].packed
     assert packed is not None and learner.packing is not None, "two hosts must pack too"
@@ -43,7 +48,7 @@ def main(out_dir: str) -> None:
     out = Path(out_dir)
     np.savez(out / f"host_{jax.process_index()}.npz", rows=np.array([rows.start, rows.stop]),
              advantages=extra["advantages"], old_logp=extra["old_logp"], logp_now=logp_now,
-             mini_count=mini_count, pass_count=pass_count, compiles=np.array(sorted(learner.compile_counts().values())))
+             mini_count=mini_count, pass_count=pass_count, delta_sums=sums["delta_logp"], compiles=np.array(sorted(learner.compile_counts().values())))
     if distributed.is_main_process():
         np.savez(out / "metrics.npz", **extra["per_mini_batch"])
         np.savez(out / "params.npz", *params)

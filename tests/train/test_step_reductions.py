@@ -1,6 +1,7 @@
 """The step's diagnostics inputs are reduced on device (``Learner.step_reductions``): the host gets
 ``[N, A]`` per-action sums and scalars, never an ``[N, T]`` log-prob array, and every ``diag/*``,
-``logprob_gap/*`` and ``rollout_corr/*`` value is the one the host-side path computes."""
+``logprob_gap/*`` and ``rollout_corr/*`` value is the one the host-side path computes — with packed rows
+too, where the Δ pass computes the responses with a nonzero advantage only (the ones a Δ diagnostic reads)."""
 
 from __future__ import annotations
 
@@ -34,10 +35,12 @@ def _rollout_record(arrays):
                                  feedback_mask=feedback, action_feedback=[["search", None]] * n)
 
 
-@pytest.fixture(scope="module")
-def step():
-    learner = pinned_update.learner((1, 2, 1))
+@pytest.fixture(scope="module", params=[False, True], ids=["padded", "packed"])
+def step(request):
+    learner = pinned_update.learner((1, 2, 1), packing=request.param)
     arrays = synthetic_rollout(seed=7)
+    arrays["rewards"][:4] = 1.0  # group 0 all correct: A = 0 for its 4 responses (packed: no Δ computed)
+    arrays["rewards"][4:8] = [1.0, 0.0, 0.0, 1.0]  # group 1 mixed
     rng = np.random.default_rng(7)
     mask = arrays["action_mask"] > 0
     _, extra = learner.update(TrainBatch.from_arrays(arrays, length=learner.seq_len))
@@ -61,7 +64,8 @@ def test_no_token_array_reaches_the_host(step, monkeypatch):
     monkeypatch.setattr(distributed, "local_rows", recording(distributed.local_rows))
     monkeypatch.setattr(distributed, "fetch_to_host", recording(distributed.fetch_to_host))
     _, extra = learner.update(TrainBatch.from_arrays(arrays, length=learner.seq_len))
-    sums, metrics = learner.step_reductions(extra["batch"], sampler, SLOTS, with_delta=True)
+    sums, metrics = learner.step_reductions(extra["batch"], sampler, SLOTS, with_delta=True,
+                                            advantages=extra["advantages"])
     assert fetched, "the learner downloads through distributed.local_rows / fetch_to_host"
     wide = [shape for shape in fetched if len(shape) >= 2 and shape[-1] >= arrays["input_ids"].shape[1]]
     assert not wide, f"[N, T] arrays came to the host during the step: {wide}"
@@ -76,9 +80,11 @@ def test_every_diag_value_equals_the_host_path(step):
     learner, arrays, sampler, extra = step
     record = _rollout_record(arrays)
     advantages, rewards = extra["advantages"], arrays["rewards"]
+    assert (advantages[:4] == 0).all() and (advantages[4:8] != 0).all()
     for with_delta in (True, False):
-        sums, metrics = learner.step_reductions(extra["batch"], sampler, SLOTS, with_delta=with_delta)
-        new = learner.logprobs_now(extra["batch"]) if with_delta else None
+        sums, metrics = learner.step_reductions(extra["batch"], sampler, SLOTS, with_delta=with_delta,
+                                                advantages=advantages)
+        new = learner.logprobs_now(extra["batch"]) if with_delta else None  # every response's
         want = step_diagnostics(response_batch_from_rollout(
             record, advantage=advantages, reward=rewards, old_logprobs=extra["old_logp"], new_logprobs=new,
             num_action_slots=SLOTS))
@@ -92,8 +98,15 @@ def test_every_diag_value_equals_the_host_path(step):
         mask = arrays["action_mask"]
         host = {**logprob_gap(sampler, extra["old_logp"], mask),
                 **host_metrics(sampler, extra["old_logp"], mask, learner.config.rl)}
+        if with_delta:  # packed: the Δ pass skipped group 0 (A = 0) and reported its Δ as 0
+            computed = np.asarray(advantages) != 0 if learner.packing is not None else np.ones(len(advantages), bool)
+            assert metrics.pop("throughput/delta_responses_frac") == computed.mean()
+            assert (sums["delta_logp"][~computed] == 0).all() and (sums["delta_logp"][computed] != 0).any()
         assert sorted(k for k in metrics if k != "time/delta_logprobs_s") == sorted(host)
         for key, value in host.items():  # fp32 on device vs float64 on the host: the correlation to 1e-5
             assert abs(metrics[key] - value) <= 1e-5 * max(1.0, abs(value)), (key, metrics[key], value)
     assert learner.compile_counts()["step_reductions_delta"] == 1
     assert learner.compile_counts()["step_reductions"] == 1
+    assert learner.compile_counts()["policy_logprobs"] == 1  # the Δ pass's rows in the passes' shapes
+    for name in ("delta_row_counts", "pack_delta_rows"):
+        assert learner.compile_counts().get(name, 0) == (learner.packing is not None), name

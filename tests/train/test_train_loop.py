@@ -65,8 +65,10 @@ def test_metrics_jsonl_has_warmup_rl_and_eval_rows_with_contract_keys(first_run,
                 "throughput/update_tokens_per_s", "grad/norm_preclip", "kl/mean", "ratio/max",
                 "logprob_gap/abs_mean", "diag/ll_correct/all", "policy/entropy", "monitor/phase"):
         assert key in rl[0], f"metrics.jsonl row lacks {key!r}; has {sorted(rl[0])}"
-    assert first_run["summary"]["compile_counts"] == {  # Δ every step (train.delta_every = 1): one reduction
-        "policy_logprobs": 1, "update": 1, "reference_logprobs": 1, "step_reductions_delta": 1}, \
+    assert first_run["summary"]["compile_counts"] == {  # Δ every step (train.delta_every = 1): one reduction and
+        # (packed rows) the count and scatter of the Δ pass's rows
+        "policy_logprobs": 1, "update": 1, "reference_logprobs": 1, "step_reductions_delta": 1,
+        "delta_row_counts": 1, "pack_delta_rows": 1}, \
         first_run["summary"]["compile_counts"]
 
 
