@@ -52,14 +52,6 @@ class MicroBatchTraffic:
     embedding_fp32: float         # one ring pass over the embedding (and head) in fp32 (update only, 3 a micro-batch)
     all_reduce: float             # the gradient shard's all-reduce over data (update only)
 
-    @property
-    def gather(self) -> float:
-        return self.layers_gather + self.embedding_gather
-
-    @property
-    def reduce_scatter(self) -> float:
-        return self.layers_reduce_scatter
-
 
 def micro_batch_traffic(model_cfg, mesh_shape: tuple[int, int, int], compute_bytes: int) -> MicroBatchTraffic:
     """One micro-batch's collectives on a ``(data, fsdp, tensor)`` mesh: each device holds 1 / (fsdp ·
