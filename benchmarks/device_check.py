@@ -182,21 +182,29 @@ def rollout_shaped_arrays(config, length: int, dry_run: bool) -> tuple[dict, int
     return arrays, shape.total
 
 
-def passes_config(dry_run: bool, tokenizer: str, model: str = "", prompts: int = 0):
+def passes_config(dry_run: bool, tokenizer: str, model: str = "", prompts: int = 0, rows: int = 0):
     """The job's config, or (``--passes-model``) the same passes at another model's shapes: ``model`` a
     ``model.source`` (``random:Qwen2.5-3B``: qwen3b's GEMM widths, the second shape a matmul efficiency
-    fitted at the job's is checked on) and ``prompts`` per step (rows = prompts × n_samples in one
-    mini-batch, so a wide model's passes fit a device call)."""
+    fitted at the job's is checked on), ``prompts`` per step (rows = prompts × n_samples in one
+    mini-batch, so a wide model's passes fit a device call) and ``rows`` per packed micro-batch (0: the
+    job's 16). One device computes what one device of the target's mesh does when ``rows`` is the target's
+    rows a micro-batch a data shard: qwen3b on 8×H100 packs 16 rows a micro-batch over 8 shards, 2 a device,
+    so ``rows=2`` measures the GEMM shapes (8,192 tokens × d) whose efficiency its prediction rests on, where
+    16 rows a device would time GEMMs 8× as tall (and plan 86.6 GB: more than an H100; 2 rows plan 69.9)."""
     config = job_config(dry_run, tokenizer)
     if model:
         config.model.source = model
         config.model.random_logit_std = 0.0  # no sampling here
     if prompts:
         config.train.prompts_per_step = prompts
-        rows = prompts * int(config.rollout.n_samples)
-        config.train.mini_batch_size = rows
-        config.train.logprob_batch_size = math.gcd(int(config.train.logprob_batch_size), rows)
-        config.train.samples_per_step = min(int(config.train.samples_per_step), rows)
+        trajectories = prompts * int(config.rollout.n_samples)
+        config.train.mini_batch_size = trajectories
+        config.train.logprob_batch_size = math.gcd(int(config.train.logprob_batch_size), trajectories)
+        config.train.samples_per_step = min(int(config.train.samples_per_step), trajectories)
+    if rows:
+        from llds_jax.train.batch import padded_length
+
+        config.train.micro_batch_tokens = rows * padded_length(config)
     return config
 
 
@@ -212,11 +220,11 @@ def job_learner(config):
 
 
 def run_passes(out: Path, tokenizer: str, dry_run: bool, repeats: int | None = None, model: str = "",
-               prompts: int = 0) -> dict:
+               prompts: int = 0, rows: int = 0) -> dict:
     """π_old + π_ref, the update and the Δ forward of the job, timed after their compile: the median
     of ``repeats`` calls (default 2; 1 in the dry run, which pins the wiring, not the timings), beside
     the step-time model's prediction of the same passes on this chip (``plan.measured.predict_run`` on
-    the batch's own lengths). ``model`` / ``prompts``: :func:`passes_config`.
+    the batch's own lengths). ``model`` / ``prompts`` / ``rows``: :func:`passes_config`.
 
     The batch is ``rollout_shaped_arrays``: the step's training passes without the rollout's compile
     and decode in front of them.
@@ -228,7 +236,7 @@ def run_passes(out: Path, tokenizer: str, dry_run: bool, repeats: int | None = N
     from llds_jax.train.utilisation import peak_memory_bytes
 
     repeats = repeats or (1 if dry_run else 2)
-    config = passes_config(dry_run, tokenizer, model, prompts)
+    config = passes_config(dry_run, tokenizer, model, prompts, rows)
     learner = job_learner(config)
     length = learner.seq_len
     arrays, position = rollout_shaped_arrays(config, length, dry_run)
@@ -246,7 +254,8 @@ def run_passes(out: Path, tokenizer: str, dry_run: bool, repeats: int | None = N
         timings.append({"logprobs_s": metrics["time/logprobs_s"], "update_s": metrics["time/update_s"],
                         "delta_s": time.perf_counter() - clock, "logprob_passes": extra["logprob_passes"]})
     steady = {key: statistics.median(t[key] for t in timings[1:]) for key in ("logprobs_s", "update_s", "delta_s")}
-    result = {"model": str(config.model.source), "rows": rows, "length": length, "tokens_per_row": position,
+    result = {"model": str(config.model.source), "rows": rows, "rows_per_micro_batch": learner.packing.rows,
+              "length": length, "tokens_per_row": position,
               "first": timings[0], "steady": steady, "predicted": predicted, "hardware": hardware or "this CPU",
               "repeats": repeats, "peak_memory_bytes": peak_memory_bytes(), "device": str(jax.devices()[0].device_kind)}
     (out / "passes.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -373,7 +382,8 @@ def table(result: dict) -> str:
     passes = result.get("passes")
     if passes:
         lines += [f"## Training passes after their compile ({passes['model']}, {passes['rows']} rows x "
-                  f"{passes['length']} tokens, {passes['tokens_per_row']} real per row; median of {passes['repeats']})",
+                  f"{passes['length']} tokens, {passes['tokens_per_row']} real per row, "
+                  f"{passes['rows_per_micro_batch']} to a micro-batch; median of {passes['repeats']})",
                   "", "| pass | seconds | predicted s | measured / predicted | first call (compiles) s |",
                   "|---|---|---|---|---|"]
         for name, key, phase in (("π_old + π_ref", "logprobs_s", "logprobs"), ("update", "update_s", "update"),
@@ -426,6 +436,8 @@ def main(argv=None) -> int:
     parser.add_argument("--passes-model", default="",
                         help="the passes at another model.source's shapes (random:Qwen2.5-3B: qwen3b's widths)")
     parser.add_argument("--passes-prompts", type=int, default=0, help="the passes' prompts per step (0: the job's)")
+    parser.add_argument("--passes-rows", type=int, default=0,
+                        help="the passes' rows per packed micro-batch (0: the job's; 2: a device's of qwen3b on 8xH100)")
     args, extra = parser.parse_known_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -436,7 +448,8 @@ def main(argv=None) -> int:
         run_decode(out, args.tokenizer, args.dry_run)
         return 0
     if args.part == "passes":
-        run_passes(out, args.tokenizer, args.dry_run, model=args.passes_model, prompts=args.passes_prompts)
+        run_passes(out, args.tokenizer, args.dry_run, model=args.passes_model, prompts=args.passes_prompts,
+                   rows=args.passes_rows)
         return 0
     os.environ["JAX_PLATFORMS"] = "cpu"  # this process only orchestrates and does arithmetic
     if args.dry_run:  # the job as this CPU runs it: one device, whatever device count a caller forced
@@ -460,7 +473,8 @@ def main(argv=None) -> int:
         try:
             proc = subprocess.run([sys.executable, __file__, f"--part={part}", f"--out={out}",
                                    f"--tokenizer={args.tokenizer}", *(["--dry-run"] if args.dry_run else []),
-                                   f"--passes-model={args.passes_model}", f"--passes-prompts={args.passes_prompts}"],
+                                   f"--passes-model={args.passes_model}", f"--passes-prompts={args.passes_prompts}",
+                                   f"--passes-rows={args.passes_rows}"],
                                   cwd=REPO, env=env, capture_output=True, text=True, timeout=args.train_timeout)
             code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired as err:

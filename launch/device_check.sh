@@ -4,10 +4,11 @@
 # prediction of that step, in one table. Needs no network; ≈ 9 min on one H100.
 #
 #   launch/device_check.sh --tokenizer DIR [--out DIR] [--plan-json FILE] [--skip parity|train] [--with-passes]
-#                          [--passes-model SOURCE --passes-prompts N] [-- CONFIG FLAGS]
-#   (--passes-model random:Qwen2.5-3B --passes-prompts 16 --skip parity,decode,train --with-passes: the passes
-#    at qwen3b's widths, the second shape of the plan's matmul efficiency; ≈ 4 min on one H200, whose 141 GB
-#    hold its update: 86.6 GB planned, more than an H100's 80)
+#                          [--passes-model SOURCE --passes-prompts N --passes-rows R] [-- CONFIG FLAGS]
+#   (--passes-model random:Qwen2.5-3B --passes-prompts 16 --passes-rows 2 --skip parity,decode,train --with-passes:
+#    the passes at qwen3b's widths and at what one device of qwen3b's 8xH100 mesh computes, 2 rows a micro-batch,
+#    the second shape of the plan's matmul efficiency; ≈ 4 min on one H100 or H200: 69.9 GB planned (16 rows a
+#    micro-batch plan 86.6 GB, more than an H100's 80))
 #   launch/device_check.sh --dry-run      # tiny model on CPU, ≈ 1 min (the test suite runs it)
 #
 # On a machine whose image lacks the wheels of launch/device_check_wheels.txt, put them in .whl/
@@ -23,10 +24,10 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --out) need_value "$@"; OUT=$2; shift 2 ;;
     --tokenizer) need_value "$@"; TOKENIZER=$2; shift 2 ;;
-    --plan-json|--skip|--hardware|--train-timeout|--passes-model|--passes-prompts) need_value "$@"; ARGS+=("$1=$2"); shift 2 ;;
+    --plan-json|--skip|--hardware|--train-timeout|--passes-model|--passes-prompts|--passes-rows) need_value "$@"; ARGS+=("$1=$2"); shift 2 ;;
     --dry-run) DRY=1; shift ;;
     --with-passes) ARGS+=("$1"); shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     --) shift; ARGS+=("$@"); break ;;
     *) die "unknown option $1 (see --help)" ;;
   esac

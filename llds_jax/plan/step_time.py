@@ -42,10 +42,12 @@ from llds_jax.utils import flops
 # "forward": the no-grad log-prob passes (π_old, π_ref, Δ); "matmul": the update and the rollout's prefill.
 EFFICIENCY = {
     "gpu": {"matmul": (0.42, "measured: launch/device_check.sh on one H100 ran the Qwen2.5-0.5B update over "
-                              "320 x 4,096 tokens at 0.42 of peak (hardware FLOPs, remat included); one shape "
-                              "(d=896) only, not yet checked against a second"),
+                              "320 x 4,096 tokens at 0.42 of peak (hardware FLOPs, remat included), 16 padded rows a "
+                              "micro-batch; one shape (d=896, 16 rows a device) only, not yet checked against a second "
+                              "(qwen3b on 8 H100s: d=2,048, 2 rows a device)"),
             "forward": (0.45, "measured: the same device check's log-prob forward over the same 320 x 4,096 tokens "
-                              "ran at 0.45 of peak; one shape (d=896) only, not yet checked against a second"),
+                              "ran at 0.45 of peak, 64 padded rows a batch; one shape (d=896) only, not yet checked "
+                              "against a second"),
             "hbm": (0.60, "assumed (not yet measured after compile): batched decode at ~60 % of HBM bandwidth")},
     "tpu": {"matmul": (0.50, "assumed: MaxText's published dense-model MFU on v5e/v5p is ~50-60 %"),
             "forward": (0.50, "assumed: as the update (MaxText's published dense-model MFU on v5e/v5p ~50-60 %)"),

@@ -18,9 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_dry_run_runs_every_part_and_prints_the_table(tmp_path, shared_dir):
-    # the passes at another model's shapes (a second shape for the plan's matmul efficiency), here tiny
+    # the passes at another model's shapes (a second shape for the plan's matmul efficiency), here tiny, one
+    # row a micro-batch where the job packs two (as the next GPU's qwen3b passes take a device's 2 of 16)
     proc = subprocess.run(["bash", "launch/device_check.sh", "--dry-run", "--with-passes", "--out", str(tmp_path),
-                           "--passes-model", "tiny:llama", "--passes-prompts", "2",
+                           "--passes-model", "tiny:llama", "--passes-prompts", "2", "--passes-rows", "1",
                            "--tokenizer", str(shared_dir / "assets" / "qwen2_tokenizer")],
                           cwd=REPO, env=dict(os.environ, XLA_FLAGS=child_xla_flags(8, min_llvm_level=1)),
                           capture_output=True, text=True, timeout=900)
@@ -31,6 +32,7 @@ def test_dry_run_runs_every_part_and_prints_the_table(tmp_path, shared_dir):
     passes = result["passes"]
     assert set(passes["steady"]) == {"logprobs_s", "update_s", "delta_s"} and passes["model"] == "tiny:llama"
     assert passes["rows"] == 2 * 4 and all(passes["predicted"][k] > 0 for k in ("logprobs", "update", "delta"))
+    assert passes["rows_per_micro_batch"] == 1
     assert result["train"]["exit"] == 0 and result["measured"]["steps"] == 2
     assert result["predicted"]["step_time"]["step_time_s"]["total"] > 0
     assert "packed rows" in result["predicted"]["step_time"]["assumptions"]["training_batch"]  # as the job trains
@@ -42,7 +44,8 @@ def test_dry_run_runs_every_part_and_prints_the_table(tmp_path, shared_dir):
     predicted = result["predicted"]["step_time"]["step_time_s"]
     assert [p for _, _, p, _ in again["rows"]] == [predicted.get(key) for _, _, key in PHASES]
     table = (tmp_path / "device_check.md").read_text()
-    for heading in ("Parity vs transformers", "Training passes after their compile (tiny:llama", "measured (median"):
+    for heading in ("Parity vs transformers", "Training passes after their compile (tiny:llama", "1 to a micro-batch",
+                    "measured (median"):
         assert heading in table
 
 
