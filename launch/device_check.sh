@@ -27,7 +27,7 @@ while [ $# -gt 0 ]; do
     --plan-json|--skip|--hardware|--train-timeout|--passes-model|--passes-prompts|--passes-rows) need_value "$@"; ARGS+=("$1=$2"); shift 2 ;;
     --dry-run) DRY=1; shift ;;
     --with-passes) ARGS+=("$1"); shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     --) shift; ARGS+=("$@"); break ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
