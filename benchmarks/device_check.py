@@ -187,7 +187,7 @@ def passes_config(dry_run: bool, tokenizer: str, model: str = "", prompts: int =
     ``model.source`` (``random:Qwen2.5-3B``: qwen3b's GEMM widths, the second shape a matmul efficiency
     fitted at the job's is checked on), ``prompts`` per step (rows = prompts × n_samples in one
     mini-batch, so a wide model's passes fit a device call) and ``rows`` per packed micro-batch (0: the
-    job's 16). One device computes what one device of the target's mesh does when ``rows`` is the target's
+    job's ``train.micro_batch_tokens``). One device computes what one device of the target's mesh does when ``rows`` is the target's
     rows a micro-batch a data shard: qwen3b on 8×H100 packs 16 rows a micro-batch over 8 shards, 2 a device,
     so ``rows=2`` measures the GEMM shapes (8,192 tokens × d) whose efficiency its prediction rests on, where
     16 rows a device would time GEMMs 8× as tall (and plan 86.6 GB: more than an H100; 2 rows plan 69.9)."""

@@ -26,13 +26,12 @@ import device_check  # noqa: E402
 
 
 def time_rows(tokenizer: str, rows: int, prompts: int, dry_run: bool) -> dict:
-    from llds_jax.train.batch import TrainBatch, padded_length
+    from llds_jax.train.batch import TrainBatch
 
     started = time.perf_counter()
-    config = device_check.job_config(dry_run, tokenizer)
+    config = device_check.passes_config(dry_run, tokenizer, rows=rows)
     if not dry_run:
         config.train.prompts_per_step = config.train.mini_batch_size = prompts
-    config.train.micro_batch_tokens = rows * padded_length(config)
     learner = device_check.job_learner(config)
     arrays, tokens_per_row = device_check.rollout_shaped_arrays(config, learner.seq_len, dry_run)
     batch = learner.upload(TrainBatch.from_arrays(arrays, length=learner.seq_len))
